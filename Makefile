@@ -1,0 +1,43 @@
+# buildkit: `make xl-mtp` installs and builds; `make test` installs and runs the tests.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+BUILDKIT := $(BIN)/buildkit
+JOBS    ?= 2
+
+.PHONY: install xl xl-mtp oq4e-mtp-xl all fixture test lint bench release clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+xl xl-mtp oq4e-mtp-xl: $(STAMP)
+	$(BUILDKIT) build $@ --jobs $(JOBS)
+
+all: xl xl-mtp oq4e-mtp-xl
+
+fixture: $(STAMP)
+	$(BUILDKIT) fixture build/fixture
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check buildkit tests bench
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench.py
+
+release: $(STAMP)
+	$(BUILDKIT) build xl --release
+	$(BUILDKIT) build xl-mtp --release
+	$(BUILDKIT) build oq4e-mtp-xl --release
+
+clean:
+	rm -rf out build
+	find cache -mindepth 1 ! -name .gitkeep -delete

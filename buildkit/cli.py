@@ -1,0 +1,223 @@
+"""The ``buildkit`` command line. Exit codes: 0 ok, 1 build failed, 2 bad usage or bad manifest."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import graph as graphs
+from . import keys
+from .errors import BuildkitError, UsageError
+
+EPILOG = """\
+examples:
+  buildkit build xl-mtp                     build the variant in manifests/xl-mtp.toml
+  buildkit build xl --source hf://Qwen/Qwen3.6-35B-A3B@<sha> --out out/xl-35b
+  buildkit plan xl-mtp                      what would run, and why
+  buildkit explain xl-mtp quantize          the ingredients of one node's cache key
+  buildkit graph xl-mtp --format mermaid    the step DAG
+  buildkit gc                               free what no built variant still uses
+
+The store defaults to ./cache (override with --store or BUILDKIT_STORE).
+"""
+
+
+def _store(args):
+    from .store import Store
+
+    return Store(args.store or os.environ.get("BUILDKIT_STORE") or Path("cache"))
+
+
+def _manifest(args):
+    from . import manifest
+
+    return manifest.load(args.variant, args.manifests, source=getattr(args, "source", None))
+
+
+def _scheduler(args):
+    from .scheduler import Scheduler
+    from .steps.base import BuildOptions
+
+    opts = BuildOptions(
+        project_root=Path.cwd(),
+        out_dir=Path(args.out).absolute() if getattr(args, "out", None) else None,
+        release=getattr(args, "release", False),
+        push=getattr(args, "push", None),
+        dry_run=getattr(args, "dry_run", False),
+        rehash=getattr(args, "rehash", False),
+    )
+    return Scheduler(_manifest(args), _store(args), opts)
+
+
+def cmd_build(args) -> int:
+    sched = _scheduler(args)
+    states = sched.build(args.target or None, jobs=args.jobs, quiet=args.quiet)
+    if args.release:
+        from .release import write_lock
+
+        path = write_lock(sched, states)
+        print(f"wrote {path}", file=sys.stderr)
+    if args.push:
+        from .release import push
+
+        push(sched, states, args.push, dry_run=args.dry_run)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    sched = _scheduler(args)
+    states = sched.plan(args.target or None)
+    for st in states:
+        status = "fresh" if st.fresh else "stale"
+        key = keys.short(st.key) if st.key else "?" * 12
+        why = "" if st.fresh else ": " + "; ".join(st.reasons)
+        print(f"{status:5} {st.name} ({st.kind}) {key}{why}")
+    stale = sum(not s.fresh for s in states)
+    print(f"{sched.m.name}: {len(states)} steps, {stale} to run")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    print(json.dumps(_scheduler(args).explain(args.node), indent=2, sort_keys=True, default=str))
+    return 0
+
+
+def cmd_graph(args) -> int:
+    print(graphs.render(graphs.build(_manifest(args)), args.format))
+    return 0
+
+
+def cmd_gc(args) -> int:
+    r = _store(args).gc(dry_run=args.dry_run)
+    verb = "would free" if args.dry_run else "freed"
+    print(f"{verb} {r['bytes'] / 1e6:.1f} MB: {r['actions']} actions, {r['artifacts']} artifacts, {r['objects']} objects")
+    return 0
+
+
+def cmd_store_check(args) -> int:
+    bad = _store(args).check()
+    for line in bad:
+        print(line)
+    print(f"{len(bad)} corrupt entries" + (" (removed; rebuild to restore)" if bad else ""))
+    return 1 if bad else 0
+
+
+def cmd_verify(args) -> int:
+    from .release import verify_against
+
+    return verify_against(args, _manifest(args))
+
+
+def cmd_fixture(args) -> int:
+    from .fixture import FixtureSpec, generate
+
+    fields = {k: v for k, v in vars(args).items() if k in FixtureSpec.model_fields and v is not None}
+    try:
+        spec = FixtureSpec(**fields)
+    except ValueError as e:
+        raise UsageError(f"bad fixture spec: {e}") from None
+    try:
+        path = generate(args.out, spec)
+    except (FileExistsError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    print(path)
+    return 0
+
+
+def cmd_list(args) -> int:
+    from . import manifest
+
+    for p in sorted(Path(args.manifests).glob("*.toml")):
+        try:
+            m = manifest.load(str(p), args.manifests)
+            print(f"{m.name:16} {m.description}")
+        except BuildkitError as e:
+            print(f"{p.stem:16} (invalid: {e})")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="buildkit",
+        description="Declarative, content-addressed builds of quantized MLX model variants.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--store", help="store directory (default: $BUILDKIT_STORE or ./cache)")
+    p.add_argument("--manifests", default="manifests", help="directory of variant manifests (default: manifests)")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def variant_cmd(name, fn, help_):
+        s = sub.add_parser(name, help=help_, description=help_)
+        s.add_argument("variant", help="a manifest name in --manifests (e.g. xl-mtp) or a path to a .toml")
+        s.add_argument("--source", help="replace the manifest's source: a directory, hf://org/repo@revision or fixture:...")
+        s.set_defaults(fn=fn)
+        return s
+
+    b = variant_cmd("build", cmd_build, "Build a variant: run the stale steps, reuse the rest from the store.")
+    b.add_argument("--out", help="directory publish writes to (default: the manifest's, out/VARIANT)")
+    b.add_argument("-j", "--jobs", type=int, default=2, help="steps run in parallel (default 2)")
+    b.add_argument("--target", action="append", help="build only this step and what it needs (repeatable)")
+    b.add_argument("--release", action="store_true", help="require a pinned source revision and write manifests/VARIANT.lock")
+    b.add_argument("--push", metavar="ORG/NAME", help="upload the published directory with huggingface_hub")
+    b.add_argument("--dry-run", action="store_true", help="with --push: list the upload operations instead")
+    b.add_argument("--rehash", action="store_true", help="re-hash source files instead of trusting the stat cache")
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+
+    pl = variant_cmd("plan", cmd_plan, "Show every step as fresh or stale, with the reason.")
+    pl.add_argument("--target", action="append", help="plan only this step and what it needs")
+    pl.add_argument("--rehash", action="store_true", help="re-hash source files")
+
+    e = variant_cmd("explain", cmd_explain, "Show the ingredients of one step's cache key and why it is stale.")
+    e.add_argument("node", help="step name in the manifest")
+
+    g = variant_cmd("graph", cmd_graph, "Print the step DAG.")
+    g.add_argument("--format", choices=["text", "dot", "mermaid"], default="text")
+
+    v = variant_cmd("verify", cmd_verify, "Rebuild in an empty store and compare with a release lock, digest by digest.")
+    v.add_argument("--against", required=True, help="lock file (e.g. manifests/xl.lock)")
+    v.add_argument("-j", "--jobs", type=int, default=2)
+
+    gc = sub.add_parser("gc", help="Remove store entries no built variant reaches.", description="Remove actions no ref names, then artifacts and objects no kept action reaches; says how much it freed.")
+    gc.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    gc.set_defaults(fn=cmd_gc)
+
+    st = sub.add_parser("store", help="Store maintenance.", description="Store maintenance.")
+    st_sub = st.add_subparsers(dest="store_cmd", required=True, metavar="ACTION")
+    chk = st_sub.add_parser("check", help="Re-hash every object; remove and report corrupt ones.")
+    chk.set_defaults(fn=cmd_store_check)
+
+    ls = sub.add_parser("list", help="List the variants in --manifests.")
+    ls.set_defaults(fn=cmd_list)
+
+    from .fixture import FixtureSpec
+
+    fx = sub.add_parser(
+        "fixture",
+        help="Write a small deterministic qwen3_5_moe checkpoint in Hugging Face layout.",
+        description="Write a small deterministic qwen3_5_moe checkpoint (sharded bf16 safetensors + index, config.json, tokenizer, mtp.* in the last shard).",
+    )
+    fx.add_argument("out", help="directory to create (must not exist or be empty)")
+    for name, f in FixtureSpec.model_fields.items():
+        fx.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, help=f"(default {f.default})")
+    fx.set_defaults(fn=cmd_fixture)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except BuildkitError as e:
+        print(f"buildkit: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("buildkit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

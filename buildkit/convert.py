@@ -1,0 +1,41 @@
+"""HF tensor -> MLX tensor entries: the per-tensor conversions sanitize and graft share.
+
+Pure renames, the experts split and the conv1d move are *views* (byte ranges of
+a source file named by its content digest); offset norms and the vision patch
+embedding change bytes and are written to the store.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import checkpoint as ckpt
+from .tensors import TensorInfo, from_float32, to_float32
+
+
+def view(digest: str, info: TensorInfo, shape=None, slc=None) -> dict:
+    v = {"file": digest, "tensor": info.name}
+    if slc is not None:
+        v["slice"] = list(slc)
+    return {"dtype": info.dtype, "shape": list(shape or info.shape), "view": v}
+
+
+def shift_norm(store, entry: dict) -> dict:
+    """round(w + 1) in the tensor's own dtype, computed in float32 as mlx does."""
+    w = store.read_tensor(entry)
+    return store.put_tensor(entry["dtype"], from_float32(to_float32(w, entry["dtype"]) + np.float32(1.0), entry["dtype"]))
+
+
+def sanitize_tensor(store, name: str, digest: str, info: TensorInfo) -> list[tuple[str, dict]]:
+    """(MLX name, entry) pieces for one HF tensor of the trunk, vision tower or MTP head."""
+    if ckpt.is_offset_norm(name):
+        return [(ckpt.mlx_name(name), shift_norm(store, view(digest, info)))]
+    if ckpt.is_conv1d(name):
+        C, one, K = info.shape
+        return [(ckpt.mlx_name(name), view(digest, info, (C, K, one)))]
+    if ckpt.is_patch_embed(name) and len(info.shape) == 5:
+        w = store.read_tensor(view(digest, info))
+        return [(ckpt.mlx_name(name), store.put_tensor(info.dtype, w.transpose(0, 2, 3, 4, 1)))]
+    return [
+        (mlx, view(digest, info, shape, slc)) for mlx, shape, slc in ckpt.split_experts(name, info.shape)
+    ]

@@ -1,0 +1,89 @@
+"""Role rules: tensor path -> role -> {bits, group_size, mode} or passthrough.
+
+A recipe is an ordered table of glob patterns (first match wins) naming a role
+for every tensor, and a table of roles. It is data in the manifest, resolved
+and validated when the manifest loads, and part of every quantizing step's key.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .errors import StepError
+
+
+class Role(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    passthrough: bool = False
+    bits: int | None = Field(default=None, ge=2, le=8)
+    group_size: int = Field(default=64, ge=16)
+    mode: Literal["affine"] = "affine"
+    calibrated: bool = False  # data-aware scale search (needs calibration data)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not self.passthrough and self.bits is None:
+            raise ValueError("a role needs `bits` (and optionally group_size) or `passthrough = true`")
+        if self.passthrough and (self.bits is not None or self.calibrated):
+            raise ValueError("a passthrough role takes no bits and is not calibrated")
+        if self.bits is not None and self.bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8 (mlx affine), got {self.bits}")
+        return self
+
+    def quant(self) -> dict | None:
+        return None if self.passthrough else {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+
+
+class Recipe(BaseModel):
+    """``rules``: pattern -> role name, in order, first match wins; ``roles``: name -> Role."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    roles: dict[str, Role] = {}
+    rules: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _check(self):
+        for pattern, role in self.rules.items():
+            if role not in self.roles:
+                raise ValueError(
+                    f"rule {pattern!r} names role {role!r}, which is not in recipe.roles "
+                    f"({', '.join(self.roles) or 'none'})"
+                )
+        return self
+
+    def match(self, name: str) -> tuple[str, str] | None:
+        """(pattern, role) of the first rule matching a tensor name or its module path."""
+        module = name.removesuffix(".weight")
+        for pattern, role in self.rules.items():
+            if fnmatchcase(name, pattern) or fnmatchcase(module, pattern):
+                return pattern, role
+        return None
+
+    def assign(self, names: list[str], require_all_rules: bool = True) -> dict[str, str]:
+        """Role of every tensor name; errors for unassigned tensors and (optionally) dead rules."""
+        out, unassigned, used = {}, [], set()
+        for n in names:
+            hit = self.match(n)
+            if hit is None:
+                unassigned.append(n)
+            else:
+                used.add(hit[0])
+                out[n] = hit[1]
+        if unassigned:
+            more = f" (and {len(unassigned) - 5} more)" if len(unassigned) > 5 else ""
+            raise StepError(
+                f"no recipe rule matches tensor(s) {', '.join(unassigned[:5])}{more}; "
+                "add a rule under [recipe.rules] (for example a passthrough role)"
+            )
+        if require_all_rules:
+            dead = [p for p in self.rules if p not in used]
+            if dead:
+                raise StepError(
+                    f"recipe rule(s) {', '.join(repr(p) for p in dead)} match no tensor; "
+                    "fix the pattern or remove it (patterns are globs over names like "
+                    "'language_model.model.layers.0.mlp.gate.weight')"
+                )
+        return out

@@ -1,0 +1,352 @@
+"""Plan (what is stale and why) and execute (only the stale nodes, in parallel where independent).
+
+A node's cache key is the xxh3-128 of canonical JSON over its kind, step
+version, params (defaults filled in), the digests of its input artifacts, the
+versions of libraries that change its bytes, and a step-specific fingerprint
+(e.g. the digests of source files). A key found in the store's action cache is
+a hit. The ingredients of the last build of each node are kept in the store's
+refs so that every rebuild can say why.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from . import graph as graphs
+from . import keys
+from .errors import BuildkitError, StepError
+from .manifest import Manifest, Node
+from .steps.base import BuildOptions, Context, Progress
+from .store import Store
+
+UNKNOWN = "(pending)"
+
+
+@dataclass
+class NodeState:
+    name: str
+    kind: str
+    key: str | None = None
+    fresh: bool = False
+    reasons: list[str] = field(default_factory=list)
+    ingredients: dict | None = None
+    outputs: dict[str, str] = field(default_factory=dict)
+    ran: bool = False
+    seconds: float = 0.0
+    stats: dict = field(default_factory=dict)
+
+
+def ingredients(node: Node, inputs: dict[str, list[str]], ctx: Context) -> dict:
+    """Everything that can change the node's output bytes, and nothing else."""
+    step = node.step
+    return {
+        "kind": node.kind,
+        "version": step.version,
+        "params": step.key_params(node.params),
+        "inputs": inputs,
+        "libraries": step.libraries(),
+        "fingerprint": step.fingerprint(node.params, ctx),
+    }
+
+
+def action_key(ingr: dict) -> str:
+    return keys.digest_json("action", ingr)
+
+
+def _flat(prefix: str, v, out: dict) -> dict:
+    if isinstance(v, dict) and v:
+        for k in sorted(v):
+            _flat(f"{prefix}.{k}" if prefix else str(k), v[k], out)
+    else:
+        out[prefix] = v
+    return out
+
+
+def _fmt(v) -> str:
+    s = repr(v) if not isinstance(v, str) else v
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def why_changed(node: Node, old: dict | None, new: dict) -> list[str]:
+    """Human-readable reasons the ingredients changed since the last build."""
+    if old is None:
+        return ["never built"]
+    reasons = []
+    if old.get("version") != new["version"]:
+        reasons.append(f"step version changed {old.get('version')}→{new['version']}")
+    a, b = _flat("params", old.get("params", {}), {}), _flat("params", new["params"], {})
+    for k in sorted(set(a) | set(b)):
+        if a.get(k, UNKNOWN) != b.get(k, UNKNOWN):
+            reasons.append(f"{k} changed {_fmt(a.get(k, '(unset)'))}→{_fmt(b.get(k, '(unset)'))}")
+    for slot in sorted(set(old.get("inputs", {})) | set(new["inputs"])):
+        if old.get("inputs", {}).get(slot) != new["inputs"].get(slot):
+            src = ", ".join(map(str, node.inputs.get(slot, [])))
+            reasons.append(f"input {slot} ({src}) changed")
+    for lib in sorted(set(old.get("libraries", {})) | set(new["libraries"])):
+        o, n = old.get("libraries", {}).get(lib), new["libraries"].get(lib)
+        if o != n:
+            reasons.append(f"library {lib} changed {o}→{n}")
+    if old.get("fingerprint") != new["fingerprint"]:
+        reasons.append("source changed: " + node.step.describe_fingerprint_change(old.get("fingerprint"), new["fingerprint"]))
+    return reasons or ["output missing from the store (collected or corrupt)"]
+
+
+class Reporter:
+    """Progress on a terminal (rich), plain lines otherwise."""
+
+    def __init__(self, total: int, quiet: bool = False, stream=None):
+        self.stream = stream or sys.stderr
+        self.quiet = quiet
+        self.total = total
+        self.lock = threading.Lock()
+        self.rich = None
+        if not quiet and self.stream.isatty() and os.environ.get("TERM") != "dumb":
+            from rich.console import Console
+            from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RP
+
+            self.rich = RP(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total} tensors"),
+                TextColumn("{task.fields[mb]:,.1f} MB"),
+                TimeElapsedColumn(),
+                console=Console(file=self.stream),
+                transient=True,
+            )
+            self.tasks: dict[str, int] = {}
+            self.rich.start()
+
+    def line(self, msg: str) -> None:
+        if self.quiet:
+            return
+        with self.lock:
+            if self.rich:
+                self.rich.console.print(msg, highlight=False)
+            else:
+                print(msg, file=self.stream, flush=True)
+
+    def update(self, p: Progress) -> None:
+        if not self.rich:
+            return
+        with self.lock:
+            if p.node not in self.tasks:
+                self.tasks[p.node] = self.rich.add_task(p.node, total=p.total or None, mb=0.0)
+            self.rich.update(self.tasks[p.node], completed=p.done, total=p.total or None, mb=p.bytes / 1e6)
+
+    def finish_node(self, name: str) -> None:
+        if self.rich and name in self.tasks:
+            with self.lock:
+                self.rich.remove_task(self.tasks.pop(name))
+
+    def close(self) -> None:
+        if self.rich:
+            self.rich.stop()
+
+
+class Scheduler:
+    def __init__(self, manifest: Manifest, store: Store, options: BuildOptions | None = None):
+        self.m = manifest
+        self.store = store
+        self.options = options or BuildOptions()
+        self.g = graphs.build(manifest)
+        self.order = graphs.order(self.g)
+
+    def _ctx(self, name: str, reporter: Reporter | None = None) -> Context:
+        prog = Progress(name, reporter.update if reporter else None)
+        return Context(
+            self.store,
+            name,
+            self.m.name,
+            self.options,
+            prog,
+            (lambda node, msg: reporter.line(f"  {node}: {msg}")) if reporter else None,
+        )
+
+    def _previous(self) -> dict:
+        ref = self.store.get_ref(self.m.name) or {}
+        return ref.get("nodes", {})
+
+    def _input_digests(self, node: Node, states: dict[str, NodeState]) -> dict[str, list[str]] | None:
+        out = {}
+        for slot, refs in node.inputs.items():
+            ds = []
+            for r in refs:
+                st = states[r.node]
+                if r.output not in st.outputs:
+                    return None
+                ds.append(st.outputs[r.output])
+            out[slot] = ds
+        return out
+
+    def plan(self, targets: list[str] | None = None) -> list[NodeState]:
+        """Every node (or the targets and their dependencies) as fresh or stale, with reasons."""
+        prev = self._previous()
+        states: dict[str, NodeState] = {}
+        for name in self._selection(targets):
+            node = self.m.nodes[name]
+            st = states[name] = NodeState(name, node.kind)
+            digests = self._input_digests(node, states)
+            if digests is None:
+                stale = [str(r) for refs in node.inputs.values() for r in refs if not states[r.node].fresh]
+                st.reasons = [f"input {', '.join(stale)} will be rebuilt first"]
+                continue
+            ctx = self._ctx(name)
+            st.ingredients = ingredients(node, digests, ctx)
+            st.key = action_key(st.ingredients)
+            rec = self.store.get_action(st.key)
+            if rec is None:
+                st.reasons = why_changed(node, prev.get(name, {}).get("ingredients"), st.ingredients)
+                continue
+            st.outputs = rec["outputs"]
+            outdated = node.step.outdated(node.params, self._artifacts(st.outputs), ctx)
+            if outdated:
+                st.reasons = [outdated]
+                continue
+            st.fresh = True
+        return list(states.values())
+
+    def _artifacts(self, outputs: dict[str, str]):
+        return {k: self.store.get_artifact(d) for k, d in outputs.items()}
+
+    def _selection(self, targets: list[str] | None) -> list[str]:
+        if not targets:
+            return self.order
+        for t in targets:
+            if t not in self.m.nodes:
+                from .errors import UsageError, did_you_mean
+
+                raise UsageError(f"{self.m.name} has no step {t!r}{did_you_mean(t, self.m.nodes)}")
+        want = set(targets)
+        for t in targets:
+            want |= nx.ancestors(self.g, t)
+        return [n for n in self.order if n in want]
+
+    def explain(self, name: str) -> dict:
+        states = {s.name: s for s in self.plan([name])}
+        st = states[name]
+        return {
+            "node": name,
+            "kind": st.kind,
+            "key": st.key,
+            "fresh": st.fresh,
+            "reasons": st.reasons,
+            "ingredients": st.ingredients,
+            "inputs": {
+                slot: [str(r) for r in refs] for slot, refs in self.m.nodes[name].inputs.items()
+            },
+        }
+
+    def build(self, targets: list[str] | None = None, jobs: int = 2, quiet: bool = False) -> list[NodeState]:
+        """Run the stale nodes; independent nodes run in parallel on ``jobs`` threads."""
+        names = self._selection(targets)
+        prev = self._previous()
+        states = {n: NodeState(n, self.m.nodes[n].kind) for n in names}
+        reporter = Reporter(len(names), quiet)
+        remaining = set(names)
+        done: set[str] = set()
+        failures: list[tuple[str, BaseException]] = []
+        running = {}
+        t0 = time.monotonic()
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+                while remaining or running:
+                    if not failures:
+                        for n in [n for n in names if n in remaining]:
+                            if all(p in done for p in self.g.predecessors(n) if p in states):
+                                remaining.discard(n)
+                                running[pool.submit(self._run_node, n, states, prev, reporter)] = n
+                    if not running:
+                        break
+                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        n = running.pop(fut)
+                        exc = fut.exception()
+                        if exc is not None:
+                            failures.append((n, exc))
+                        else:
+                            done.add(n)
+        finally:
+            reporter.close()
+        if failures:
+            n, exc = failures[0]
+            if isinstance(exc, BuildkitError):
+                err = type(exc)(f"step {n!r} ({self.m.nodes[n].kind}) failed: {exc}")
+                err.exit_code = exc.exit_code
+                raise err from exc
+            detail = "".join(traceback.format_exception(exc)).rstrip()
+            raise StepError(f"step {n!r} ({self.m.nodes[n].kind}) failed with an internal error:\n{detail}") from exc
+        self._record(states, prev)
+        ran = sum(s.ran for s in states.values())
+        if not quiet:
+            reporter.line(
+                f"{self.m.name}: {len(states)} steps, {ran} ran, {len(states) - ran} cached "
+                f"in {time.monotonic() - t0:.2f}s"
+            )
+        return list(states.values())
+
+    def _run_node(self, name: str, states: dict[str, NodeState], prev: dict, reporter: Reporter) -> None:
+        node = self.m.nodes[name]
+        st = states[name]
+        ctx = self._ctx(name, reporter)
+        digests = self._input_digests(node, states)
+        assert digests is not None, name
+        st.ingredients = ingredients(node, digests, ctx)
+        st.key = action_key(st.ingredients)
+        with self.store.lock(st.key):
+            rec = self.store.get_action(st.key)
+            if rec is not None:
+                st.outputs = rec["outputs"]
+                why = node.step.outdated(node.params, self._artifacts(st.outputs), ctx)
+                if not why:
+                    st.fresh = True
+                    reporter.line(f"[cached] {name} ({node.kind}) {keys.short(st.key)}")
+                    return
+                reasons = [why]
+            else:
+                reasons = why_changed(node, prev.get(name, {}).get("ingredients"), st.ingredients)
+            reporter.line(f"[run]    {name} ({node.kind}): {'; '.join(reasons)}")
+            st.reasons = reasons
+            t = time.monotonic()
+            inputs = {
+                slot: [self.store.get_artifact(d) for d in ds] for slot, ds in digests.items()
+            }
+            outputs = node.step.run(ctx, node.params, inputs)
+            if set(outputs) != set(node.step.outputs):
+                raise StepError(f"returned outputs {sorted(outputs)}, expected {list(node.step.outputs)}")
+            st.outputs = {k: self.store.put_artifact(a) for k, a in sorted(outputs.items())}
+            st.seconds = time.monotonic() - t
+            st.stats = {
+                "seconds": round(st.seconds, 3),
+                "tensors": ctx.progress.done,
+                "bytes": ctx.progress.bytes,
+            }
+            self.store.put_action(
+                st.key,
+                {"key": st.key, "outputs": st.outputs, "kind": node.kind, "node": name,
+                 "variant": self.m.name, "pid": os.getpid(), "stats": st.stats},
+            )
+            st.ran = True
+            reporter.finish_node(name)
+            reporter.line(
+                f"[done]   {name} ({node.kind}) {keys.short(st.key)} in {st.seconds:.2f}s"
+                + (f", {ctx.progress.done} tensors" if ctx.progress.done else "")
+            )
+
+    def _record(self, states: dict[str, NodeState], prev: dict) -> None:
+        nodes = dict(prev)
+        for n, st in states.items():
+            nodes[n] = {"key": st.key, "ingredients": st.ingredients, "outputs": st.outputs}
+        nodes = {n: v for n, v in nodes.items() if n in self.m.nodes}
+        self.store.set_ref(
+            self.m.name,
+            {"keys": {n: v["key"] for n, v in nodes.items()}, "nodes": nodes},
+        )

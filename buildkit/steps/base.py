@@ -1,0 +1,150 @@
+"""The step plugin interface and the one registry every step kind lives in."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from ..errors import UsageError, did_you_mean
+from ..store import Artifact, Store
+
+
+class Params(BaseModel):
+    """Base of every step's params: unknown fields are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A named input of a step. ``many`` slots take a list of node references."""
+
+    required: bool = True
+    many: bool = False
+
+
+@dataclass
+class BuildOptions:
+    """Everything about one invocation that is *not* part of any cache key."""
+
+    project_root: Path = field(default_factory=Path.cwd)
+    out_dir: Path | None = None
+    release: bool = False
+    push: str | None = None
+    dry_run: bool = False
+    rehash: bool = False
+
+
+class Progress:
+    """Counts a step reports while it runs; the scheduler renders them."""
+
+    def __init__(self, node: str, sink=None):
+        self.node, self.sink = node, sink
+        self.done = self.total = self.bytes = 0
+        self.lock = threading.Lock()
+
+    def start(self, total: int) -> None:
+        with self.lock:
+            self.total, self.done = total, 0
+        self._emit()
+
+    def advance(self, n: int = 1, nbytes: int = 0) -> None:
+        with self.lock:
+            self.done += n
+            self.bytes += nbytes
+        self._emit()
+
+    def _emit(self):
+        if self.sink:
+            self.sink(self)
+
+
+@dataclass
+class Context:
+    """What a running step may use: the store, the invocation's options, progress and a log."""
+
+    store: Store
+    node: str
+    variant: str
+    options: BuildOptions
+    progress: Progress
+    log_sink: Any = None
+
+    def log(self, msg: str) -> None:
+        if self.log_sink:
+            self.log_sink(self.node, msg)
+        else:
+            print(f"[{self.node}] {msg}", file=sys.stderr)
+
+
+class Step:
+    """A registered step kind: a pure function of (params, input artifacts) -> output artifacts.
+
+    Subclasses set ``kind``, ``version`` (bump it whenever output bytes change),
+    ``Params``, ``inputs`` and ``outputs`` and implement ``run``.
+    """
+
+    kind: ClassVar[str]
+    version: ClassVar[int]
+    Params: ClassVar[type[Params]] = Params
+    inputs: ClassVar[dict[str, Slot]] = {}
+    outputs: ClassVar[tuple[str, ...]] = ("out",)
+    uses_recipe: ClassVar[bool] = False
+
+    def libraries(self) -> dict[str, str]:
+        """Versions of libraries that change this step's output bytes (part of the key)."""
+        return {}
+
+    def key_params(self, params: Params) -> dict:
+        """The params as they enter the key (all of them, defaults filled in)."""
+        return params.model_dump(mode="json")
+
+    def fingerprint(self, params: Params, ctx: Context) -> Any:
+        """Extra key ingredients observed outside the store (e.g. source file digests)."""
+        return None
+
+    def describe_fingerprint_change(self, old: Any, new: Any) -> str:
+        return "fingerprint differs"
+
+    def outdated(self, params: Params, outputs: dict[str, Artifact], ctx: Context) -> str | None:
+        """For steps with side effects: a reason to re-run despite a cache hit, or None."""
+        return None
+
+    def run(self, ctx: Context, params: Params, inputs: dict[str, list[Artifact]]) -> dict[str, Artifact]:
+        raise NotImplementedError
+
+
+REGISTRY: dict[str, type[Step]] = {}
+
+
+def register(cls: type[Step]) -> type[Step]:
+    if cls.kind in REGISTRY:
+        raise RuntimeError(f"step kind {cls.kind!r} registered twice")
+    REGISTRY[cls.kind] = cls
+    return cls
+
+
+def get_step(kind: str) -> Step:
+    try:
+        return REGISTRY[kind]()
+    except KeyError:
+        raise UsageError(
+            f"unknown step kind {kind!r}{did_you_mean(kind, REGISTRY)}; "
+            f"known kinds: {', '.join(sorted(REGISTRY))}"
+        ) from None
+
+
+def library_version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,155 @@
+"""fetch: resolve a source to local files and record their content digests.
+
+Sources: a local directory; ``hf://org/repo@revision`` (huggingface_hub
+``snapshot_download``, which honours HF_HUB_OFFLINE and the HF cache); or
+``fixture:`` / ``fixture:seed=1,layers=4`` (a deterministic generated
+checkpoint, kept under the store). Safetensors shards stay where they are and
+are referenced by content digest; small files (config, tokenizer) are copied
+into the store. Paths never enter the key, only content digests do.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import field_validator
+
+from .. import keys
+from ..errors import SourceError, UsageError
+from ..store import Artifact
+from .base import Context, Params, Step, register
+
+HF_RE = re.compile(r"^hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
+PINNED = re.compile(r"^[0-9a-f]{40}$")
+SMALL_FILE_LIMIT = 64 << 20
+HF_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "*.py", "tokenizer*"]
+
+
+class FetchParams(Params):
+    source: str
+
+    @field_validator("source")
+    @classmethod
+    def _valid(cls, v: str) -> str:
+        if v.startswith("hf://") and not HF_RE.match(v):
+            raise ValueError(f"expected hf://org/repo@revision, got {v!r}")
+        if v.startswith("fixture:"):
+            parse_fixture(v)
+        return v
+
+
+def parse_fixture(source: str):
+    from ..fixture import FixtureSpec
+
+    body = source[len("fixture:") :].strip("/")
+    fields = {}
+    for part in filter(None, body.split(",")):
+        k, sep, val = part.partition("=")
+        if not sep or not val.lstrip("-").isdigit():
+            raise ValueError(f"fixture source takes name=integer pairs, got {part!r}")
+        fields[k.strip()] = int(val)
+    return FixtureSpec(**fields)
+
+
+def source_kind(source: str) -> str:
+    if source.startswith("hf://"):
+        return "hf"
+    if source.startswith("fixture:"):
+        return "fixture"
+    return "local"
+
+
+@register
+class Fetch(Step):
+    kind = "fetch"
+    version = 1
+    Params = FetchParams
+    outputs = ("out",)
+
+    def key_params(self, params: FetchParams) -> dict:
+        kind = source_kind(params.source)
+        if kind == "hf":
+            m = HF_RE.match(params.source)
+            return {"type": "hf", "repo": m["repo"], "revision": m["rev"]}
+        if kind == "fixture":
+            return {"type": "fixture", "spec": parse_fixture(params.source).model_dump()}
+        return {"type": "local"}  # identity is the content, not the path
+
+    def resolve(self, params: FetchParams, ctx: Context) -> tuple[Path, dict]:
+        kind = source_kind(params.source)
+        if kind == "hf":
+            m = HF_RE.match(params.source)
+            if ctx.options.release and not (m["rev"] and PINNED.match(m["rev"])):
+                raise UsageError(
+                    f"source {params.source!r}: a release build needs a pinned revision "
+                    "(hf://org/repo@<40-hex commit sha>)"
+                )
+            from huggingface_hub import snapshot_download
+
+            try:
+                path = Path(
+                    snapshot_download(m["repo"], revision=m["rev"] or "main", allow_patterns=HF_PATTERNS)
+                )
+            except Exception as e:  # hub errors come in many types; all mean "cannot fetch"
+                raise SourceError(
+                    f"cannot fetch {params.source}: {e}. Offline? Set HF_HUB_OFFLINE=1 to use the "
+                    "local HF cache, or pass --source with a local directory"
+                ) from e
+            return path, {"type": "hf", "repo": m["repo"], "revision": path.name}
+        if kind == "fixture":
+            from ..fixture import generate
+
+            spec = parse_fixture(params.source)
+            path = ctx.store.root / "fixtures" / keys.short(keys.digest_json("fixture", spec.model_dump()), 16)
+            if not (path / "config.json").exists():
+                ctx.log(f"generating fixture checkpoint {params.source} in {path}")
+                generate(path, spec)
+            return path, {"type": "fixture", "spec": spec.model_dump()}
+        path = Path(params.source).expanduser()
+        if not path.is_absolute():
+            path = ctx.options.project_root / path
+        if not path.is_dir():
+            raise SourceError(f"source {params.source!r}: no such directory ({path})")
+        return path, {"type": "local"}
+
+    def _files(self, root: Path) -> list[Path]:
+        files = sorted(
+            p for p in root.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        )
+        if not any(p.suffix == ".safetensors" for p in files):
+            raise SourceError(f"{root}: no *.safetensors files; is this a Hugging Face model directory?")
+        if not (root / "config.json").exists():
+            raise SourceError(f"{root}: config.json is missing")
+        return files
+
+    def fingerprint(self, params: FetchParams, ctx: Context) -> dict:
+        root, _ = self.resolve(params, ctx)
+        return {
+            str(p.relative_to(root)): ctx.store.digest_file(p, rehash=ctx.options.rehash)
+            for p in self._files(root)
+        }
+
+    def describe_fingerprint_change(self, old, new) -> str:
+        old, new = old or {}, new or {}
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        return ", ".join(changed[:5]) + (f" (+{len(changed) - 5} more)" if len(changed) > 5 else "")
+
+    def run(self, ctx: Context, params: FetchParams, inputs) -> dict[str, Artifact]:
+        root, meta = self.resolve(params, ctx)
+        art = Artifact(meta={"source": meta})
+        files = self._files(root)
+        ctx.progress.start(len(files))
+        for p in files:
+            rel = str(p.relative_to(root))
+            digest = ctx.store.digest_file(p, rehash=ctx.options.rehash)
+            if p.suffix == ".safetensors" or p.stat().st_size > SMALL_FILE_LIMIT:
+                art.external[rel] = digest
+            else:
+                data = p.read_bytes()
+                if keys.blob_digest(data) != digest:
+                    raise SourceError(f"{p}: changed while it was being fetched; run again")
+                art.files[rel] = ctx.store.put_blob(data)
+            ctx.progress.advance(1, p.stat().st_size)
+        return {"out": art}

@@ -1,0 +1,299 @@
+"""publish: materialize an MLX model directory from artifacts, checked, then swapped in atomically.
+
+Writes shards ``model-0000K-of-0000N.safetensors`` (metadata format=mlx) by
+size, tensors sorted by name and streamed one at a time from the store;
+``model.safetensors.index.json``; ``config.json`` with the ``quantization``
+(and ``quantization_config``) defaults plus per-path overrides as mlx_lm reads
+them; the tokenizer and other side files of the source; ``verify.json``; and a
+model card. The directory is built beside the target, checked (index parity,
+metadata, mlx_lm load with finite logits), then exchanged with the old one in
+one rename, so a reader never sees a mix of old and new shards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+from pydantic import Field
+
+from .. import keys
+from ..errors import StepError, UsageError
+from ..store import Artifact, fsync_dir
+from ..tensors import header_bytes, nbytes, read_header
+from .base import Context, Params, Slot, Step, register
+
+STAMP = ".buildkit-publish.json"
+SKIP_SOURCE_FILES = {"config.json", "model.safetensors.index.json", "README.md", ".gitattributes"}
+
+
+class PublishParams(Params):
+    out: str = "out/{variant}"  # where to write; not part of the key (``--out`` overrides)
+    max_shard_bytes: int = Field(default=5 << 30, ge=1 << 20)
+    base_model: str = "Qwen/Qwen3.6-35B-A3B"
+    description: str = ""
+    tags: list[str] = Field(default_factory=lambda: ["mlx", "quantized", "qwen3_5_moe"])
+    load_check: bool = True  # load the result with mlx_lm and check logits are finite
+
+
+def out_dir(params: PublishParams, ctx: Context) -> Path:
+    p = ctx.options.out_dir or Path(params.out.format(variant=ctx.variant))
+    return p if p.is_absolute() else ctx.options.project_root / p
+
+
+def plan_shards(tensors: dict[str, dict], limit: int) -> list[list[str]]:
+    shards, cur, size = [], [], 0
+    for name in sorted(tensors):
+        n = nbytes(tensors[name]["dtype"], tensors[name]["shape"])
+        if cur and size + n > limit:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += n
+    return shards + ([cur] if cur else [])
+
+
+def quantization_config(parts: list[Artifact]) -> dict | None:
+    """Defaults from the quantization covering the most parameters, per-path entries for the rest."""
+    per_path: dict[str, dict] = {}
+    weight = Counter()
+    for a in parts:
+        q = a.meta.get("quantization", {})
+        per_path.update(q)
+        for role in a.meta.get("role_table", {}).values():
+            if not role.get("passthrough"):
+                weight[json.dumps({k: role.get(k, d) for k, d in (("group_size", 64), ("bits", None), ("mode", "affine"))}, sort_keys=True)] += role["params"]
+    if not per_path:
+        return None
+    default = json.loads(weight.most_common(1)[0][0]) if weight else next(iter(per_path.values()))
+    cfg = dict(default)
+    for path in sorted(per_path):
+        if per_path[path] != default:
+            cfg[path] = per_path[path]
+    return cfg
+
+
+def exchange(src: Path, dst: Path) -> None:
+    """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE), else rename aside."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        AT_FDCWD, RENAME_EXCHANGE = -100, 2
+        if fn(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), RENAME_EXCHANGE) == 0:
+            return
+    aside = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+    os.rename(dst, aside)
+    os.rename(src, dst)
+    os.rename(aside, src)
+
+
+def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: list[Artifact], reports: list[dict], bpw: float, n_tensors: int) -> str:
+    has_mtp = any(n.startswith("language_model.mtp.") for a in parts for n in a.tensors)
+    tags = list(dict.fromkeys([*params.tags, *(["mtp"] if has_mtp else [])]))
+    lines = [
+        "---",
+        f"base_model: {params.base_model}",
+        "library_name: mlx",
+        "pipeline_tag: text-generation",
+        "tags:",
+        *[f"- {t}" for t in tags],
+        "---",
+        "",
+        f"# {ctx.variant}",
+        "",
+        params.description or f"MLX build of {params.base_model}, variant `{ctx.variant}`, made with buildkit.",
+        "",
+        f"- bits per weight (stored bits / source weights): **{bpw:.3f}**",
+        f"- tensors: {n_tensors}" + (" (includes the MTP head `language_model.mtp.*`)" if has_mtp else ""),
+        "",
+        "## Quantization by role",
+        "",
+        "| part | role | bits | group size | tensors | weights |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a in parts:
+        part = "mtp head" if any(n.startswith("language_model.mtp.") for n in a.tensors) else "trunk"
+        for role, row in sorted(a.meta.get("role_table", {}).items()):
+            bits = "passthrough" if row.get("passthrough") else str(row.get("bits"))
+            extra = " (calibrated)" if row.get("calibrated") else ""
+            gs = "" if row.get("passthrough") else str(row.get("group_size", 64))
+            lines.append(f"| {part} | {role}{extra} | {bits} | {gs} | {row['tensors']} | {row['params']:,} |")
+    if reports:
+        lines += ["", "## Verification", "", "| check | result | figure |", "|---|---|---|"]
+        for rep in reports:
+            for name, r in rep.get("checks", {}).items():
+                lines.append(f"| {name} | {'pass' if r['ok'] else 'FAIL'} | `{json.dumps(r['figure'], default=str)}` |")
+    if cfg:
+        lines += ["", "## Use", "", "```python", "from mlx_lm import load, generate", "",
+                  'model, tokenizer = load("path/to/this/model")',
+                  'print(generate(model, tokenizer, prompt="Hello", max_tokens=32))', "```"]
+    return "\n".join(lines) + "\n"
+
+
+@register
+class Publish(Step):
+    kind = "publish"
+    version = 1
+    Params = PublishParams
+    inputs = {"model": Slot(many=True), "source": Slot(), "report": Slot(required=False, many=True)}
+
+    def key_params(self, params: PublishParams) -> dict:
+        return params.model_dump(mode="json", exclude={"out"})
+
+    def outdated(self, params: PublishParams, outputs: dict[str, Artifact], ctx: Context) -> str | None:
+        out = out_dir(params, ctx)
+        want = outputs["out"].digest
+        try:
+            stamp = json.loads((out / STAMP).read_text())
+        except (OSError, ValueError):
+            return f"output directory {out} is missing or was not written by buildkit"
+        if stamp.get("artifact") != want:
+            return f"output directory {out} holds another build"
+        for name, size in outputs["out"].meta["sizes"].items():
+            try:
+                if (out / name).stat().st_size != size:
+                    return f"{out / name} was modified"
+            except FileNotFoundError:
+                return f"{out / name} is missing"
+        return None
+
+    def run(self, ctx: Context, params: PublishParams, inputs) -> dict[str, Artifact]:
+        store = ctx.store
+        parts: list[Artifact] = inputs["model"]
+        tensors: dict[str, dict] = {}
+        for a in parts:
+            for k, v in a.tensors.items():
+                if k in tensors and tensors[k] != v:
+                    raise StepError(f"tensor {k!r} is produced by two model inputs with different bytes")
+                tensors[k] = v
+        src = inputs["source"][0]
+        config = json.loads(store.get_blob(src.files["config.json"]))
+        qcfg = quantization_config(parts)
+        if qcfg:
+            config["quantization"] = qcfg
+            config["quantization_config"] = qcfg
+        reports = [r.meta.get("report", {}) for r in inputs.get("report", [])]
+        failed = [k for rep in reports for k, r in rep.get("checks", {}).items() if not r["ok"]]
+        if failed:
+            raise StepError(f"refusing to publish: verify failed {', '.join(failed)}")
+
+        dest = out_dir(params, ctx)
+        if dest.exists() and not (dest / STAMP).exists():
+            raise UsageError(
+                f"Cannot publish to {dest}: it exists and was not written by buildkit. "
+                "Delete it or pass --out with a new path."
+            )
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            art = self._write(ctx, params, tmp, tensors, config, src, reports, parts)
+            self._check(tmp, tensors, params)
+            (tmp / STAMP).write_text(json.dumps({"artifact": art.digest, "variant": ctx.variant}))
+            fsync_dir(tmp)
+            if dest.exists():
+                exchange(tmp, dest)
+            else:
+                os.rename(tmp, dest)
+            fsync_dir(dest.parent)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        ctx.log(f"published {len(tensors)} tensors to {dest}")
+        return {"out": art}
+
+    def _write(self, ctx, params, tmp: Path, tensors, config, src, reports, parts) -> Artifact:
+        store = ctx.store
+        shards = plan_shards(tensors, params.max_shard_bytes)
+        n = len(shards)
+        weight_map, meta_shards, sizes = {}, {}, {}
+        total = 0
+        ctx.progress.start(len(tensors))
+        for i, names in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+            entries = [(k, tensors[k]["dtype"], tuple(tensors[k]["shape"])) for k in names]
+            h = keys.blob_hasher()
+            with open(tmp / fname, "wb") as f:
+                head = header_bytes(entries, {"format": "mlx"})
+                f.write(head)
+                h.update(head)
+                for k in names:
+                    data = memoryview(store.read_tensor(tensors[k])).cast("B")
+                    f.write(data)
+                    h.update(data)
+                    total += len(data)
+                    weight_map[k] = fname
+                    ctx.progress.advance(1, len(data))
+                f.flush()
+                os.fsync(f.fileno())
+            meta_shards[fname] = keys.finish(h)
+            sizes[fname] = (tmp / fname).stat().st_size
+        files: dict[str, bytes] = {
+            "model.safetensors.index.json": json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
+            ).encode(),
+            "config.json": json.dumps(config, indent=2, sort_keys=True).encode(),
+        }
+        for name, digest in sorted(src.files.items()):
+            if name not in SKIP_SOURCE_FILES and "/" not in name:
+                files[name] = store.get_blob(digest)
+        if reports:
+            files["verify.json"] = json.dumps(reports if len(reports) > 1 else reports[0], indent=2, sort_keys=True).encode()
+        params_total = sum(r["params"] for a in parts for r in a.meta.get("role_table", {}).values())
+        bpw = sum(a.meta.get("bits_per_weight", 0) * sum(r["params"] for r in a.meta.get("role_table", {}).values()) for a in parts) / max(params_total, 1)
+        files["README.md"] = model_card(ctx, params, config.get("quantization"), parts, reports, bpw, len(tensors)).encode()
+        art = Artifact(meta={"shards": meta_shards, "bits_per_weight": round(bpw, 4)})
+        for name, data in files.items():
+            _safe_name(name)
+            (tmp / name).write_bytes(data)
+            art.files[name] = store.put_blob(data)
+            sizes[name] = len(data)
+        art.meta["sizes"] = sizes
+        return art
+
+    def _check(self, tmp: Path, tensors: dict, params: PublishParams) -> None:
+        idx = json.loads((tmp / "model.safetensors.index.json").read_text())
+        seen: dict[str, str] = {}
+        total = 0
+        for shard in sorted(set(idx["weight_map"].values())):
+            h = read_header(tmp / shard)
+            if h.metadata.get("format") != "mlx":
+                raise StepError(f"{shard}: metadata format is {h.metadata.get('format')!r}, expected 'mlx'")
+            for k, info in h.tensors.items():
+                if k in seen:
+                    raise StepError(f"tensor {k!r} is in both {seen[k]} and {shard}")
+                seen[k] = shard
+                total += info.nbytes
+        if seen != idx["weight_map"] or set(seen) != set(tensors):
+            raise StepError("index weight_map does not match the shards' contents")
+        if total != idx["metadata"]["total_size"]:
+            raise StepError(f"index total_size {idx['metadata']['total_size']} != {total} bytes in shards")
+        if params.load_check:
+            check_loads(tmp)
+
+
+def check_loads(path: Path) -> dict:
+    """Load with mlx_lm (the real client) and run a forward pass; logits must be finite."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    try:
+        model, _ = load_model(path, lazy=True)
+        logits = model(mx.array([[1, 2, 3, 4]]))
+        mx.eval(logits)
+    except Exception as e:  # any failure to load is a failed publish, with mlx_lm's words
+        raise StepError(f"mlx_lm cannot load the published model: {type(e).__name__}: {e}") from e
+    finite = bool(mx.isfinite(logits).all().item())
+    if not finite:
+        raise StepError("mlx_lm loads the published model but its logits are not finite")
+    return {"logits_shape": list(logits.shape), "finite": finite}
+
+
+def _safe_name(name: str) -> None:
+    p = Path(name)
+    if p.is_absolute() or ".." in p.parts or name.startswith("/"):
+        raise StepError(f"refusing to write {name!r}: file names must stay inside the output directory")

@@ -1,0 +1,167 @@
+"""quantize (and requantize): static mixed-precision quantization by architectural role.
+
+Each tensor gets a role from the recipe; a quantized role turns ``X.weight``
+into ``X.weight`` (packed uint32), ``X.scales`` and ``X.biases`` with
+``mx.quantize``; a passthrough role keeps the entry as it is (a view stays a
+view: passthrough bytes are never copied). Tensors stream through a small
+thread pool, so memory is bounded by a few tensors and reading, hashing,
+quantizing and writing overlap.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from pydantic import Field, model_validator
+
+from ..errors import StepError
+from ..roles import Recipe, Role
+from ..store import Artifact
+from ..tensors import DTYPES, from_mlx, nbytes, to_mlx
+from .base import Context, Params, Slot, Step, library_version, register
+
+
+class QuantizeParams(Params):
+    recipe: Recipe
+    rules: dict[str, str] = Field(default_factory=dict)  # step-local rules, tried first, must all match
+    require_all_rules: bool = True  # every recipe rule must match some tensor of this input
+
+    @model_validator(mode="after")
+    def _roles_exist(self):
+        for pattern, role in self.rules.items():
+            if role not in self.recipe.roles:
+                raise ValueError(f"rule {pattern!r} names unknown role {role!r}; roles: {', '.join(self.recipe.roles)}")
+        return self
+
+
+def module_path(name: str) -> str:
+    return name.removesuffix(".weight")
+
+
+def quantize_entry(store, name: str, entry: dict, role: Role) -> dict[str, dict]:
+    """One tensor -> its stored entries under ``role``."""
+    if role.passthrough:
+        return {name: entry}
+    import mlx.core as mx
+
+    shape = entry["shape"]
+    if not name.endswith(".weight") or len(shape) < 2:
+        raise StepError(f"tensor {name!r} {shape} cannot be quantized (needs a 2-D or 3-D X.weight)")
+    if shape[-1] % role.group_size:
+        raise StepError(
+            f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {role.group_size}"
+        )
+    w = to_mlx(store.read_tensor(entry), entry["dtype"])
+    wq, scales, biases = mx.quantize(w, group_size=role.group_size, bits=role.bits, mode=role.mode)
+    out = {}
+    base = module_path(name)
+    for suffix, arr in (("weight", wq), ("scales", scales), ("biases", biases)):
+        np_arr, dtype = from_mlx(arr)
+        out[f"{base}.{suffix}"] = store.put_tensor(dtype, np_arr)
+    return out
+
+
+def stored_bits(entries: dict[str, dict]) -> int:
+    return 8 * sum(nbytes(e["dtype"], e["shape"]) for e in entries.values())
+
+
+def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams) -> Artifact:
+    recipe = params.recipe
+    names = sorted(art.tensors)
+    roles: dict[str, str] = {}
+    if params.rules:
+        local = Recipe(roles=recipe.roles, rules=params.rules)
+        hits = {n: local.match(n) for n in names}
+        roles = {n: h[1] for n, h in hits.items() if h}
+        dead = sorted(set(params.rules) - {h[0] for h in hits.values() if h})
+        if dead:
+            raise StepError(f"step rule(s) {', '.join(map(repr, dead))} match no tensor; fix the pattern")
+    rest = [n for n in names if n not in roles]
+    roles |= recipe.assign(rest, require_all_rules=params.require_all_rules)
+
+    out = Artifact(meta={})
+    quant_cfg: dict[str, dict] = {}
+    table: dict[str, dict] = {}
+    src_params = src_bits = out_bits = 0
+    ctx.progress.start(len(names))
+
+    def work(name: str) -> tuple[str, dict[str, dict]]:
+        return name, quantize_entry(ctx.store, name, art.tensors[name], recipe.roles[roles[name]])
+
+    # Bounded in-flight window: a few tensors in memory, never the model.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for name, entries in _windowed(pool, work, names, 4):
+            role_name = roles[name]
+            role = recipe.roles[role_name]
+            src = art.tensors[name]
+            n = 1
+            for d in src["shape"]:
+                n *= d
+            out.tensors.update(entries)
+            if not role.passthrough:
+                quant_cfg[module_path(name)] = role.quant()
+            row = table.setdefault(role_name, {**role.model_dump(exclude_defaults=True), "tensors": 0, "params": 0})
+            row["tensors"] += 1
+            row["params"] += n
+            src_params += n
+            src_bits += 8 * DTYPES[src["dtype"]].itemsize * n
+            out_bits += stored_bits(entries)
+            ctx.progress.advance(1, nbytes(src["dtype"], src["shape"]))
+    out.meta = {
+        "quantization": quant_cfg,
+        "roles": roles,
+        "role_table": table,
+        "bits_per_weight": round(out_bits / max(src_params, 1), 4),
+        "source_bits_per_weight": round(src_bits / max(src_params, 1), 4),
+    }
+    ctx.log(f"{len(quant_cfg)} quantized, {len(names) - len(quant_cfg)} passthrough, "
+            f"{out.meta['bits_per_weight']:.3f} bits per weight")
+    return out
+
+
+def _windowed(pool, fn, items, window):
+    """``pool.map`` with at most ``window`` results in flight (in order)."""
+    from collections import deque
+
+    pending = deque()
+    for it in items:
+        pending.append(pool.submit(fn, it))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+@register
+class Quantize(Step):
+    kind = "quantize"
+    version = 1
+    Params = QuantizeParams
+    inputs = {"model": Slot()}
+    uses_recipe = True
+
+    def libraries(self) -> dict[str, str]:
+        return {"mlx": library_version("mlx")}
+
+    def key_params(self, params: QuantizeParams) -> dict:
+        """Roles no rule names cannot change a byte, so they stay out of the key."""
+        d = params.model_dump(mode="json")
+        used = set(params.recipe.rules.values()) | set(params.rules.values())
+        d["recipe"]["roles"] = {k: v for k, v in d["recipe"]["roles"].items() if k in used}
+        return d
+
+    def run(self, ctx: Context, params: QuantizeParams, inputs) -> dict[str, Artifact]:
+        return {"out": quantize_artifact(ctx, inputs["model"][0], params)}
+
+
+class RequantizeParams(QuantizeParams):
+    require_all_rules: bool = False  # the trunk's rules need not all match a head
+
+
+@register
+class Requantize(Quantize):
+    """The same role allocation applied to a grafted head (inherited rules need not all match)."""
+
+    kind = "requantize"
+    version = 1
+    Params = RequantizeParams

@@ -1,0 +1,72 @@
+"""sanitize: the HF checkpoint -> exactly what mlx_lm's qwen3_5_moe sanitize produces.
+
+Text keys become ``language_model.*``, fused experts split into switch_mlp
+gate/up (gate first) and down, conv1d moves to [C, K, 1], offset norms become
+``round_bf16(w + 1)``; the vision tower is kept (bf16) under mlx_vlm's
+``vision_tower.*`` names; the MTP head is set aside, untouched, as output
+``mtp``. Renames, splits and the conv1d move are byte views into the source
+files; only the tensors whose bytes change are written to the store.
+"""
+
+from __future__ import annotations
+
+from .. import checkpoint as ckpt
+from ..checkpoint import load_config, scan_source
+from ..convert import sanitize_tensor, view
+from ..errors import SourceError
+from ..store import Artifact
+from ..tensors import TensorInfo
+from .base import Context, Params, Slot, Step, register
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+
+class SanitizeParams(Params):
+    pass
+
+
+def check_layout(config: dict, found: dict[str, tuple[str, TensorInfo]]) -> None:
+    want = ckpt.text_shapes(config) | ckpt.mtp_shapes(config)
+    missing = sorted(set(want) - set(found))
+    if missing:
+        more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise SourceError(f"source is missing {len(missing)} tensor(s): {', '.join(missing[:8])}{more}")
+    for name, (_, info) in sorted(found.items()):
+        if name in want and tuple(info.shape) != want[name]:
+            raise SourceError(
+                f"tensor {name!r} has shape {list(info.shape)} but config.json implies {list(want[name])}"
+            )
+        if info.dtype not in FLOAT_DTYPES:
+            raise SourceError(f"tensor {name!r} has dtype {info.dtype}; expected one of {FLOAT_DTYPES}")
+        if name not in want and not name.startswith("model.visual."):
+            raise SourceError(f"tensor {name!r} is not part of the qwen3_5_moe layout")
+
+
+@register
+class Sanitize(Step):
+    kind = "sanitize"
+    version = 1
+    Params = SanitizeParams
+    inputs = {"source": Slot()}
+    outputs = ("model", "mtp")
+
+    def run(self, ctx: Context, params: SanitizeParams, inputs) -> dict[str, Artifact]:
+        src = inputs["source"][0]
+        config = load_config(ctx.store, src)
+        found = scan_source(ctx.store, src)
+        check_layout(config, found)
+        side_files = {
+            k: v for k, v in src.files.items() if k != "model.safetensors.index.json"
+        }
+        model = Artifact(files=dict(side_files), meta={"config": config})
+        mtp = Artifact(files={"config.json": src.files["config.json"]}, meta={"config": config})
+        ctx.progress.start(len(found))
+        for name in sorted(found):
+            digest, info = found[name]
+            if name.startswith("mtp."):
+                mtp.tensors[name] = view(digest, info)
+            else:
+                for mlx_name, entry in sanitize_tensor(ctx.store, name, digest, info):
+                    model.tensors[mlx_name] = entry
+            ctx.progress.advance(1, info.nbytes)
+        return {"model": model, "mtp": mtp}

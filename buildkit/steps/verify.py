@@ -1,0 +1,233 @@
+"""verify: the tensor-level checks a release must pass, each with its figure.
+
+The reference for every check is recomputed from the raw source files, not
+taken from the steps under test: norms with mlx's own ``bf16 + 1.0`` (what
+mlx_lm's sanitize does), passthrough tensors byte for byte, quantized tensors
+by dequantizing and measuring rel-L1 against the source, fused experts by
+reassembling them. The report is the step's output (``verify.json``); any
+failed check fails the build and names the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+from pydantic import Field
+
+from .. import checkpoint as ckpt
+from .. import keys
+from ..errors import VerifyError
+from ..store import Artifact
+from ..tensors import from_mlx, to_float32, to_mlx
+from .base import Context, Params, Slot, Step, library_version, register
+
+DEFAULT_REL_L1 = {"2": 0.6, "3": 0.3, "4": 0.16, "5": 0.08, "6": 0.045, "8": 0.012}
+
+
+class VerifyParams(Params):
+    max_rel_l1: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_REL_L1))
+
+
+def reference(store, hf: str, digest: str, info, slc, shape) -> np.ndarray:
+    """The MLX-layout tensor computed straight from the raw source, the way mlx_lm does."""
+    entry = {"dtype": info.dtype, "shape": list(info.shape), "view": {"file": digest, "tensor": hf}}
+    raw = store.read_tensor(entry)
+    if ckpt.is_offset_norm(hf):
+        return from_mlx(to_mlx(raw, info.dtype) + 1.0)[0]
+    if ckpt.is_conv1d(hf):
+        return np.ascontiguousarray(np.moveaxis(raw, 2, 1))  # mlx_lm: [C, 1, K] -> [C, K, 1]
+    if ckpt.is_patch_embed(hf) and raw.ndim == 5:
+        return raw.transpose(0, 2, 3, 4, 1)
+    if slc is not None:
+        axis, a, b = slc
+        idx = [slice(None)] * raw.ndim
+        idx[axis] = slice(a, b)
+        raw = raw[tuple(idx)]
+    return np.ascontiguousarray(raw).reshape(shape)
+
+
+def dequantize(store, model: dict, base: str, q: dict) -> np.ndarray:
+    import mlx.core as mx
+
+    w, s, b = (model[f"{base}.{k}"] for k in ("weight", "scales", "biases"))
+    arrs = [to_mlx(store.read_tensor(e), e["dtype"]) for e in (w, s, b)]
+    out = mx.dequantize(*arrs, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"))
+    return np.array(out.astype(mx.float32))
+
+
+def rel_l1(ref: np.ndarray, got: np.ndarray) -> float:
+    den = float(np.abs(ref).sum(dtype=np.float64))
+    return float(np.abs(ref - got).sum(dtype=np.float64)) / max(den, 1e-30)
+
+
+class Checks:
+    def __init__(self):
+        self.results: dict[str, dict] = {}
+
+    def add(self, name: str, ok: bool, figure, detail=None):
+        self.results[name] = {"ok": bool(ok), "figure": figure, **({"detail": detail} if detail else {})}
+
+    @property
+    def failed(self) -> list[str]:
+        return [k for k, v in self.results.items() if not v["ok"]]
+
+
+@register
+class Verify(Step):
+    kind = "verify"
+    version = 1
+    Params = VerifyParams
+    inputs = {
+        "model": Slot(many=True),  # the artifacts that make up the output model
+        "source": Slot(),  # fetch output of the trunk's source
+        "head_source": Slot(required=False),  # fetch output the MTP head came from (if any)
+        "base": Slot(required=False, many=True),  # artifacts whose tensors must appear unchanged
+    }
+
+    def libraries(self) -> dict[str, str]:
+        return {"mlx": library_version("mlx")}
+
+    def run(self, ctx: Context, params: VerifyParams, inputs) -> dict[str, Artifact]:
+        store = ctx.store
+        model: dict[str, dict] = {}
+        roles_q: dict[str, dict] = {}
+        for art in inputs["model"]:
+            model.update(art.tensors)
+            roles_q.update(art.meta.get("quantization", {}))
+        # Every MLX tensor the sources imply: name -> (hf name, file digest, info, slice, shape)
+        expected: dict[str, tuple] = {}
+        trunk_src = inputs["source"][0]
+        head_src = (inputs.get("head_source") or [trunk_src])[0]
+        has_head = any(n.startswith("language_model.mtp.") for n in model)
+        fused: dict[str, list[str]] = {}
+        for part, src in (("trunk", trunk_src), ("head", head_src)):
+            if part == "head" and not has_head:
+                continue
+            for hf, (digest, info) in ckpt.scan_source(store, src).items():
+                if hf.startswith("mtp.") != (part == "head"):
+                    continue
+                pieces = ckpt.split_experts(hf, info.shape)
+                if len(pieces) > 1:
+                    fused[hf] = [p[0] for p in pieces]
+                for mlx_name, shape, slc in pieces:
+                    expected[mlx_name] = (hf, digest, info, slc, shape)
+        checks = Checks()
+
+        # 1. key set, derived from the source layout and the recorded role of each module
+        want = set()
+        for name in expected:
+            base = name.removesuffix(".weight")
+            if name.endswith(".weight") and base in roles_q:
+                want |= {f"{base}.weight", f"{base}.scales", f"{base}.biases"}
+            else:
+                want.add(name)
+        missing, extra = sorted(want - set(model)), sorted(set(model) - want)
+        checks.add(
+            "key_set", not missing and not extra,
+            {"expected": len(want), "actual": len(model), "mtp_keys": sum(k.startswith("language_model.mtp.") for k in model)},
+            {"missing": missing[:20], "unexpected": extra[:20]} if missing or extra else None,
+        )
+
+        # 2-4. norms, passthrough identity, dequant error, finiteness: one pass over the tensors
+        norm_bad, pass_bad, nonfinite, shape_bad = [], [], [], []
+        per_role: dict[str, list[float]] = {}
+        over: list[str] = []
+        n_norm = n_pass = 0
+        ctx.progress.start(len(expected))
+        for name, (hf, digest, info, slc, shape) in sorted(expected.items()):
+            ref = reference(store, hf, digest, info, slc, shape)
+            ref32 = to_float32(ref, info.dtype)
+            if not np.isfinite(ref32).all():
+                nonfinite.append(name)
+            base = name.removesuffix(".weight")
+            q = roles_q.get(base) if name.endswith(".weight") else None
+            if q is not None and f"{base}.scales" in model:
+                pack = 32 // q["bits"] if 32 % q["bits"] == 0 else None
+                w = model[f"{base}.weight"]
+                if w["shape"][:-1] != list(shape[:-1]) or (pack and w["shape"][-1] * pack != shape[-1]):
+                    shape_bad.append(name)
+                    continue
+                deq = dequantize(store, model, base, q)
+                if not np.isfinite(deq).all():
+                    nonfinite.append(f"{base} (dequantized)")
+                err = rel_l1(ref32, deq)
+                per_role.setdefault(str(q["bits"]), []).append(err)
+                if err > params.max_rel_l1.get(str(q["bits"]), 1.0):
+                    over.append(f"{name}: {err:.4f}")
+            elif name in model:
+                got = store.read_tensor(model[name])
+                same = got.dtype == ref.dtype and got.shape == ref.shape and got.tobytes() == ref.tobytes()
+                if ckpt.is_offset_norm(hf):
+                    n_norm += 1
+                    if not same:
+                        norm_bad.append(name)
+                else:
+                    n_pass += 1
+                    if not same:
+                        pass_bad.append(name)
+            ctx.progress.advance(1, info.nbytes)
+        checks.add("norms_shifted_once", not norm_bad, {"norms": n_norm, "wrong": len(norm_bad)}, norm_bad[:20] or None)
+        checks.add("passthrough_identical", not pass_bad, {"tensors": n_pass, "differ": len(pass_bad)}, pass_bad[:20] or None)
+        checks.add("finite", not nonfinite, {"non_finite": len(nonfinite)}, nonfinite[:20] or None)
+        checks.add("quantized_shapes", not shape_bad, {"wrong": len(shape_bad)}, shape_bad[:20] or None)
+        checks.add(
+            "dequant_rel_l1", not over,
+            {f"{b}-bit": {"tensors": len(v), "mean": round(sum(v) / len(v), 5), "max": round(max(v), 5),
+                          "limit": params.max_rel_l1.get(b)} for b, v in sorted(per_role.items())},
+            over[:20] or None,
+        )
+
+        # 5. fused experts: gate-then-up must reassemble the source, up-then-gate must not
+        trunk_layers = sorted({int(h.split(".")[3]) for h in fused if h.startswith("model.language_model.layers.")})
+        keep = {trunk_layers[0], trunk_layers[-1]} if trunk_layers else set()  # the head's always
+        split = {"checked": 0, "ok": 0}
+        split_bad = []
+        for hf, names in sorted(fused.items()):
+            if hf.startswith("model.language_model.layers.") and int(hf.split(".")[3]) not in keep:
+                continue
+            gate_name, up_name = names[0], names[1]
+            _, digest, info, _, _ = expected[gate_name]
+            src = to_float32(reference(store, hf, digest, info, None, info.shape), info.dtype)
+            g, u = (self._dense(store, model, roles_q, n) for n in (gate_name, up_name))
+            right = rel_l1(src, np.concatenate([g, u], axis=1))
+            swapped = rel_l1(src, np.concatenate([u, g], axis=1))
+            split["checked"] += 1
+            ok = right < 0.5 * swapped
+            split["ok"] += ok
+            split["worst_right"] = max(split.get("worst_right", 0.0), round(right, 5))
+            split["best_swapped"] = min(split.get("best_swapped", math.inf), round(swapped, 5))
+            if not ok:
+                split_bad.append(f"{hf}: gate|up {right:.4f} vs up|gate {swapped:.4f}")
+        checks.add("experts_split_order", not split_bad and split["checked"] > 0, split, split_bad or None)
+
+        # 6. base weights unchanged
+        if inputs.get("base"):
+            base_t = {k: v for a in inputs["base"] for k, v in a.tensors.items()}
+            differ = sorted(k for k, v in base_t.items() if model.get(k) != v)
+            checks.add("base_identical", not differ, {"tensors": len(base_t), "differ": len(differ)}, differ[:20] or None)
+
+        report = {"checks": checks.results, "ok": not checks.failed}
+        blob = json.dumps(report, indent=2, sort_keys=True, default=str).encode()
+        out = Artifact(files={"verify.json": ctx.store.put_blob(blob)}, meta={"report": json.loads(blob)})
+        for name, r in checks.results.items():
+            ctx.log(f"{'ok  ' if r['ok'] else 'FAIL'} {name}: {json.dumps(r['figure'], default=str)}")
+        if checks.failed:
+            path = ctx.store.root / "reports" / f"{ctx.variant}.{ctx.node}.{keys.short(keys.blob_digest(blob))}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(blob)
+            details = "; ".join(
+                f"{k}: {json.dumps(checks.results[k].get('detail') or checks.results[k]['figure'], default=str)[:300]}"
+                for k in checks.failed
+            )
+            raise VerifyError(f"{len(checks.failed)} check(s) failed: {details}. Full report: {path}")
+        return {"out": out}
+
+    @staticmethod
+    def _dense(store, model, roles_q, name) -> np.ndarray:
+        base = name.removesuffix(".weight")
+        if base in roles_q and f"{base}.scales" in model:
+            return dequantize(store, model, base, roles_q[base])
+        e = model[name]
+        return to_float32(store.read_tensor(e), e["dtype"])

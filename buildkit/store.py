@@ -1,0 +1,417 @@
+"""Content-addressed store.
+
+Layout under the root (default ``cache/``)::
+
+    objects/ab/<hex>      tensor bytes or file bytes, named by their digest
+    artifacts/ab/<hex>    artifact listings (canonical JSON), named by their digest
+    actions/ab/<hex>      action records: cache key -> named output artifacts
+    sources/ab/<hex>      stat cache for external (source) files: path -> digest
+    refs/<name>.json      keys of the last build of a variant (roots for gc)
+    locks/, tmp/
+
+Every write is temp file + fsync + rename, so a reader sees a whole entry or
+none. A corrupt or missing entry is a miss: it is reported, removed and
+rebuilt, never served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import keys
+from .errors import SourceError, StoreError
+from .tensors import DTYPES, nbytes
+
+RACY_TICK_NS = 2_000_000_000  # coarsest common filesystem timestamp resolution (FAT: 2 s)
+
+
+def _fan(root: Path, digest: str) -> Path:
+    h = digest.removeprefix(keys.PREFIX)
+    return root / h[:2] / h[2:]
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, tmp_dir: Path | None = None) -> None:
+    """Write bytes to ``path`` atomically: temp file in the same filesystem, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = tmp_dir or path.parent
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_dir / f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+@dataclass
+class Artifact:
+    """A named tree of tensors and small files, addressed by the digest of its listing.
+
+    ``tensors`` maps name -> {"dtype", "shape", "digest"} for store objects, or
+    {"dtype", "shape", "view": {"file", "tensor", "slice"?}} for a byte range of
+    an external source file (identified by content digest, never by path).
+    ``files`` maps name -> blob digest. ``meta`` is free-form canonical JSON.
+    """
+
+    tensors: dict[str, dict] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    external: dict[str, str] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    def listing(self) -> dict:
+        return {
+            "tensors": self.tensors,
+            "files": self.files,
+            "external": self.external,
+            "meta": self.meta,
+        }
+
+    @property
+    def digest(self) -> str:
+        return keys.digest_json("artifact", self.listing())
+
+    @classmethod
+    def from_listing(cls, d: dict) -> Artifact:
+        return cls(
+            dict(d.get("tensors", {})),
+            dict(d.get("files", {})),
+            dict(d.get("external", {})),
+            dict(d.get("meta", {})),
+        )
+
+    def tensor_bytes(self) -> int:
+        return sum(nbytes(t["dtype"], t["shape"]) for t in self.tensors.values())
+
+
+@dataclass
+class Stats:
+    bytes_read: int = 0
+    bytes_written: int = 0
+    objects_written: int = 0
+
+
+class Store:
+    def __init__(self, root: str | Path):
+        self.root = Path(root).absolute()
+        try:
+            for d in ("objects", "artifacts", "actions", "sources", "refs", "locks", "tmp"):
+                (self.root / d).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot use store at {self.root}: {e.strerror}") from e
+        self.stats = Stats()
+
+    # ---- objects -------------------------------------------------------------------
+
+    def object_path(self, digest: str) -> Path:
+        return _fan(self.root / "objects", digest)
+
+    def has_object(self, digest: str) -> bool:
+        return self.object_path(digest).exists()
+
+    def _put_object(self, digest: str, chunks: Iterable[bytes | memoryview]) -> str:
+        path = self.object_path(digest)
+        if path.exists():
+            return digest
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / "tmp" / f"{path.name}.{os.getpid()}.{time.monotonic_ns()}"
+        try:
+            with open(tmp, "wb") as f:
+                for c in chunks:
+                    f.write(c)
+                    self.stats.bytes_written += len(c)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        self.stats.objects_written += 1
+        return digest
+
+    def put_tensor(self, dtype: str, arr: np.ndarray) -> dict:
+        """Store a tensor given as a numpy array of its storage dtype; returns its entry."""
+        arr = np.ascontiguousarray(arr, dtype=DTYPES[dtype])
+        data = memoryview(arr).cast("B")
+        digest = keys.tensor_digest(dtype, arr.shape, data)
+        self._put_object(digest, [data])
+        return {"dtype": dtype, "shape": list(arr.shape), "digest": digest}
+
+    def put_blob(self, data: bytes) -> str:
+        return self._put_object(keys.blob_digest(data), [data])
+
+    def get_blob(self, digest: str) -> bytes:
+        data = self._read_object(digest)
+        if keys.blob_digest(data) != digest:
+            self._quarantine(self.object_path(digest), "content does not match its digest")
+            raise StoreError(f"store object {keys.short(digest)} was corrupt and has been removed; rebuild")
+        return data
+
+    def _read_object(self, digest: str) -> bytes:
+        path = self.object_path(digest)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise StoreError(
+                f"store object {keys.short(digest)} is missing from {self.root}; rebuild"
+            ) from None
+        self.stats.bytes_read += len(data)
+        return data
+
+    def read_tensor(self, entry: dict, verify: bool = True) -> np.ndarray:
+        """Read a tensor entry (store object or source view) as a storage-dtype array."""
+        dtype, shape = entry["dtype"], tuple(entry["shape"])
+        if "view" in entry:
+            return self._read_view(entry["view"], dtype, shape)
+        data = self._read_object(entry["digest"])
+        if len(data) != nbytes(dtype, shape) or (
+            verify and keys.tensor_digest(dtype, shape, data) != entry["digest"]
+        ):
+            self._quarantine(self.object_path(entry["digest"]), "content does not match its digest")
+            raise StoreError(
+                f"store object {keys.short(entry['digest'])} was corrupt and has been removed; rebuild"
+            )
+        return np.frombuffer(data, dtype=DTYPES[dtype]).reshape(shape)
+
+    def _read_view(self, view: dict, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        from .tensors import read_header, read_tensor
+
+        path = self.resolve_external(view["file"])
+        info = read_header(path).tensors.get(view["tensor"])
+        if info is None:
+            raise SourceError(f"{path}: tensor {view['tensor']!r} is missing")
+        arr = read_tensor(info, path)
+        self.stats.bytes_read += info.nbytes
+        if "slice" in view:
+            axis, start, stop = view["slice"]
+            idx = [slice(None)] * arr.ndim
+            idx[axis] = slice(start, stop)
+            arr = arr[tuple(idx)]
+        return np.ascontiguousarray(arr).reshape(shape)
+
+    def _quarantine(self, path: Path, why: str) -> None:
+        print(f"buildkit: warning: {path}: {why}; removed", file=sys.stderr)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+    # ---- external (source) files -------------------------------------------------
+
+    def digest_file(self, path: str | Path, rehash: bool = False) -> str:
+        """Content digest of a source file, remembered by (dev, inode, size, mtime, ctime).
+
+        A remembered digest is trusted only if it was recorded more than one
+        filesystem timestamp tick after the file's mtime (the racy-git rule).
+        """
+        path = Path(path).absolute()
+        st = path.stat()
+        ident = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        entry_path = _fan(self.root / "sources", keys.digest_json("path", str(path)))
+        if not rehash:
+            with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+                e = json.loads(entry_path.read_text())
+                if e["stat"] == ident and e["recorded_ns"] - st.st_mtime_ns > RACY_TICK_NS:
+                    return e["digest"]
+        h = keys.blob_hasher()
+        with open(path, "rb") as f:
+            while chunk := f.read(16 << 20):
+                h.update(chunk)
+                self.stats.bytes_read += len(chunk)
+        digest = keys.finish(h)
+        rec = {"path": str(path), "stat": ident, "digest": digest, "recorded_ns": time.time_ns()}
+        atomic_write(entry_path, keys.canonical_json(rec), self.root / "tmp")
+        by_digest = _fan(self.root / "sources", digest)
+        paths = set()
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            paths = set(json.loads(by_digest.read_text()))
+        if str(path) not in paths:
+            atomic_write(by_digest, keys.canonical_json(sorted(paths | {str(path)})), self.root / "tmp")
+        return digest
+
+    def resolve_external(self, digest: str) -> Path:
+        """A local path whose current content has this digest."""
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            for p in json.loads(_fan(self.root / "sources", digest).read_text()):
+                with contextlib.suppress(OSError):
+                    if self.digest_file(p) == digest:
+                        return Path(p)
+        raise SourceError(
+            f"no local file has content {keys.short(digest)} any more (the source changed "
+            "or moved since it was fetched); run the build again to re-fetch"
+        )
+
+    # ---- artifacts -----------------------------------------------------------------
+
+    def put_artifact(self, art: Artifact) -> str:
+        digest = art.digest
+        path = _fan(self.root / "artifacts", digest)
+        if not path.exists():
+            atomic_write(path, keys.canonical_json(art.listing()), self.root / "tmp")
+        return digest
+
+    def get_artifact(self, digest: str) -> Artifact:
+        path = _fan(self.root / "artifacts", digest)
+        try:
+            listing = json.loads(path.read_bytes())
+            art = Artifact.from_listing(listing)
+        except FileNotFoundError:
+            raise StoreError(f"artifact {keys.short(digest)} is missing; rebuild") from None
+        except (ValueError, AttributeError):
+            self._quarantine(path, "listing is not valid JSON")
+            raise StoreError(f"artifact {keys.short(digest)} was corrupt; rebuild") from None
+        if art.digest != digest:
+            self._quarantine(path, "listing does not match its digest")
+            raise StoreError(f"artifact {keys.short(digest)} was corrupt; rebuild")
+        return art
+
+    def artifact_complete(self, digest: str) -> bool:
+        """The listing is intact and every object it names exists with the right size."""
+        try:
+            art = self.get_artifact(digest)
+        except StoreError:
+            return False
+        for t in art.tensors.values():
+            if "digest" in t:
+                p = self.object_path(t["digest"])
+                try:
+                    if p.stat().st_size != nbytes(t["dtype"], t["shape"]):
+                        self._quarantine(p, "wrong size")
+                        return False
+                except FileNotFoundError:
+                    return False
+        return all(self.has_object(d) for d in art.files.values())
+
+    # ---- actions -------------------------------------------------------------------
+
+    def get_action(self, key: str) -> dict | None:
+        """The recorded outputs for a cache key, or None if absent, corrupt or incomplete."""
+        path = _fan(self.root / "actions", key)
+        try:
+            rec = json.loads(path.read_bytes())
+            outputs = rec["outputs"]
+            assert rec["key"] == key and isinstance(outputs, dict)
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, AssertionError, TypeError):
+            self._quarantine(path, "action record is corrupt")
+            return None
+        if not all(self.artifact_complete(d) for d in outputs.values()):
+            return None
+        return rec
+
+    def put_action(self, key: str, record: dict) -> None:
+        atomic_write(_fan(self.root / "actions", key), keys.canonical_json(record), self.root / "tmp")
+
+    @contextlib.contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        """An exclusive inter-process lock (flock) held for the duration of the block."""
+        path = self.root / "locks" / (keys.short(name, 32) + ".lock")
+        with open(path, "a+") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    # ---- refs and gc ---------------------------------------------------------------
+
+    def set_ref(self, name: str, value: dict) -> None:
+        atomic_write(self.root / "refs" / f"{name}.json", keys.canonical_json(value), self.root / "tmp")
+
+    def get_ref(self, name: str) -> dict | None:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            return json.loads((self.root / "refs" / f"{name}.json").read_text())
+        return None
+
+    def refs(self) -> dict[str, dict]:
+        out = {}
+        for p in sorted((self.root / "refs").glob("*.json")):
+            with contextlib.suppress(ValueError):
+                out[p.stem] = json.loads(p.read_text())
+        return out
+
+    def gc(self, dry_run: bool = False) -> dict:
+        """Remove actions no ref names, then artifacts and objects no kept action reaches."""
+        keep_keys = {k for ref in self.refs().values() for k in ref.get("keys", {}).values()}
+        live_arts: set[str] = set()
+        removed = {"actions": 0, "artifacts": 0, "objects": 0, "bytes": 0}
+        for p in sorted((self.root / "actions").glob("*/*")):
+            key = keys.PREFIX + p.parent.name + p.name
+            rec = None
+            with contextlib.suppress(ValueError):
+                rec = json.loads(p.read_bytes())
+            if key in keep_keys and rec:
+                live_arts.update(rec.get("outputs", {}).values())
+            else:
+                removed["actions"] += 1
+                removed["bytes"] += p.stat().st_size
+                if not dry_run:
+                    p.unlink()
+        live_objs: set[str] = set()
+        for d in live_arts:
+            with contextlib.suppress(StoreError):
+                art = self.get_artifact(d)
+                live_objs.update(t["digest"] for t in art.tensors.values() if "digest" in t)
+                live_objs.update(art.files.values())
+        for sub, live, kind in (("artifacts", live_arts, "artifacts"), ("objects", live_objs, "objects")):
+            for p in sorted((self.root / sub).glob("*/*")):
+                if keys.PREFIX + p.parent.name + p.name not in live:
+                    removed[kind] += 1
+                    removed["bytes"] += p.stat().st_size
+                    if not dry_run:
+                        p.unlink()
+        if not dry_run:
+            shutil.rmtree(self.root / "tmp", ignore_errors=True)
+            (self.root / "tmp").mkdir(exist_ok=True)
+        return removed
+
+    def check(self) -> list[str]:
+        """Re-hash every object and listing; return a line per corrupt entry (and remove it)."""
+        bad = []
+        for p in sorted((self.root / "artifacts").glob("*/*")):
+            d = keys.PREFIX + p.parent.name + p.name
+            try:
+                self.get_artifact(d)
+            except StoreError as e:
+                bad.append(str(e))
+        tensor_shapes: dict[str, tuple[str, list[int]]] = {}
+        for p in sorted((self.root / "artifacts").glob("*/*")):
+            with contextlib.suppress(Exception):
+                for t in json.loads(p.read_bytes())["tensors"].values():
+                    if "digest" in t:
+                        tensor_shapes[t["digest"]] = (t["dtype"], t["shape"])
+        for p in sorted((self.root / "objects").glob("*/*")):
+            d = keys.PREFIX + p.parent.name + p.name
+            data = p.read_bytes()
+            ok = keys.blob_digest(data) == d
+            if not ok and d in tensor_shapes:
+                ok = keys.tensor_digest(*tensor_shapes[d], data) == d
+            if not ok:
+                self._quarantine(p, "content does not match its digest")
+                bad.append(f"object {keys.short(d)}: content does not match its digest")
+        return bad

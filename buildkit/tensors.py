@@ -1,0 +1,216 @@
+"""Streaming safetensors I/O that never holds more than one tensor.
+
+Tensors travel as numpy arrays of their *storage* dtype: bf16 is carried as
+uint16 bit patterns, so no value is ever rounded on the way through. Headers
+are parsed and checked before anything is allocated: a header that claims more
+bytes than the file holds, overlapping ranges or unknown dtypes are rejected
+with the file and tensor named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import SourceError
+
+# safetensors dtype -> (numpy storage dtype, itemsize)
+DTYPES: dict[str, np.dtype] = {
+    "BF16": np.dtype("<u2"),
+    "F16": np.dtype("<f2"),
+    "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"),
+    "U8": np.dtype("u1"),
+    "I8": np.dtype("i1"),
+    "U16": np.dtype("<u2"),
+    "I16": np.dtype("<i2"),
+    "U32": np.dtype("<u4"),
+    "I32": np.dtype("<i4"),
+    "U64": np.dtype("<u8"),
+    "I64": np.dtype("<i8"),
+    "BOOL": np.dtype("?"),
+}
+MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+
+
+def nbytes(dtype: str, shape) -> int:
+    n = DTYPES[dtype].itemsize
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute file offset of the first byte
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Header:
+    path: Path
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+
+
+def read_header(path: str | Path) -> Header:
+    """Parse and validate a safetensors header without reading tensor data."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise SourceError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (hlen,) = struct.unpack("<Q", raw)
+            if hlen > MAX_HEADER or 8 + hlen > size:
+                raise SourceError(
+                    f"{path}: header claims {hlen} bytes but the file has {size}: "
+                    "truncated or not a safetensors file"
+                )
+            blob = f.read(hlen)
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read: {e.strerror}") from e
+    try:
+        head = json.loads(blob)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SourceError(f"{path}: header is not valid JSON ({e})") from e
+    if not isinstance(head, dict):
+        raise SourceError(f"{path}: header is not a JSON object")
+    metadata = head.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise SourceError(f"{path}: __metadata__ is not an object")
+    base = 8 + hlen
+    data_len = size - base
+    tensors: dict[str, TensorInfo] = {}
+    for name, info in head.items():
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(info, dict):
+            raise SourceError(f"{where}: entry is not an object")
+        dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in DTYPES:
+            raise SourceError(f"{where}: unsupported dtype {dtype!r}")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise SourceError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
+        if not (
+            isinstance(offs, list)
+            and len(offs) == 2
+            and all(isinstance(o, int) for o in offs)
+            and 0 <= offs[0] <= offs[1] <= data_len
+        ):
+            raise SourceError(
+                f"{where}: data_offsets {offs!r} fall outside the {data_len} data bytes "
+                "(truncated or corrupt file)"
+            )
+        want = nbytes(dtype, shape)
+        if offs[1] - offs[0] != want:
+            raise SourceError(
+                f"{where}: {dtype}{shape} needs {want} bytes but data_offsets span {offs[1] - offs[0]}"
+            )
+        tensors[name] = TensorInfo(name, dtype, tuple(shape), base + offs[0], base + offs[1])
+    spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.end > t.start)
+    for (_, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise SourceError(f"{path}: tensors {n0!r} and {n1!r} overlap")
+    return Header(path, tensors, {str(k): str(v) for k, v in metadata.items()})
+
+
+def read_tensor(info: TensorInfo, path: str | Path | None = None, fd: int | None = None) -> np.ndarray:
+    """Read one tensor as a numpy array of its storage dtype."""
+    buf = _pread(info.start, info.nbytes, path, fd)
+    return np.frombuffer(buf, dtype=DTYPES[info.dtype]).reshape(info.shape)
+
+
+def _pread(offset: int, length: int, path=None, fd=None) -> bytearray:
+    own = fd is None
+    if own:
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(length)
+        view = memoryview(buf)
+        got = 0
+        while got < length:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                raise SourceError(f"{path or fd}: unexpected end of file at {offset + got}")
+            got += n
+        return buf
+    finally:
+        if own:
+            os.close(fd)
+
+
+def header_bytes(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
+    """Serialize a safetensors header for tensors written in the given order."""
+    head: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    off = 0
+    for name, dtype, shape in entries:
+        n = nbytes(dtype, shape)
+        head[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    blob = json.dumps(head, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob
+
+
+# ---- bf16 helpers (bit-exact, platform independent) ----
+
+
+def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
+    return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bf16 bit patterns (NaN stays NaN)."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded = np.where(nan, np.uint16(0x7FC0), rounded)
+    return rounded
+
+
+def to_float32(arr: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return bf16_to_f32(arr)
+    return arr.astype(np.float32)
+
+
+def from_float32(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return f32_to_bf16(x)
+    return x.astype(DTYPES[dtype])
+
+
+def to_mlx(arr: np.ndarray, dtype: str):
+    import mlx.core as mx
+
+    a = mx.array(arr)
+    if dtype == "BF16":
+        a = a.view(mx.bfloat16)
+    return a
+
+
+def from_mlx(a) -> tuple[np.ndarray, str]:
+    """mlx array -> (numpy storage array, safetensors dtype)."""
+    import mlx.core as mx
+
+    if a.dtype == mx.bfloat16:
+        return np.array(a.view(mx.uint16)), "BF16"
+    arr = np.array(a)
+    for name, dt in DTYPES.items():
+        if name != "BF16" and arr.dtype == dt:
+            return arr, name
+    raise TypeError(f"no safetensors dtype for {a.dtype}")
