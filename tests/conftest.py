@@ -1,0 +1,70 @@
+"""Shared test helpers: a throwaway project (manifests + store + out) and CLI runners."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from buildkit.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Project:
+    """A temporary project: a copy of manifests/, its own store and output directory."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.manifests = root / "manifests"
+        self.store = root / "cache"
+        self.out = root / "out"
+        shutil.copytree(REPO / "manifests", self.manifests, ignore=shutil.ignore_patterns("*.lock"))
+
+    def write_manifest(self, name: str, text: str) -> Path:
+        p = self.manifests / f"{name}.toml"
+        p.write_text(text)
+        return p
+
+    def args(self, *argv: str) -> list[str]:
+        return ["--store", str(self.store), "--manifests", str(self.manifests), *argv]
+
+    def cli(self, *argv: str, capsys=None) -> int:
+        """Run the CLI in-process; returns the exit code."""
+        cwd = os.getcwd()
+        os.chdir(self.root)
+        try:
+            return main(self.args(*argv))
+        finally:
+            os.chdir(cwd)
+
+    def run(self, *argv: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+        """Run the CLI in a child process (for exit codes, concurrency and kills)."""
+        p = subprocess.run(
+            [sys.executable, "-m", "buildkit.cli", *self.args(*argv)],
+            cwd=self.root, capture_output=True, text=True, **kw,
+        )
+        if check and p.returncode != 0:
+            raise AssertionError(f"buildkit {' '.join(argv)} exited {p.returncode}:\n{p.stderr}")
+        return p
+
+    def build(self, variant: str, *extra: str) -> subprocess.CompletedProcess:
+        return self.run("build", variant, "--out", str(self.out / variant), *extra)
+
+
+@pytest.fixture
+def project(tmp_path) -> Project:
+    return Project(tmp_path)
+
+
+def ran(proc: subprocess.CompletedProcess) -> list[str]:
+    """Names of the steps a build executed, read from its progress lines."""
+    return [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("[run]")]
+
+
+def cached(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("[cached]")]

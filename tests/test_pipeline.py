@@ -1,0 +1,241 @@
+"""End to end: xl and xl-mtp built from a generated checkpoint, opened with safetensors and mlx_lm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from buildkit.fixture import FixtureSpec, generate
+from buildkit.tensors import bf16_to_f32, f32_to_bf16, read_header, read_tensor
+from conftest import Project, cached, ran
+
+
+def tensors_of(out: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a published directory, as raw storage arrays (bf16 as uint16)."""
+    idx = json.loads((out / "model.safetensors.index.json").read_text())
+    res = {}
+    for shard in sorted(set(idx["weight_map"].values())):
+        h = read_header(out / shard)
+        for name, info in h.tensors.items():
+            res[name] = read_tensor(info, out / shard)
+    return res
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """xl then xl-mtp in one store (the order a user would take)."""
+    p = Project(tmp_path_factory.mktemp("pipeline"))
+    xl = p.build("xl")
+    mtp = p.build("xl-mtp")
+    return p, xl, mtp
+
+
+def test_xl_mtp_after_xl_reruns_only_the_head_and_publish(built):
+    p, xl, mtp = built
+    assert ran(xl) == ["fetch", "sanitize", "quantize", "verify", "publish"]
+    assert sorted(ran(mtp)) == ["graft", "publish", "requantize", "verify"]
+    assert sorted(cached(mtp)) == ["fetch", "quantize", "sanitize"]
+
+
+def test_both_load_and_generate_with_mlx_lm(built):
+    from mlx_lm import generate, load
+
+    p, *_ = built
+    for variant in ("xl", "xl-mtp"):
+        model, tok = load(str(p.out / variant))
+        text = generate(model, tok, prompt="the quick brown fox", max_tokens=6)
+        assert isinstance(text, str) and len(tok.encode(text)) > 0
+        logits = model(mx.array([tok.encode("hello world")]))
+        assert bool(mx.isfinite(logits).all())
+
+
+def test_mlx_lm_reads_the_role_allocation(built):
+    from mlx_lm import load
+
+    p, *_ = built
+    model, _ = load(str(p.out / "xl"))
+    layer = model.language_model.model.layers[0]
+    assert (layer.mlp.gate.bits, layer.mlp.gate.group_size) == (8, 64)
+    assert layer.mlp.shared_expert_gate.bits == 8
+    assert layer.mlp.switch_mlp.gate_proj.bits == 6
+    assert layer.mlp.shared_expert.up_proj.bits == 8
+    assert layer.linear_attn.in_proj_qkv.bits == 8
+    assert model.language_model.model.embed_tokens.bits == 8
+    assert model.language_model.lm_head.bits == 8
+    cfg = json.loads((p.out / "xl" / "config.json").read_text())
+    assert cfg["quantization"] == cfg["quantization_config"]
+    assert cfg["quantization"]["bits"] == 6 and cfg["quantization"]["group_size"] == 64
+
+
+def test_mtp_keys_only_in_xl_mtp_and_trunk_is_byte_identical(built):
+    p, *_ = built
+    xl, mtp = tensors_of(p.out / "xl"), tensors_of(p.out / "xl-mtp")
+    head = sorted(k for k in mtp if k.startswith("language_model.mtp."))
+    assert not any(k.startswith("language_model.mtp.") for k in xl)
+    # 19 source tensors -> 20 after the split: 8 bf16 + 12 quantized x (weight, scales, biases)
+    assert len(head) == 8 + 12 * 3
+    assert set(mtp) - set(head) == set(xl)
+    for k, v in xl.items():
+        assert mtp[k].dtype == v.dtype and mtp[k].tobytes() == v.tobytes(), k
+    idx = json.loads((p.out / "xl-mtp" / "model.safetensors.index.json").read_text())
+    assert set(head) <= set(idx["weight_map"])
+    cfg = json.loads((p.out / "xl-mtp" / "config.json").read_text())
+    assert cfg["text_config"]["mtp_num_hidden_layers"] == 1
+    q = cfg["quantization"]
+    assert q["language_model.mtp.layers.0.mlp.gate"]["bits"] == 8
+    assert "language_model.mtp.fc" not in q and mtp["language_model.mtp.fc.weight"].dtype == np.uint16
+
+
+def test_mtp_head_norms_shifted_once_and_experts_split_gate_first(built):
+    p, *_ = built
+    out = tensors_of(p.out / "xl-mtp")
+    src_dir = next((p.store / "fixtures").iterdir())
+    src = {}
+    for f in sorted(src_dir.glob("*.safetensors")):
+        h = read_header(f)
+        src.update({k: read_tensor(i, f) for k, i in h.tensors.items() if k.startswith("mtp.")})
+    norms = [
+        "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "layers.0.input_layernorm",
+        "layers.0.post_attention_layernorm", "layers.0.self_attn.q_norm", "layers.0.self_attn.k_norm",
+    ]
+    for n in norms:
+        want = f32_to_bf16(bf16_to_f32(src[f"mtp.{n}.weight"]) + np.float32(1.0))
+        assert out[f"language_model.mtp.{n}.weight"].tobytes() == want.tobytes(), n
+    # mtp.fc is bf16 and untouched, columns in source order (embedding half first)
+    assert out["language_model.mtp.fc.weight"].tobytes() == src["mtp.fc.weight"].tobytes()
+    fused = bf16_to_f32(src["mtp.layers.0.mlp.experts.gate_up_proj"])
+    i = fused.shape[1] // 2
+    base = "language_model.mtp.layers.0.mlp.switch_mlp"
+
+    def deq(name):
+        w, s, b = (mx.array(out[f"{base}.{name}.{k}"]) for k in ("weight", "scales", "biases"))
+        s, b = s.view(mx.bfloat16), b.view(mx.bfloat16)
+        return np.array(mx.dequantize(w, s, b, group_size=64, bits=6).astype(mx.float32))
+
+    gate, up = deq("gate_proj"), deq("up_proj")
+    err = lambda a, b: np.abs(a - b).sum() / np.abs(b).sum()  # noqa: E731
+    assert err(gate, fused[:, :i]) < 0.05 and err(up, fused[:, i:]) < 0.05
+    assert err(gate, fused[:, i:]) > 0.5
+
+
+def test_sanitize_matches_mlx_lm_sanitize(built):
+    """Our sanitized trunk is exactly what mlx_lm's qwen3_5_moe sanitize makes of the source."""
+    from mlx_lm.utils import _get_classes, load_config
+
+    from buildkit.store import Store
+
+    p, *_ = built
+    src_dir = next((p.store / "fixtures").iterdir())
+    config = load_config(src_dir)
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    weights = {}
+    for f in sorted(src_dir.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    want = model.sanitize(weights)
+    store = Store(p.store)
+    ref = store.get_ref("xl")["nodes"]["sanitize"]["outputs"]["model"]
+    art = store.get_artifact(ref)
+    trunk = {k: v for k, v in art.tensors.items() if k.startswith("language_model.")}
+    assert set(trunk) == set(want)
+    for k, v in want.items():
+        got = store.read_tensor(trunk[k])
+        mine = mx.array(got).view(mx.bfloat16) if trunk[k]["dtype"] == "BF16" else mx.array(got)
+        assert tuple(mine.shape) == tuple(v.shape), k
+        assert bool(mx.array_equal(mine, v)), k
+    assert any(k.startswith("vision_tower.") for k in art.tensors)
+
+
+def test_verify_report_and_model_card(built):
+    p, *_ = built
+    report = json.loads((p.out / "xl-mtp" / "verify.json").read_text())
+    checks = report["checks"]
+    assert report["ok"] and all(c["ok"] for c in checks.values())
+    assert checks["key_set"]["figure"]["mtp_keys"] == 44
+    assert checks["base_identical"]["figure"]["differ"] == 0
+    assert checks["dequant_rel_l1"]["figure"]["6-bit"]["max"] < 0.045
+    card = (p.out / "xl-mtp" / "README.md").read_text()
+    assert card.startswith("---\nbase_model: Qwen/Qwen3.6-35B-A3B\nlibrary_name: mlx\n")
+    assert "| trunk | routed_expert | 6 | 64 |" in card and "mtp" in card
+    assert "bits per weight" in card and "base_identical" in card
+
+
+def test_shards_have_mlx_metadata_and_index_parity(built):
+    p, *_ = built
+    out = p.out / "xl-mtp"
+    idx = json.loads((out / "model.safetensors.index.json").read_text())
+    total = 0
+    seen = {}
+    for shard in sorted(set(idx["weight_map"].values())):
+        with safe_open(out / shard, framework="numpy") as f:
+            assert f.metadata() == {"format": "mlx"}
+        for k, info in read_header(out / shard).tensors.items():
+            seen[k] = shard
+            total += info.nbytes
+    assert seen == idx["weight_map"] and total == idx["metadata"]["total_size"]
+    assert list(idx["weight_map"]) == sorted(idx["weight_map"])
+
+
+def test_published_bytes_identical_across_clean_builds(tmp_path, built):
+    p, *_ = built
+    q = Project(tmp_path)
+    q.build("xl-mtp", "--jobs", "1")
+    a, b = p.out / "xl-mtp", q.out / "xl-mtp"
+    names = sorted(x.name for x in a.iterdir())
+    assert names == sorted(x.name for x in b.iterdir())
+    for n in names:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
+
+
+def test_second_build_runs_nothing_and_deleted_output_is_republished(built):
+    p, *_ = built
+    again = p.build("xl-mtp")
+    assert ran(again) == []
+    (p.out / "xl-mtp" / "config.json").unlink()
+    redo = p.build("xl-mtp")
+    assert ran(redo) == ["publish"]
+    assert "missing" in redo.stderr
+
+
+def test_local_directory_source_and_sharding(tmp_path):
+    """A local HF directory as --source; a small shard limit splits the output."""
+    p = Project(tmp_path / "proj")
+    src = generate(tmp_path / "src", FixtureSpec(seed=3, shards=3))
+    p.write_manifest("xl-small-shards", 'extends = "xl"\n[steps.publish.params]\nmax_shard_bytes = 1048576\n')
+    p.build("xl-small-shards", "--source", str(src))
+    out = p.out / "xl-small-shards"
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
+    from mlx_lm import load
+
+    load(str(out))
+
+
+def test_push_dry_run_lists_files(built):
+    p, *_ = built
+    r = p.run("build", "xl", "--out", str(p.out / "xl"), "--push", "me/xl-test", "--dry-run")
+    assert "would upload" in r.stdout and "model.safetensors.index.json" in r.stdout
+
+
+def test_hf_source_from_offline_cache(tmp_path, monkeypatch):
+    """hf://org/repo@sha resolves through huggingface_hub's cache with HF_HUB_OFFLINE=1."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    cache = tmp_path / "hf"
+    snap = cache / "models--Qwen--Tiny" / "snapshots" / sha
+    generate(snap, FixtureSpec(seed=5))
+    (cache / "models--Qwen--Tiny" / "refs").mkdir(parents=True)
+    (cache / "models--Qwen--Tiny" / "refs" / "main").write_text(sha)
+    p = Project(tmp_path / "proj")
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+    import os
+
+    full_env = {**os.environ, **env}
+    r = p.run("build", "xl", "--source", f"hf://Qwen/Tiny@{sha}", "--out", str(p.out / "xl"), env=full_env)
+    assert "publish" in ran(r)
+    bad = p.run("build", "xl", "--release", "--source", "hf://Qwen/Tiny@main", check=False, env=full_env)
+    assert bad.returncode == 2 and "pinned revision" in bad.stderr
