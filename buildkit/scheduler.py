@@ -15,13 +15,14 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import networkx as nx
 
 from . import graph as graphs
-from . import keys
+from . import keys, workers
 from .errors import BuildkitError, StepError
 from .manifest import Manifest, Node
 from .steps.base import BuildOptions, Context, Progress
@@ -47,13 +48,18 @@ class NodeState:
 def ingredients(node: Node, inputs: dict[str, list[str]], ctx: Context) -> dict:
     """Everything that can change the node's output bytes, and nothing else."""
     step = node.step
+    params = step.key_params(node.params)
+    # A fingerprint may materialize its subject (a generated fixture, a hub download): two
+    # processes fingerprinting the same thing take turns, or they race to create it.
+    with ctx.store.lock(keys.digest_json("fingerprint", [node.kind, step.version, params])):
+        fingerprint = step.fingerprint(node.params, ctx)
     return {
         "kind": node.kind,
         "version": step.version,
-        "params": step.key_params(node.params),
+        "params": params,
         "inputs": inputs,
         "libraries": step.libraries(),
-        "fingerprint": step.fingerprint(node.params, ctx),
+        "fingerprint": fingerprint,
     }
 
 
@@ -130,7 +136,7 @@ class Reporter:
             return
         with self.lock:
             if self.rich:
-                self.rich.console.print(msg, highlight=False)
+                self.rich.console.print(msg, highlight=False, markup=False)
             else:
                 print(msg, file=self.stream, flush=True)
 
@@ -172,8 +178,11 @@ class Scheduler:
         )
 
     def _previous(self) -> dict:
-        ref = self.store.get_ref(self.m.name) or {}
-        return ref.get("nodes", {})
+        """Last built ingredients per node: this variant's, else its nearest parent's."""
+        nodes: dict = {}
+        for file in reversed(self.m.chain):  # root parent first, this variant last
+            nodes.update((self.store.get_ref(Path(file).stem) or {}).get("nodes", {}))
+        return nodes
 
     def _input_digests(self, node: Node, states: dict[str, NodeState]) -> dict[str, list[str]] | None:
         out = {}
@@ -256,24 +265,28 @@ class Scheduler:
         failures: list[tuple[str, BaseException]] = []
         running = {}
         t0 = time.monotonic()
+        jobs = max(1, jobs)
+        pool = workers.pool("nodes")
         try:
-            with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-                while remaining or running:
-                    if not failures:
-                        for n in [n for n in names if n in remaining]:
-                            if all(p in done for p in self.g.predecessors(n) if p in states):
-                                remaining.discard(n)
-                                running[pool.submit(self._run_node, n, states, prev, reporter)] = n
-                    if not running:
-                        break
-                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for fut in finished:
-                        n = running.pop(fut)
-                        exc = fut.exception()
-                        if exc is not None:
-                            failures.append((n, exc))
-                        else:
-                            done.add(n)
+            while remaining or running:
+                if not failures:
+                    for n in [n for n in names if n in remaining]:
+                        if len(running) >= jobs:
+                            break
+                        if all(p in done for p in self.g.predecessors(n) if p in states):
+                            remaining.discard(n)
+                            fut = pool.submit(self._run_node, n, states, prev, reporter, workers=jobs)
+                            running[fut] = n
+                if not running:
+                    break
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    n = running.pop(fut)
+                    exc = fut.exception()
+                    if exc is not None:
+                        failures.append((n, exc))
+                    else:
+                        done.add(n)
         finally:
             reporter.close()
         if failures:

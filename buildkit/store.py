@@ -31,7 +31,7 @@ import numpy as np
 
 from . import keys
 from .errors import SourceError, StoreError
-from .tensors import DTYPES, nbytes
+from .tensors import DTYPES, Header, nbytes, read_header, read_slice, read_tensor
 
 RACY_TICK_NS = 2_000_000_000  # coarsest common filesystem timestamp resolution (FAT: 2 s)
 
@@ -39,6 +39,10 @@ RACY_TICK_NS = 2_000_000_000  # coarsest common filesystem timestamp resolution 
 def _fan(root: Path, digest: str) -> Path:
     h = digest.removeprefix(keys.PREFIX)
     return root / h[:2] / h[2:]
+
+
+def _ident(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def fsync_dir(path: Path) -> None:
@@ -125,6 +129,8 @@ class Store:
         except OSError as e:
             raise StoreError(f"cannot use store at {self.root}: {e.strerror}") from e
         self.stats = Stats()
+        self._headers: dict[str, Header] = {}
+        self._resolved: dict[str, tuple[Path, list[int]]] = {}
 
     # ---- objects -------------------------------------------------------------------
 
@@ -199,21 +205,27 @@ class Store:
             )
         return np.frombuffer(data, dtype=DTYPES[dtype]).reshape(shape)
 
-    def _read_view(self, view: dict, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-        from .tensors import read_header, read_tensor
+    def header(self, file_digest: str) -> tuple[Path, Header]:
+        """Path and parsed header of a source file, by content digest (headers cached per process)."""
+        path = self.resolve_external(file_digest)
+        h = self._headers.get(file_digest)
+        if h is None:
+            h = self._headers[file_digest] = read_header(path)
+        return path, h
 
-        path = self.resolve_external(view["file"])
-        info = read_header(path).tensors.get(view["tensor"])
+    def _read_view(self, view: dict, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        path, header = self.header(view["file"])
+        info = header.tensors.get(view["tensor"])
         if info is None:
             raise SourceError(f"{path}: tensor {view['tensor']!r} is missing")
-        arr = read_tensor(info, path)
-        self.stats.bytes_read += info.nbytes
         if "slice" in view:
-            axis, start, stop = view["slice"]
-            idx = [slice(None)] * arr.ndim
-            idx[axis] = slice(start, stop)
-            arr = arr[tuple(idx)]
-        return np.ascontiguousarray(arr).reshape(shape)
+            arr = read_slice(info, path, *view["slice"])
+        else:
+            arr = read_tensor(info, path)
+        if arr.dtype != DTYPES[dtype] or arr.size != int(np.prod(shape, dtype=np.int64)):
+            raise SourceError(f"{path}: tensor {view['tensor']!r} no longer matches its recorded {dtype}{list(shape)}")
+        self.stats.bytes_read += arr.nbytes
+        return arr.reshape(shape)
 
     def _quarantine(self, path: Path, why: str) -> None:
         print(f"buildkit: warning: {path}: {why}; removed", file=sys.stderr)
@@ -230,7 +242,7 @@ class Store:
         """
         path = Path(path).absolute()
         st = path.stat()
-        ident = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        ident = _ident(st)
         entry_path = _fan(self.root / "sources", keys.digest_json("path", str(path)))
         if not rehash:
             with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
@@ -254,11 +266,18 @@ class Store:
         return digest
 
     def resolve_external(self, digest: str) -> Path:
-        """A local path whose current content has this digest."""
+        """A local path whose current content has this digest (checked by stat on every call)."""
+        known = self._resolved.get(digest)
+        if known is not None:
+            path, ident = known
+            with contextlib.suppress(OSError):
+                if _ident(path.stat()) == ident:
+                    return path
         with contextlib.suppress(FileNotFoundError, ValueError):
             for p in json.loads(_fan(self.root / "sources", digest).read_text()):
                 with contextlib.suppress(OSError):
                     if self.digest_file(p) == digest:
+                        self._resolved[digest] = (Path(p), _ident(Path(p).stat()))
                         return Path(p)
         raise SourceError(
             f"no local file has content {keys.short(digest)} any more (the source changed "

@@ -133,6 +133,31 @@ def read_tensor(info: TensorInfo, path: str | Path | None = None, fd: int | None
     return np.frombuffer(buf, dtype=DTYPES[info.dtype]).reshape(info.shape)
 
 
+def read_slice(info: TensorInfo, path: str | Path, axis: int, start: int, stop: int) -> np.ndarray:
+    """Read ``tensor[..., start:stop, ...]`` along ``axis`` without reading the rest."""
+    shape = list(info.shape)
+    if not (0 <= axis < len(shape) and 0 <= start <= stop <= shape[axis]):
+        raise SourceError(f"{path}: tensor {info.name!r} {shape} has no slice {axis}:{start}:{stop}")
+    item = DTYPES[info.dtype].itemsize
+    inner = item
+    for d in shape[axis + 1 :]:
+        inner *= d
+    outer = 1
+    for d in shape[:axis]:
+        outer *= d
+    row, run = shape[axis] * inner, (stop - start) * inner
+    buf = bytearray(outer * run)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for o in range(outer):
+            chunk = _pread(info.start + o * row + start * inner, run, path, fd)
+            buf[o * run : (o + 1) * run] = chunk
+    finally:
+        os.close(fd)
+    shape[axis] = stop - start
+    return np.frombuffer(buf, dtype=DTYPES[info.dtype]).reshape(shape)
+
+
 def _pread(offset: int, length: int, path=None, fd=None) -> bytearray:
     own = fd is None
     if own:
