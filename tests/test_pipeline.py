@@ -8,11 +8,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import Project, cached, ran
 from safetensors import safe_open
 
 from buildkit.fixture import FixtureSpec, generate
 from buildkit.tensors import bf16_to_f32, f32_to_bf16, read_header, read_tensor
-from conftest import Project, cached, ran
 
 
 def tensors_of(out: Path) -> dict[str, np.ndarray]:

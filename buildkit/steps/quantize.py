@@ -10,10 +10,9 @@ quantizing and writing overlap.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 from pydantic import Field, model_validator
 
+from .. import dataaware, workers
 from ..errors import StepError
 from ..roles import Recipe, Role
 from ..store import Artifact
@@ -65,7 +64,7 @@ def stored_bits(entries: dict[str, dict]) -> int:
     return 8 * sum(nbytes(e["dtype"], e["shape"]) for e in entries.values())
 
 
-def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams) -> Artifact:
+def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calibration: Artifact | None = None) -> Artifact:
     recipe = params.recipe
     names = sorted(art.tensors)
     roles: dict[str, str] = {}
@@ -85,28 +84,32 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams) -> Ar
     src_params = src_bits = out_bits = 0
     ctx.progress.start(len(names))
 
-    def work(name: str) -> tuple[str, dict[str, dict]]:
-        return name, quantize_entry(ctx.store, name, art.tensors[name], recipe.roles[roles[name]])
+    tally = dataaware.check_calibration(recipe, roles, calibration)
 
-    # Bounded in-flight window: a few tensors in memory, never the model.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for name, entries in _windowed(pool, work, names, 4):
-            role_name = roles[name]
-            role = recipe.roles[role_name]
-            src = art.tensors[name]
-            n = 1
-            for d in src["shape"]:
-                n *= d
-            out.tensors.update(entries)
-            if not role.passthrough:
-                quant_cfg[module_path(name)] = role.quant()
-            row = table.setdefault(role_name, {**role.model_dump(exclude_defaults=True), "tensors": 0, "params": 0})
-            row["tensors"] += 1
-            row["params"] += n
-            src_params += n
-            src_bits += 8 * DTYPES[src["dtype"]].itemsize * n
-            out_bits += stored_bits(entries)
-            ctx.progress.advance(1, nbytes(src["dtype"], src["shape"]))
+    def work(name: str) -> tuple[str, dict[str, dict]]:
+        role = recipe.roles[roles[name]]
+        if role.calibrated:  # data-aware routed experts (buildkit/dataaware.py)
+            return name, dataaware.quantize_entry(ctx.store, name, art.tensors[name], role, calibration, tally)
+        return name, quantize_entry(ctx.store, name, art.tensors[name], role)
+
+    # Two workers, at most four tensors in flight: a few tensors in memory, never the model.
+    for name, entries in workers.imap("tensors", work, names, workers=2, window=4):
+        role_name = roles[name]
+        role = recipe.roles[role_name]
+        src = art.tensors[name]
+        n = 1
+        for d in src["shape"]:
+            n *= d
+        out.tensors.update(entries)
+        if not role.passthrough:
+            quant_cfg[module_path(name)] = role.quant()
+        row = table.setdefault(role_name, {**role.model_dump(exclude_defaults=True), "tensors": 0, "params": 0})
+        row["tensors"] += 1
+        row["params"] += n
+        src_params += n
+        src_bits += 8 * DTYPES[src["dtype"]].itemsize * n
+        out_bits += stored_bits(entries)
+        ctx.progress.advance(1, nbytes(src["dtype"], src["shape"]))
     out.meta = {
         "quantization": quant_cfg,
         "roles": roles,
@@ -114,22 +117,13 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams) -> Ar
         "bits_per_weight": round(out_bits / max(src_params, 1), 4),
         "source_bits_per_weight": round(src_bits / max(src_params, 1), 4),
     }
+    if tally:
+        out.meta["calibration"] = tally.summary()
+        ctx.log(f"data-aware: {tally.expert_slices} expert slices; "
+                f"{out.meta['calibration']['fallback_experts']} experts reached by no calibration token fell back")
     ctx.log(f"{len(quant_cfg)} quantized, {len(names) - len(quant_cfg)} passthrough, "
             f"{out.meta['bits_per_weight']:.3f} bits per weight")
     return out
-
-
-def _windowed(pool, fn, items, window):
-    """``pool.map`` with at most ``window`` results in flight (in order)."""
-    from collections import deque
-
-    pending = deque()
-    for it in items:
-        pending.append(pool.submit(fn, it))
-        if len(pending) >= window:
-            yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
 
 
 @register
@@ -137,7 +131,7 @@ class Quantize(Step):
     kind = "quantize"
     version = 1
     Params = QuantizeParams
-    inputs = {"model": Slot()}
+    inputs = {"model": Slot(), "calibration": Slot(required=False)}  # a calibrate output
     uses_recipe = True
 
     def libraries(self) -> dict[str, str]:
@@ -148,10 +142,13 @@ class Quantize(Step):
         d = params.model_dump(mode="json")
         used = set(params.recipe.rules.values()) | set(params.rules.values())
         d["recipe"]["roles"] = {k: v for k, v in d["recipe"]["roles"].items() if k in used}
+        if any(v.get("calibrated") for v in d["recipe"]["roles"].values()):
+            d["data_aware"] = dataaware.key()  # the search's version and the numpy it runs on
         return d
 
     def run(self, ctx: Context, params: QuantizeParams, inputs) -> dict[str, Artifact]:
-        return {"out": quantize_artifact(ctx, inputs["model"][0], params)}
+        calibration = (inputs.get("calibration") or [None])[0]
+        return {"out": quantize_artifact(ctx, inputs["model"][0], params, calibration)}
 
 
 class RequantizeParams(QuantizeParams):

@@ -16,6 +16,7 @@ import math
 import numpy as np
 from pydantic import Field
 
+from .. import calibration as cal
 from .. import checkpoint as ckpt
 from .. import keys
 from ..errors import VerifyError
@@ -62,6 +63,78 @@ def rel_l1(ref: np.ndarray, got: np.ndarray) -> float:
     return float(np.abs(ref - got).sum(dtype=np.float64)) / max(den, 1e-30)
 
 
+def calibrated_expert_error(store, heldout: Artifact, parts: list[Artifact], roles_q: dict, expected: dict) -> tuple[bool, dict, list | None]:
+    """(ok, figure, detail): mean relative output error, over the held-out tokens routed to each
+    data-aware expert, of the published experts and of data-agnostic ``mx.quantize`` of the same
+    source weights at the same bits; data-aware must be lower."""
+    import mlx.core as mx
+
+    model = {k: v for a in parts for k, v in a.tensors.items()}
+    fallback: dict[str, list[int]] = {}
+    for a in parts:
+        fallback.update(a.meta.get("calibration", {}).get("fallback_by_layer", {}))
+    aware, agnostic, problems = [], [], []
+    unseen = tokens = 0
+    for key in sorted(k for k in heldout.tensors if k.endswith(".inputs")):
+        sw = key.removesuffix(".inputs")
+        layer = sw.removesuffix(cal.SWITCH)
+        packed: dict[str, dict] = {"ref": {}, "aware": {}, "agnostic": {}}  # storage arrays, whole
+        qargs: dict[str, dict] = {}
+        for proj in cal.PROJS:
+            module = f"{sw}.{proj}"
+            q = roles_q.get(module)
+            if q is None or f"{module}.weight" not in expected or f"{module}.scales" not in model:
+                problems.append(f"{module}: not a quantized tensor of this model")
+                continue
+            hf, digest, info, slc, shape = expected[f"{module}.weight"]
+            raw = reference(store, hf, digest, info, slc, shape)
+            qargs[proj] = {"group_size": q["group_size"], "bits": q["bits"], "mode": q.get("mode", "affine")}
+            packed["ref"][proj] = (raw, info.dtype)
+            packed["aware"][proj] = [to_mlx(store.read_tensor(model[f"{module}.{k}"]), model[f"{module}.{k}"]["dtype"])
+                                     for k in ("weight", "scales", "biases")]
+            packed["agnostic"][proj] = mx.quantize(to_mlx(raw, info.dtype), **qargs[proj])
+        if len(qargs) < len(cal.PROJS):
+            continue
+
+        def weights(variant: str, e: int, packed=packed, qargs=qargs) -> dict[str, np.ndarray]:
+            if variant == "ref":
+                return {p: to_float32(raw[e], dtype) for p, (raw, dtype) in packed["ref"].items()}
+            return {p: np.array(mx.dequantize(*(a[e] for a in arrs), **qargs[p]).astype(mx.float32))
+                    for p, arrs in packed[variant].items()}
+
+        x = to_float32(store.read_tensor(heldout.tensors[key]), "BF16")
+        experts = store.read_tensor(heldout.tensors[f"{sw}.experts"])
+        tokens = max(tokens, len(x))
+        n_experts = packed["ref"]["gate_proj"][0].shape[0]
+        errs = cal.expert_errors(x, experts, n_experts, weights, ["aware", "agnostic"])
+        skip = set(fallback.get(layer, ()))
+        for e, (a, b) in enumerate(zip(errs["aware"], errs["agnostic"])):
+            if e in skip:
+                continue
+            if math.isnan(a):
+                unseen += 1
+                continue
+            aware.append(a)
+            agnostic.append(b)
+    mean_a = sum(aware) / len(aware) if aware else math.nan
+    mean_b = sum(agnostic) / len(agnostic) if agnostic else math.nan
+    figure = {
+        "experts": len(aware),
+        "heldout_tokens": tokens,
+        "data_aware": round(mean_a, 5) if aware else None,
+        "data_agnostic": round(mean_b, 5) if aware else None,
+        "reduction": f"{100 * (1 - mean_a / mean_b):.1f}%" if aware else None,
+        "worse_experts": int(sum(a > b for a, b in zip(aware, agnostic))),
+        "fallback_experts": sum(map(len, fallback.values())),
+        "no_heldout_token": unseen,
+    }
+    if not aware:
+        problems.append("no data-aware expert is reached by a held-out token; nothing to compare")
+    elif not mean_a < mean_b:
+        problems.append(f"data-aware mean error {mean_a:.5f} is not below data-agnostic {mean_b:.5f}")
+    return not problems, figure, problems[:20] or None
+
+
 class Checks:
     def __init__(self):
         self.results: dict[str, dict] = {}
@@ -84,6 +157,7 @@ class Verify(Step):
         "source": Slot(),  # fetch output of the trunk's source
         "head_source": Slot(required=False),  # fetch output the MTP head came from (if any)
         "base": Slot(required=False, many=True),  # artifacts whose tensors must appear unchanged
+        "calibration": Slot(required=False),  # calibrate:heldout: measure data-aware experts on it
     }
 
     def libraries(self) -> dict[str, str]:
@@ -207,6 +281,11 @@ class Verify(Step):
             base_t = {k: v for a in inputs["base"] for k, v in a.tensors.items()}
             differ = sorted(k for k, v in base_t.items() if model.get(k) != v)
             checks.add("base_identical", not differ, {"tensors": len(base_t), "differ": len(differ)}, differ[:20] or None)
+
+        # 7. data-aware experts against data-agnostic ones, on held-out calibration text
+        if inputs.get("calibration"):
+            checks.add("calibrated_expert_error", *calibrated_expert_error(
+                store, inputs["calibration"][0], inputs["model"], roles_q, expected))
 
         report = {"checks": checks.results, "ok": not checks.failed}
         blob = json.dumps(report, indent=2, sort_keys=True, default=str).encode()

@@ -1,0 +1,274 @@
+"""Calibration: what the routed experts of a bf16 trunk see on a small text set.
+
+The text is split deterministically into calibration and held-out lines
+(``split_lines``) and tokenized with the source's own ``tokenizer.json``. The
+sanitized trunk is run with mlx_lm's ``qwen3_5_moe`` classes one decoder layer
+at a time (one layer's weights in memory, cast to float32: mlx on CPU has no
+bf16 ``gather_mm``). Each MoE block's ``switch_mlp`` is tapped for its input
+and the experts the router chose, and its ``down_proj`` for the experts'
+intermediate activations ``silu(gate x) * up x``. From those, per layer and
+expert: the number of routed tokens and the per-channel mean square of the
+inputs of gate/up and of down (``expert_stats``), the importance weights of the
+data-aware quantization (``dataaware``). Held-out tokens' routed inputs are
+kept as they are, to measure expert output error (``expert_errors``).
+
+Statistics are stored under the name of the weight they weigh:
+``<module>.input_sq_mean`` [E, in_features] (gate and up share theirs, so the
+store keeps one object) and ``<layer>.mlp.switch_mlp.tokens`` [E].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import SourceError, UsageError
+from .tensors import to_mlx
+
+BUILTIN = "builtin:"
+SWITCH = ".mlp.switch_mlp"
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+# ---- the text ----------------------------------------------------------------------
+
+
+def text_path(spec: str, project_root: Path) -> Path:
+    """``builtin:NAME`` is a file shipped in ``buildkit/data``; anything else a project path."""
+    if spec.startswith(BUILTIN):
+        path = Path(__file__).parent / "data" / spec[len(BUILTIN) :]
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_absolute():
+            path = project_root / path
+    if not path.is_file():
+        raise UsageError(
+            f"calibration text {spec!r}: no such file ({path}); point params.text of the "
+            "calibrate step at a UTF-8 text file, or use builtin:calibration.txt"
+        )
+    return path
+
+
+def split_lines(text: str, heldout_every: int) -> tuple[list[str], list[str]]:
+    """(calibration, held-out) lines: the leading ``#`` header and blank lines are dropped,
+    then every ``heldout_every``-th remaining line is held out."""
+    lines = text.splitlines()
+    while lines and (lines[0].startswith("#") or not lines[0].strip()):
+        lines.pop(0)
+    lines = [ln.rstrip() for ln in lines if ln.strip()]
+    calib = [ln for i, ln in enumerate(lines) if i % heldout_every != heldout_every - 1]
+    held = [ln for i, ln in enumerate(lines) if i % heldout_every == heldout_every - 1]
+    return calib, held
+
+
+def tokenize(tokenizer_json: bytes, lines: list[str], limit: int) -> list[int]:
+    """Token ids of the lines joined by newlines, at most ``limit`` of them."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json.decode())
+    return tok.encode("\n".join(lines), add_special_tokens=False).ids[:limit]
+
+
+def batches(ids: list[int], seq_len: int) -> list[np.ndarray]:
+    """Sequences of ``seq_len`` tokens as one [B, seq_len] batch, plus the remainder."""
+    n = len(ids) // seq_len * seq_len
+    out = [np.array(ids[:n], dtype=np.int32).reshape(-1, seq_len)] if n else []
+    if len(ids) > n:
+        out.append(np.array([ids[n:]], dtype=np.int32))
+    return out
+
+
+# ---- running the trunk -------------------------------------------------------------
+
+
+@dataclass
+class Routed:
+    """One stream's view of one MoE layer: inputs x [N, H], the chosen experts [N, k], and
+    the intermediate activations [M, I] with the expert of each row [M]."""
+
+    x: list[np.ndarray] = field(default_factory=list)
+    experts: list[np.ndarray] = field(default_factory=list)
+    mid: list[np.ndarray] = field(default_factory=list)
+    mid_experts: list[np.ndarray] = field(default_factory=list)
+
+    def cat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return tuple(np.concatenate(v) for v in (self.x, self.experts, self.mid, self.mid_experts))
+
+
+class _Recorder:
+    """Collects what the taps see, per stream, as numpy arrays once evaluated."""
+
+    def __init__(self):
+        self.seen: dict[str, Routed] = {}
+        self.stream = ""
+        self.pending: list = []
+
+    def routed(self, x, indices) -> None:  # switch_mlp(x [.., H], indices [.., k])
+        self.pending += [("x", x.reshape(-1, x.shape[-1])), ("experts", indices.reshape(-1, indices.shape[-1]))]
+
+    def mid(self, a, indices) -> None:  # down_proj(a [.., I], indices): one row per (token, expert)
+        self.pending += [("mid", a.reshape(-1, a.shape[-1])), ("mid_experts", indices.reshape(-1))]
+
+    def __iter__(self):
+        return (a for _, a in self.pending)
+
+    def flush(self) -> None:
+        r = self.seen.setdefault(self.stream, Routed())
+        for attr, a in self.pending:
+            getattr(r, attr).append(np.array(a))
+        self.pending = []
+
+
+def _tap_class():
+    import mlx.nn as nn
+
+    class Tap(nn.Module):
+        """Calls the wrapped module unchanged and hands its arguments to ``record``."""
+
+        def __init__(self, inner, record):
+            super().__init__()
+            self.inner = inner
+            self.record = record
+
+        def __call__(self, x, indices, **kw):
+            self.record(x, indices)
+            return self.inner(x, indices, **kw)
+
+    return Tap
+
+
+def build_model(config: dict):
+    """mlx_lm's qwen3_5_moe Model for a checkpoint config (weights not loaded; mlx is lazy,
+    so nothing is allocated until a layer's weights are loaded)."""
+    from mlx_lm.models import qwen3_5_moe
+
+    if config.get("model_type") != "qwen3_5_moe":
+        raise SourceError(f"calibration runs qwen3_5_moe checkpoints; config.json has model_type {config.get('model_type')!r}")
+    return qwen3_5_moe.Model(qwen3_5_moe.ModelArgs.from_dict(config))
+
+
+def _load(module, store, tensors: dict[str, dict], prefix: str) -> None:
+    import mlx.core as mx
+
+    weights = [
+        (name[len(prefix) :], to_mlx(store.read_tensor(e), e["dtype"]).astype(mx.float32))
+        for name, e in sorted(tensors.items())
+        if name.startswith(prefix)
+    ]
+    module.load_weights(weights, strict=True)
+    mx.eval(module.parameters())
+
+
+def moe_activations(store, art, streams: dict[str, list[int]], seq_len: int, progress=None) -> Iterator[tuple[str, dict[str, Routed]]]:
+    """Run the trunk over each stream of token ids, layer by layer; yield, per decoder layer,
+    its name (``language_model.model.layers.N``) and what its routed experts saw per stream."""
+    import mlx.core as mx
+    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+    Tap = _tap_class()
+    model = build_model(art.meta["config"])
+    text = model.language_model.model
+    _load(text.embed_tokens, store, art.tensors, "language_model.model.embed_tokens.")
+    hidden = {s: [text.embed_tokens(mx.array(b)) for b in batches(ids, seq_len)] for s, ids in streams.items()}
+    mx.eval([h for hs in hidden.values() for h in hs])
+    del text.embed_tokens  # free it; only the decoder layers are used from here on
+    layers = text.layers
+    if progress:
+        progress.start(len(layers))
+    for i in range(len(layers)):
+        layer, prefix = layers[i], f"language_model.model.layers.{i}"
+        _load(layer, store, art.tensors, prefix + ".")
+        rec = _Recorder()
+        switch = layer.mlp.switch_mlp
+        switch.down_proj = Tap(switch.down_proj, rec.mid)
+        layer.mlp.switch_mlp = Tap(switch, rec.routed)
+        for stream, hs in hidden.items():
+            rec.stream = stream
+            for j, h in enumerate(hs):
+                mask = create_ssm_mask(h, None) if layer.is_linear else create_attention_mask(h, None)
+                hs[j] = layer(h, mask=mask, cache=None)
+                mx.eval(hs[j], *rec)
+                rec.flush()
+        layers[i] = None  # free this layer's weights before loading the next
+        yield prefix, rec.seen
+        if progress:
+            progress.advance(1)
+
+
+# ---- statistics ----------------------------------------------------------------------
+
+
+def per_expert_sq_mean(rows: np.ndarray, experts: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows per expert [E], per-channel mean of rows² per expert [E, C], float32), summed in
+    float64 in a fixed order (rows sorted stably by expert)."""
+    order = np.argsort(experts, kind="stable")
+    counts = np.bincount(experts, minlength=n_experts)
+    sums = np.zeros((n_experts, rows.shape[-1]), np.float64)
+    hit = counts > 0
+    if hit.any():
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])[hit]
+        sq = np.square(rows[order].astype(np.float64))
+        sums[hit] = np.add.reduceat(sq, starts, axis=0)
+    return counts, (sums / np.maximum(counts, 1)[:, None]).astype(np.float32)
+
+
+def expert_stats(routed: Routed, n_experts: int) -> dict[str, np.ndarray]:
+    """Routed-token counts and input mean squares of one MoE layer's experts."""
+    x, experts, mid, mid_experts = routed.cat()
+    k = experts.shape[-1]
+    tokens, in_sq = per_expert_sq_mean(np.repeat(x, k, axis=0), experts.reshape(-1), n_experts)
+    mid_tokens, mid_sq = per_expert_sq_mean(mid, mid_experts, n_experts)
+    if not np.array_equal(tokens, mid_tokens):
+        raise SourceError("calibration: gate/up and down_proj saw different tokens per expert (mlx_lm changed?)")
+    return {"tokens": tokens.astype(np.int64), "in_sq": in_sq, "mid_sq": mid_sq}
+
+
+def stat_name(module: str) -> str:
+    """Name of the importance tensor [E, in_features] of a routed-expert weight's module."""
+    return f"{module}.input_sq_mean"
+
+
+def tokens_name(layer: str) -> str:
+    return f"{layer}{SWITCH}.tokens"
+
+
+def stats_for(store, art, module: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(importance [E, in_features], routed tokens [E]) for ``<layer>.mlp.switch_mlp.<proj>``,
+    or None if the calibration holds nothing for it."""
+    layer, sep, _ = module.partition(SWITCH)
+    entry, count = art.tensors.get(stat_name(module)), art.tensors.get(tokens_name(layer))
+    if not sep or entry is None or count is None:
+        return None
+    return store.read_tensor(entry).astype(np.float32), store.read_tensor(count)
+
+
+# ---- held-out output error -------------------------------------------------------------
+
+
+def expert_outputs(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """One expert's SwiGLU output for rows x: down(silu(gate x) * up x), as mlx_lm computes it."""
+    g, u = x @ gate.T, x @ up.T
+    return ((g / (1.0 + np.exp(-g))) * u) @ down.T
+
+
+def expert_errors(x: np.ndarray, experts: np.ndarray, n_experts: int, weights, variants: list[str]) -> dict[str, np.ndarray]:
+    """Relative output error ||y_v - y_ref|| / ||y_ref|| of every expert per variant (NaN where no
+    held-out token reaches it). ``weights(variant, e)`` gives expert e's float32 gate/up/down
+    [out, in] for a variant or for ``"ref"``, one expert at a time, so memory stays small."""
+    out = {v: np.full(n_experts, np.nan) for v in variants}
+    x = x.astype(np.float32)
+    for e in range(n_experts):
+        rows = x[(experts == e).any(axis=-1)]
+        if not len(rows):
+            continue
+        ref = weights("ref", e)
+        y = expert_outputs(rows, *(ref[p] for p in PROJS)).astype(np.float64)
+        den = max(float(np.sqrt(np.square(y).sum())), 1e-30)
+        for v in variants:
+            w = weights(v, e)
+            diff = expert_outputs(rows, *(w[p] for p in PROJS)) - y
+            out[v][e] = float(np.sqrt(np.square(diff).sum())) / den
+    return out

@@ -1,0 +1,227 @@
+"""Data-aware quantization of routed experts: an activation-weighted affine search per group.
+
+For one expert's weight W [out, in] and the per-channel mean square of the inputs
+that expert saw in calibration, d_c = E[x_c²] (``calibration``), the expected
+squared error of the expert's output, E||(W - Ŵ) x||², is approximated by its
+diagonal part Σ_o Σ_c d_c (W_oc - Ŵ_oc)² (the importance-weighted objective of
+llama.cpp's imatrix quantization). Each group of ``group_size`` weights of a row
+gets the mlx affine parameters (scale s, bias b, codes q in [0, 2^bits - 1],
+Ŵ = s q + b) that make its share of that sum small:
+
+1. candidates: codes from the group's min-max range stretched by ``GRID`` extra
+   steps (t < 0 widens the grid, t > 0 clips the extremes);
+2. for each, the weighted least-squares (s, b) for those codes, rounded to the
+   storage dtype of scales (that of the weight, as ``mx.quantize`` stores them),
+   then codes re-rounded against the rounded (s, b), ``REFINE`` times;
+3. mx.quantize's own (data-agnostic) result is a candidate too, and each group
+   keeps the candidate with the smallest weighted error, so no group is worse than
+   data-agnostic quantization on the calibration objective.
+
+No per-channel rescaling is folded anywhere (AWQ's equivalent transform needs a
+preceding per-expert op, and the experts share their input), so the output is
+ordinary affine ``(packed uint32, scales, biases)`` that stock mlx_lm loads as is.
+Experts no calibration token reached keep mx.quantize's result and are counted.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from . import calibration as cal
+from .errors import StepError
+from .roles import Role
+from .tensors import bf16_to_f32, f32_to_bf16, from_mlx, to_float32, to_mlx
+
+METHOD = "diag-weighted-affine-search/1"  # bump when the search changes its output bytes
+GRID = np.linspace(-1.0, 3.0, 17)  # extra quantization steps over the min-max range
+REFINE = 2
+IMPORTANCE_FLOOR = 1e-3  # of the mean importance: no channel is weighted zero
+
+
+# ---- packing (the layout mx.quantize writes: codes LSB-first, little-endian uint32) -----
+
+
+def pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Integer codes [..., n] -> uint32 words [..., n * bits / 32] as mx.quantize packs them."""
+    shape = codes.shape
+    if (shape[-1] * bits) % 32:
+        raise StepError(f"cannot pack {shape[-1]} {bits}-bit codes into whole 32-bit words")
+    planes = (codes.astype(np.uint32)[..., None] >> np.arange(bits, dtype=np.uint32)) & 1
+    flat = planes.astype(np.uint8).reshape(*shape[:-1], shape[-1] * bits)
+    return np.packbits(flat, axis=-1, bitorder="little").view("<u4")
+
+
+def unpack(words: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of ``pack``: uint32 words [..., m] -> codes [..., m * 32 / bits] (uint8)."""
+    flat = np.unpackbits(np.ascontiguousarray(words, "<u4").view(np.uint8), axis=-1, bitorder="little")
+    planes = flat.reshape(*words.shape[:-1], -1, bits).astype(np.uint8)
+    return (planes << np.arange(bits, dtype=np.uint8)).sum(-1, dtype=np.uint8)
+
+
+# ---- the search ---------------------------------------------------------------------------
+
+
+def _storage_round(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as they will be stored in ``dtype`` (and read back)."""
+    if dtype == "BF16":
+        return bf16_to_f32(f32_to_bf16(x))
+    if dtype == "F16":
+        return x.astype(np.float16).astype(np.float32)
+    return x.astype(np.float32)
+
+
+def _fit(w: np.ndarray, d: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Weighted least squares (s, b) minimizing Σ d (s q + b - w)² per group (last axis)."""
+    sw, sq, sqq = d.sum(-1), (d * q).sum(-1), (d * q * q).sum(-1)
+    sx, sqx = (d * w).sum(-1), (d * q * w).sum(-1)
+    det = sw * sqq - sq * sq
+    ok = det > 1e-9 * sw * np.maximum(sqq, 1e-30)
+    safe = np.where(ok, det, 1.0)
+    s = np.where(ok, (sw * sqx - sq * sx) / safe, 0.0)
+    b = np.where(ok, (sqq * sx - sq * sqx) / safe, sx / sw)
+    return s.astype(np.float32), b.astype(np.float32)
+
+
+def _codes(w: np.ndarray, s: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
+    inv = np.where(s > 0, 1.0 / np.where(s > 0, s, 1.0), 0.0).astype(np.float32)
+    return np.clip(np.rint((w - b[..., None]) * inv[..., None]), 0, n)
+
+
+def _err(w, d, q, s, b) -> np.ndarray:
+    return (d * np.square(s[..., None] * q + b[..., None] - w)).sum(-1, dtype=np.float64)
+
+
+def search(w: np.ndarray, d: np.ndarray, bits: int, dtype: str, base: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Best (codes, scales, biases) per group of w [..., G, g] under importance d (broadcast to
+    w), starting from the data-agnostic ``base`` = (codes, scales, biases); also returns a
+    boolean [..., G] of the groups where a searched candidate beat ``base``."""
+    n = 2**bits - 1
+    bq, bs, bb = base
+    best_e = _err(w, d, bq, bs, bb)
+    best_q, best_s, best_b = bq.astype(np.float32), bs.copy(), bb.copy()
+    won = np.zeros(best_e.shape, bool)
+    lo, hi = w.min(-1), w.max(-1)
+    span = np.where(hi > lo, hi - lo, 1.0)
+    for t in GRID:
+        q = np.clip(np.rint((w - lo[..., None]) * ((n + t) / span)[..., None]), 0, n)
+        for _ in range(REFINE + 1):
+            s, b = _fit(w, d, q)
+            s, b = _storage_round(s, dtype), _storage_round(b, dtype)
+            q = _codes(w, s, b, n)
+        e = _err(w, d, q, s, b)
+        better = e < best_e
+        best_e = np.where(better, e, best_e)
+        best_q = np.where(better[..., None], q, best_q)
+        best_s, best_b = np.where(better, s, best_s), np.where(better, b, best_b)
+        won |= better
+    return best_q.astype(np.uint8), best_s, best_b, won
+
+
+# ---- one routed-expert tensor --------------------------------------------------------------
+
+
+class Tally:
+    """What the calibrated tensors of one quantize step did (thread-safe); ``summary`` is meta."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.tensors = self.expert_slices = self.groups = self.groups_won = 0
+        self.fallback: dict[str, set[int]] = {}
+        self.no_statistics: list[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+    def summary(self) -> dict:
+        by_layer = {k: sorted(v) for k, v in sorted(self.fallback.items()) if v}
+        return {
+            "method": METHOD,
+            "tensors": self.tensors,
+            "expert_slices": self.expert_slices,
+            "groups_improved": round(self.groups_won / max(self.groups, 1), 4),
+            "fallback_experts": sum(len(v) for v in by_layer.values()),
+            "fallback_by_layer": by_layer,
+            "no_statistics": sorted(self.no_statistics),
+        }
+
+
+def key() -> dict:
+    """What, besides the recipe, fixes the bytes of the search: its version and numpy's."""
+    from importlib.metadata import version
+
+    return {"method": METHOD, "numpy": version("numpy")}
+
+
+def check_calibration(recipe, roles: dict[str, str], calibration) -> Tally:
+    """A fresh Tally, or a StepError if calibrated roles and the calibration input disagree."""
+    calibrated = sorted({r for r in roles.values() if recipe.roles[r].calibrated})
+    if calibrated and calibration is None:
+        raise StepError(
+            f"role(s) {', '.join(map(repr, calibrated))} are calibrated (data-aware) but the step has "
+            "no calibration input: add inputs.calibration = \"<a calibrate step>\", or drop calibrated = true"
+        )
+    if calibration is not None and not calibrated:
+        raise StepError(
+            "the step has a calibration input but no tensor has a calibrated role: "
+            "set calibrated = true on the routed-expert role, or remove inputs.calibration"
+        )
+    return Tally()
+
+
+def quantize_entry(store, name: str, entry: dict, role: Role, calibration, tally: Tally) -> dict[str, dict]:
+    """One routed-expert weight [E, out, in] -> weight/scales/biases, each expert reached by
+    calibration searched with its own importance, the rest as mx.quantize does."""
+    import mlx.core as mx
+
+    module, shape, g = name.removesuffix(".weight"), entry["shape"], role.group_size
+    if cal.SWITCH not in module or len(shape) != 3 or not name.endswith(".weight"):
+        raise StepError(
+            f"calibrated role matches {name!r} {shape}, which is not a routed-expert weight; "
+            "calibration collects statistics for *.mlp.switch_mlp.* only: give this tensor a role "
+            "without calibrated = true"
+        )
+    if shape[-1] % g:
+        raise StepError(f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {g}")
+    raw, dtype = store.read_tensor(entry), entry["dtype"]
+    wq, scales, biases = mx.quantize(to_mlx(raw, dtype), group_size=g, bits=role.bits, mode=role.mode)
+    (packed, _), (s_np, s_dtype), (b_np, _) = (from_mlx(a) for a in (wq, scales, biases))
+    stats = cal.stats_for(store, calibration, module)
+    E, O, C = shape
+    reached = np.zeros(E, bool)
+    if stats is not None:
+        importance, tokens = stats
+        if importance.shape != (E, C) or tokens.shape != (E,):
+            raise StepError(
+                f"calibration statistics for {module} have shape {list(importance.shape)}, expected "
+                f"{[E, C]}: the calibration was made from another model; point the calibrate step's "
+                "input at this trunk's sanitize"
+            )
+        reached = tokens > 0
+        codes = unpack(packed, role.bits).copy()
+        s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
+        won = 0
+        for e in np.flatnonzero(reached):
+            d = importance[e] + IMPORTANCE_FLOOR * max(float(importance[e].mean()), 1e-30)
+            base = (codes[e].reshape(O, C // g, g), s32[e], b32[e])
+            w = to_float32(raw[e], dtype).reshape(O, C // g, g)  # one expert in float32 at a time
+            q, s, b, better = search(w, d.reshape(1, C // g, g), role.bits, s_dtype, base)
+            codes[e], s32[e], b32[e] = q.reshape(O, C), s, b
+            won += int(better.sum())
+        packed = pack(codes, role.bits)
+        s_np, b_np = (f32_to_bf16(x) if s_dtype == "BF16" else x.astype(s_np.dtype) for x in (s32, b32))
+    with tally.lock:
+        tally.tensors += 1
+        tally.expert_slices += int(reached.sum())
+        if stats is None:
+            tally.no_statistics.append(name)
+        else:
+            tally.groups += int(reached.sum()) * O * (C // g)
+            tally.groups_won += won
+            tally.fallback.setdefault(module.partition(cal.SWITCH)[0], set()).update(np.flatnonzero(~reached).tolist())
+    return {
+        f"{module}.weight": store.put_tensor("U32", packed),
+        f"{module}.scales": store.put_tensor(s_dtype, s_np),
+        f"{module}.biases": store.put_tensor(s_dtype, b_np),
+    }

@@ -1,0 +1,109 @@
+"""calibrate: per-expert activation statistics of the bf16 trunk on a calibration text.
+
+Input ``model`` is a sanitize ``:model`` artifact; ``params.text`` names the text
+(``builtin:calibration.txt``, shipped in buildkit/data, or a project path). The
+text's content digest is part of the key (its path is not). The lines are split
+into calibration and held-out lines (every ``heldout_every``-th is held out).
+
+Output ``out``: per MoE layer, ``<layer>.mlp.switch_mlp.tokens`` [E] and, per
+routed-expert weight, ``<module>.input_sq_mean`` [E, in] (what quantize weighs
+its search with). Output ``heldout``: per MoE layer, the held-out tokens' routed
+inputs ``<layer>.mlp.switch_mlp.inputs`` [N, H] (bf16) and the experts chosen
+for them ``<layer>.mlp.switch_mlp.experts`` [N, k] (what verify measures expert
+output error on).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pydantic import Field
+
+from .. import calibration as cal
+from ..errors import StepError
+from ..store import Artifact
+from ..tensors import f32_to_bf16
+from .base import Context, Params, Slot, Step, library_version, register
+
+
+class CalibrateParams(Params):
+    text: str = "builtin:calibration.txt"  # identity is the content digest, not this path
+    heldout_every: int = Field(default=5, ge=2)
+    seq_len: int = Field(default=128, ge=2)
+    max_tokens: int = Field(default=4096, ge=1)
+    max_heldout_tokens: int = Field(default=1024, ge=1)
+
+
+@register
+class Calibrate(Step):
+    kind = "calibrate"
+    version = 1
+    Params = CalibrateParams
+    inputs = {"model": Slot()}
+    outputs = ("out", "heldout")
+
+    def libraries(self) -> dict[str, str]:
+        return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
+
+    def key_params(self, params: CalibrateParams) -> dict:
+        return params.model_dump(mode="json", exclude={"text"})
+
+    def fingerprint(self, params: CalibrateParams, ctx: Context) -> dict:
+        path = cal.text_path(params.text, ctx.options.project_root)
+        return {"text": ctx.store.digest_file(path, rehash=ctx.options.rehash)}
+
+    def describe_fingerprint_change(self, old, new) -> str:
+        return "calibration text changed"
+
+    def run(self, ctx: Context, params: CalibrateParams, inputs) -> dict[str, Artifact]:
+        model = inputs["model"][0]
+        path = cal.text_path(params.text, ctx.options.project_root)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise StepError(f"calibration text {path}: not UTF-8 ({e})") from None
+        calib, held = cal.split_lines(text, params.heldout_every)
+        if not calib or not held:
+            raise StepError(
+                f"calibration text {path}: {len(calib)} calibration and {len(held)} held-out lines; "
+                f"it needs at least {params.heldout_every} non-blank lines"
+            )
+        if "tokenizer.json" not in model.files:
+            raise StepError("the model artifact has no tokenizer.json; calibration tokenizes with the source's own")
+        tok = ctx.store.get_blob(model.files["tokenizer.json"])
+        streams = {
+            "calibration": cal.tokenize(tok, calib, params.max_tokens),
+            "heldout": cal.tokenize(tok, held, params.max_heldout_tokens),
+        }
+        n_experts = model.meta["config"].get("text_config", model.meta["config"])["num_experts"]
+        stats, heldout = Artifact(), Artifact()
+        unreached: dict[str, list[int]] = {}
+        layers = 0
+        for layer, seen in cal.moe_activations(ctx.store, model, streams, params.seq_len, ctx.progress):
+            s = cal.expert_stats(seen["calibration"], n_experts)
+            layers += 1
+            sw = layer + cal.SWITCH
+            stats.tensors[cal.tokens_name(layer)] = ctx.store.put_tensor("I64", s["tokens"])
+            for proj in cal.PROJS:
+                sq = s["mid_sq"] if proj == "down_proj" else s["in_sq"]
+                stats.tensors[cal.stat_name(f"{sw}.{proj}")] = ctx.store.put_tensor("F32", sq)
+            if (s["tokens"] == 0).any():
+                unreached[layer] = np.flatnonzero(s["tokens"] == 0).tolist()
+            x, experts, _, _ = seen["heldout"].cat()
+            heldout.tensors[f"{sw}.inputs"] = ctx.store.put_tensor("BF16", f32_to_bf16(x))
+            heldout.tensors[f"{sw}.experts"] = ctx.store.put_tensor("I32", experts.astype(np.int32))
+        # Each output's meta describes only its own half of the text, so an edit to held-out
+        # lines leaves the statistics (and the quantize that reads them) untouched.
+        stats.meta = {
+            "lines": len(calib),
+            "tokens": len(streams["calibration"]),
+            "statistic": "per-channel E[x^2] of each expert's routed inputs (gate/up: the MoE input; down: silu(gate x) * up x)",
+            "experts": layers * n_experts,
+            "unreached_experts": sum(map(len, unreached.values())),
+            "unreached_by_layer": unreached,
+        }
+        heldout.meta = {"lines": len(held), "tokens": len(streams["heldout"])}
+        ctx.log(
+            f"{stats.meta['tokens']} calibration tokens, {heldout.meta['tokens']} held-out; "
+            f"{stats.meta['unreached_experts']} of {stats.meta['experts']} experts reached by no token"
+        )
+        return {"out": stats, "heldout": heldout}

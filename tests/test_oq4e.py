@@ -1,0 +1,225 @@
+"""oq4e-mtp-xl: calibration, data-aware 4-bit routed experts, donor MTP graft."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import Project, cached, ran
+
+from buildkit import calibration as cal
+from buildkit import dataaware
+from buildkit.errors import StepError
+from buildkit.roles import Recipe
+from buildkit.steps.calibrate import Calibrate, CalibrateParams
+from buildkit.store import Store
+from buildkit.tensors import from_mlx, to_float32, to_mlx
+
+VARIANT = "oq4e-mtp-xl"
+BUILTIN_TEXT = cal.text_path("builtin:calibration.txt", Path("."))
+LAYER0 = "language_model.model.layers.0.mlp.switch_mlp"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    project = Project(tmp_path_factory.mktemp("oq4e"))
+    proc = project.build(VARIANT)
+    return project, proc
+
+
+def artifact(project: Project, variant: str, node: str, output: str = "out"):
+    store = Store(project.store)
+    return store, store.get_artifact(store.get_ref(variant)["nodes"][node]["outputs"][output])
+
+
+def extend(project: Project, name: str, body: str) -> str:
+    project.write_manifest(name, f'extends = "{VARIANT}"\n{body}')
+    return name
+
+
+# ---- the build -------------------------------------------------------------------------
+
+
+def test_builds_loads_and_generates(built):
+    import mlx_lm
+
+    project, proc = built
+    assert {"calibrate", "quantize", "graft", "requantize", "verify", "publish"} <= set(ran(proc))
+    out = project.out / VARIANT
+    model, tokenizer = mlx_lm.load(str(out))
+    text = mlx_lm.generate(model, tokenizer, prompt="The harbour at dawn", max_tokens=8)
+    assert isinstance(text, str)
+    logits = model(mx.array([tokenizer.encode("Water boils at one hundred degrees")]))
+    assert mx.isfinite(logits).all().item()
+    config = json.loads((out / "config.json").read_text())
+    q = config["quantization"]  # routed experts hold most weights: 4-bit is the default entry
+    assert (q["bits"], q["group_size"]) == (4, 64) and f"{LAYER0}.gate_proj" not in q
+    assert q["language_model.model.layers.0.mlp.gate"]["bits"] == 8
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sum(k.startswith("language_model.mtp.") for k in weight_map) == 44
+
+
+def test_data_aware_error_is_below_data_agnostic_and_in_the_card(built):
+    project, _ = built
+    out = project.out / VARIANT
+    check = json.loads((out / "verify.json").read_text())["checks"]["calibrated_expert_error"]
+    fig = check["figure"]
+    assert check["ok"] and fig["experts"] == 4 * 8 and fig["heldout_tokens"] > 0
+    assert fig["data_aware"] < fig["data_agnostic"] * 0.95  # measurably, not by a rounding error
+    card = (out / "README.md").read_text()
+    row = next(line for line in card.splitlines() if line.startswith("| calibrated_expert_error |"))
+    assert f'"data_aware": {fig["data_aware"]}' in row and f'"data_agnostic": {fig["data_agnostic"]}' in row
+    assert "routed_expert (calibrated) | 4 | 64" in card
+
+
+def test_head_comes_from_the_donor(built):
+    project, _ = built
+    store, graft = artifact(project, VARIANT, "graft")
+    _, donor = artifact(project, VARIANT, "donor_fetch")
+    _, trunk = artifact(project, VARIANT, "fetch")
+    files = {e["view"]["file"] for e in graft.tensors.values() if "view" in e}
+    assert files and files <= set(donor.external.values())
+    assert not files & set(trunk.external.values())
+
+
+def test_second_build_runs_nothing(built):
+    project, _ = built
+    proc = project.build(VARIANT)
+    assert ran(proc) == []
+
+
+def test_changing_the_calibration_text_reruns_only_calibrated_nodes(built):
+    project, _ = built
+    text = project.root / "calibration-edit.txt"
+    lines = BUILTIN_TEXT.read_text().splitlines()
+    first = next(i for i, ln in enumerate(lines) if ln.strip() and not ln.startswith("#"))
+    lines[first] = "A lighthouse keeper counted the steps: one hundred and twelve, every evening."
+    text.write_text("\n".join(lines) + "\n")
+    fewer = "params.max_tokens = 1024\nparams.max_heldout_tokens = 256\n"  # a quicker calibration
+    name = extend(project, "oq4e-edit", f'[steps.calibrate]\nparams.text = "{text.name}"\n{fewer}')
+    proc = project.build(name)
+    downstream = {"calibrate", "quantize", "verify", "publish"}
+    assert set(ran(proc)) == downstream
+    assert {"fetch", "sanitize", "donor_fetch", "donor_sanitize", "graft", "requantize"} <= set(cached(proc))
+
+    # an edit in place: the content digest, not the path, is what the key sees
+    text.write_text(text.read_text().replace("lighthouse keeper", "harbour master"))
+    proc = project.build(name)
+    assert set(ran(proc)) == downstream
+    assert "calibration text changed" in proc.stderr
+
+    # the same content under another name is the same calibration
+    shutil.copy(BUILTIN_TEXT, project.root / "copy.txt")
+    proc = project.build(extend(project, "oq4e-copy", '[steps.calibrate]\nparams.text = "copy.txt"\n'))
+    assert "calibrate" in cached(proc) and "quantize" in cached(proc)
+
+
+def test_unreached_experts_fall_back_and_are_counted(built):
+    project, _ = built
+    name = extend(project, "oq4e-few", "[steps.calibrate]\nparams.max_tokens = 3\n")
+    project.build(name, "--target", "quantize")
+    store, stats = artifact(project, name, "calibrate")
+    _, quant = artifact(project, name, "quantize")
+    _, sanitized = artifact(project, name, "sanitize", "model")
+    unreached = stats.meta["unreached_by_layer"]
+    # 3 tokens x 2 experts each reach at most 6 of a layer's 8 experts
+    assert all(len(v) >= 2 for v in unreached.values()) and len(unreached) == 4
+    report = quant.meta["calibration"]
+    assert report["fallback_experts"] == stats.meta["unreached_experts"] == sum(map(len, unreached.values()))
+    assert report["fallback_by_layer"] == unreached
+    # a fallback expert is exactly mx.quantize's; a reached one is not
+    layer = "language_model.model.layers.0"
+    src = sanitized.tensors[f"{layer}.mlp.switch_mlp.up_proj.weight"]
+    packed = mx.quantize(to_mlx(store.read_tensor(src), src["dtype"]), group_size=64, bits=4)[0]
+    agnostic = from_mlx(packed)[0]
+    got = store.read_tensor(quant.tensors[f"{layer}.mlp.switch_mlp.up_proj.weight"])
+    off = unreached[layer]
+    on = sorted(set(range(8)) - set(off))
+    assert np.array_equal(got[off], agnostic[off])
+    assert not np.array_equal(got[on], agnostic[on])
+
+
+def test_incompatible_donor_is_refused_with_each_field(built):
+    project, _ = built
+    name = extend(project, "oq4e-bad-donor", '[steps.donor_fetch]\nparams.source = "fixture:seed=1,hidden=192,experts=16"\n')
+    proc = project.run("build", name, "--target", "graft", check=False)
+    assert proc.returncode == 1
+    assert "hidden_size: trunk 128 vs head 192" in proc.stderr
+    assert "num_experts: trunk 8 vs head 16" in proc.stderr
+    assert "2 field(s) differ" in proc.stderr
+
+
+# ---- pieces ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_pack_is_mx_quantize_layout(bits):
+    w = mx.random.normal((3, 256), key=mx.random.key(bits)).astype(mx.bfloat16)
+    packed = np.array(mx.quantize(w, group_size=64, bits=bits)[0])
+    codes = dataaware.unpack(packed, bits)
+    assert codes.max() < 2**bits
+    assert np.array_equal(dataaware.pack(codes, bits), packed)
+
+
+def test_search_is_never_worse_than_data_agnostic_on_its_objective():
+    rng = np.random.default_rng(0)
+    w = mx.array(rng.standard_normal((32, 128)).astype(np.float32) * 0.1).astype(mx.bfloat16)
+    d = np.exp(rng.standard_normal(128)).astype(np.float32).reshape(1, 2, 64)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    base = (dataaware.unpack(np.array(wq), 4).reshape(32, 2, 64),
+            *(to_float32(*from_mlx(a)) for a in (s, b)))
+    w32 = np.array(w.astype(mx.float32)).reshape(32, 2, 64)
+    q, s2, b2, won = dataaware.search(w32, d, 4, "BF16", base)
+    err = (d * np.square(s2[..., None] * q + b2[..., None] - w32)).sum(-1)
+    err0 = (d * np.square(base[1][..., None] * base[0] + base[2][..., None] - w32)).sum(-1)
+    assert (err <= err0).all() and won.mean() > 0.5 and err.sum() < 0.9 * err0.sum()
+
+
+def test_importance_weighting_matters_where_channels_differ():
+    """Same search, uniform vs measured importance: with heavy-tailed channel scales (as real
+    activations have) the measured importance must cut the held-out output error further."""
+    rng = np.random.default_rng(1)
+    o = c = 256
+    w = mx.array(rng.standard_normal((o, c)).astype(np.float32) * c**-0.5).astype(mx.bfloat16)
+    w32 = np.array(w.astype(mx.float32))
+    scale = np.exp(rng.standard_normal(c)).astype(np.float32)
+    calib, held = (rng.standard_normal((n, c)).astype(np.float32) * scale for n in (2000, 500))
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    base = (dataaware.unpack(np.array(wq), 4).reshape(o, 4, 64), *(to_float32(*from_mlx(a)) for a in (s, b)))
+    y = held @ w32.T
+
+    def error(importance):
+        q, s2, b2, _ = dataaware.search(w32.reshape(o, 4, 64), importance.reshape(1, 4, 64), 4, "BF16", base)
+        return np.linalg.norm(held @ (s2[..., None] * q + b2[..., None]).reshape(o, c).T - y)
+
+    agnostic = np.linalg.norm(held @ (base[1][..., None] * base[0] + base[2][..., None]).reshape(o, c).T - y)
+    uniform, aware = error(np.ones(c, np.float32)), error(np.square(calib).mean(0))
+    assert aware < 0.85 * uniform < 0.85 * agnostic
+
+
+def test_split_is_deterministic_and_skips_the_header():
+    calib, held = cal.split_lines("# licence\n# more\n\na\nb\n\nc\nd\ne\nf\n", 3)
+    assert calib == ["a", "b", "d", "e"] and held == ["c", "f"]
+    calib, held = cal.split_lines(BUILTIN_TEXT.read_text(), 5)
+    assert len(calib) + len(held) >= 250 and len(held) == (len(calib) + len(held)) // 5
+    assert calib[0].startswith("The morning train") and not any(ln.startswith("#") for ln in calib + held)
+
+
+def test_calibrate_key_has_params_but_not_the_path():
+    step = Calibrate()
+    kp = step.key_params(CalibrateParams(text="anywhere.txt"))
+    assert kp == {"heldout_every": 5, "seq_len": 128, "max_tokens": 4096, "max_heldout_tokens": 1024}
+
+
+def test_calibrated_role_needs_a_calibration_input():
+    recipe = Recipe(roles={"e": {"bits": 4, "calibrated": True}, "k": {"passthrough": True}},
+                    rules={"*.switch_mlp.*": "e", "*": "k"})
+    roles = {f"{LAYER0}.up_proj.weight": "e", "x.norm.weight": "k"}
+    with pytest.raises(StepError, match="calibrated .* no calibration input"):
+        dataaware.check_calibration(recipe, roles, None)
+    with pytest.raises(StepError, match="no tensor has a calibrated role"):
+        dataaware.check_calibration(recipe, {"x.norm.weight": "k"}, object())
