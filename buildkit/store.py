@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from . import keys
-from .errors import SourceError, StoreError
+from .errors import SourceError, StoreError, StoreMiss
 from .tensors import DTYPES, Header, nbytes, read_header, read_slice, read_tensor
 
 RACY_TICK_NS = 2_000_000_000  # coarsest common filesystem timestamp resolution (FAT: 2 s)
@@ -54,15 +55,17 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, tmp_dir: Path | None = None) -> None:
-    """Write bytes to ``path`` atomically: temp file in the same filesystem, fsync, rename."""
+def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], tmp_dir: Path | None = None) -> int:
+    """Write bytes (or chunks) to ``path`` atomically: temp file, fsync, rename. Returns the size."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = tmp_dir or path.parent
     tmp_dir.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_dir / f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    tmp = tmp_dir / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}.tmp"
+    size = 0
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for chunk in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
+                size += f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -71,6 +74,7 @@ def atomic_write(path: Path, data: bytes, tmp_dir: Path | None = None) -> None:
             tmp.unlink()
         raise
     fsync_dir(path.parent)
+    return size
 
 
 @dataclass
@@ -144,20 +148,7 @@ class Store:
         path = self.object_path(digest)
         if path.exists():
             return digest
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / "tmp" / f"{path.name}.{os.getpid()}.{time.monotonic_ns()}"
-        try:
-            with open(tmp, "wb") as f:
-                for c in chunks:
-                    f.write(c)
-                    self.stats.bytes_written += len(c)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            raise
+        self.stats.bytes_written += atomic_write(path, chunks, self.root / "tmp")
         self.stats.objects_written += 1
         return digest
 
@@ -176,7 +167,7 @@ class Store:
         data = self._read_object(digest)
         if keys.blob_digest(data) != digest:
             self._quarantine(self.object_path(digest), "content does not match its digest")
-            raise StoreError(f"store object {keys.short(digest)} was corrupt and has been removed; rebuild")
+            raise StoreMiss(f"store object {keys.short(digest)} was corrupt and has been removed; rebuild")
         return data
 
     def _read_object(self, digest: str) -> bytes:
@@ -184,7 +175,7 @@ class Store:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise StoreError(
+            raise StoreMiss(
                 f"store object {keys.short(digest)} is missing from {self.root}; rebuild"
             ) from None
         self.stats.bytes_read += len(data)
@@ -200,7 +191,7 @@ class Store:
             verify and keys.tensor_digest(dtype, shape, data) != entry["digest"]
         ):
             self._quarantine(self.object_path(entry["digest"]), "content does not match its digest")
-            raise StoreError(
+            raise StoreMiss(
                 f"store object {keys.short(entry['digest'])} was corrupt and has been removed; rebuild"
             )
         return np.frombuffer(data, dtype=DTYPES[dtype]).reshape(shape)
@@ -299,13 +290,13 @@ class Store:
             listing = json.loads(path.read_bytes())
             art = Artifact.from_listing(listing)
         except FileNotFoundError:
-            raise StoreError(f"artifact {keys.short(digest)} is missing; rebuild") from None
+            raise StoreMiss(f"artifact {keys.short(digest)} is missing; rebuild") from None
         except (ValueError, AttributeError):
             self._quarantine(path, "listing is not valid JSON")
-            raise StoreError(f"artifact {keys.short(digest)} was corrupt; rebuild") from None
+            raise StoreMiss(f"artifact {keys.short(digest)} was corrupt; rebuild") from None
         if art.digest != digest:
             self._quarantine(path, "listing does not match its digest")
-            raise StoreError(f"artifact {keys.short(digest)} was corrupt; rebuild")
+            raise StoreMiss(f"artifact {keys.short(digest)} was corrupt; rebuild")
         return art
 
     def artifact_complete(self, digest: str) -> bool:
