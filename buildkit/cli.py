@@ -53,6 +53,8 @@ def _scheduler(args):
 
 
 def cmd_build(args) -> int:
+    if args.release and args.target:
+        raise UsageError("--release locks the whole variant; drop --target")
     sched = _scheduler(args)
     states = sched.build(args.target or None, jobs=args.jobs, quiet=args.quiet)
     if args.release:
@@ -93,7 +95,7 @@ def cmd_graph(args) -> int:
 def cmd_gc(args) -> int:
     r = _store(args).gc(dry_run=args.dry_run)
     verb = "would free" if args.dry_run else "freed"
-    print(f"{verb} {r['bytes'] / 1e6:.1f} MB: {r['actions']} actions, {r['artifacts']} artifacts, {r['objects']} objects")
+    print(f"{verb} {r['bytes'] / 1e6:.1f} MB ({r['bytes']} bytes): {r['actions']} actions, {r['artifacts']} artifacts, {r['objects']} objects")
     return 0
 
 
@@ -214,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     except BuildkitError as e:
         print(f"buildkit: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # the disk or the OS said no (full, read-only, permissions)
+        print(f"buildkit: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("buildkit: interrupted", file=sys.stderr)
         return 130

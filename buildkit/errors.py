@@ -40,6 +40,10 @@ class StoreError(BuildkitError):
     """The store is unusable (permissions, corruption that cannot be repaired)."""
 
 
+class StoreMiss(StoreError):
+    """A store entry is missing, or was corrupt and has been removed: rebuilding restores it."""
+
+
 def did_you_mean(name: str, choices) -> str:
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""

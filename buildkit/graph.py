@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import networkx as nx
 
-from .errors import ManifestError
+from . import manifest
 from .manifest import Manifest
 
 
@@ -22,10 +24,12 @@ def build(m: Manifest) -> nx.DiGraph:
     except nx.NetworkXNoCycle:
         return g
     names = [u for u, _ in cycle] + [cycle[0][0]]
-    first = m.nodes[cycle[0][1]]
-    raise ManifestError(
-        first.file,
-        f"steps.{first.name}.inputs",
+    # Blame the edge declared by the most derived manifest: that is where the loop was closed.
+    rank = {f: i for i, f in enumerate(m.chain)}
+    u, v = min(cycle, key=lambda e: rank.get(m.nodes[e[1]].file, len(rank)))
+    raise manifest.error_at(
+        Path(m.nodes[v].file),
+        ["steps", v, "inputs", g.edges[u, v]["slot"]],
         f"cycle between steps: {' -> '.join(names)}; a step cannot depend on its own output",
     )
 

@@ -83,30 +83,48 @@ def deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+KEY_PART = re.compile(r'"[^"]*"|\'[^\']*\'|[^.\s"\']+')
+
+
+def _line_key(line: str) -> list[str] | None:
+    """The dotted key a ``key = value`` line defines, as parts (``a."b.c"`` -> ['a', 'b.c'])."""
+    if line.lstrip().startswith(("[", "#")) or "=" not in line:
+        return None
+    return [k.strip("\"'") for k in KEY_PART.findall(line.split("=", 1)[0])] or None
+
+
 def locate(file: Path, toml_path: list[str]) -> tuple[str, str]:
-    """Best-effort ('file:line', source line with a caret) for a dotted TOML path."""
+    """Best-effort ('file:line', source line with a caret) for a dotted TOML path.
+
+    Finds the deepest table header on the path, then below it the key line that
+    covers most of the rest of the path (``params.bits = ...`` or an inline table).
+    """
     try:
         lines = file.read_text().splitlines()
     except OSError:
         return str(file), ""
-    key = re.compile(r"\s*\"?" + re.escape(toml_path[-1]) + r"\"?\s*=") if toml_path else None
     found = None
-    for depth in range(len(toml_path), 0, -1):
-        header = "[" + ".".join(toml_path[:depth]) + "]"
-        for i, line in enumerate(lines):
-            if line.replace(" ", "") == header:
-                found = i
-                for j in range(i + 1, len(lines)):
-                    if lines[j].lstrip().startswith("["):
-                        break
-                    if depth < len(toml_path) and key.match(lines[j]):
-                        found = j
-                        break
+    for depth in range(len(toml_path), -1, -1):
+        if depth:
+            header = "[" + ".".join(toml_path[:depth]) + "]"
+            start = next((i for i, line in enumerate(lines) if line.replace(" ", "") == header), None)
+            if start is None:
+                continue
+        else:
+            start = -1
+        rest, covered = toml_path[depth:], 0
+        found = start if depth else None
+        for j in range(start + 1, len(lines)):
+            if lines[j].lstrip().startswith("["):
                 break
+            key = _line_key(lines[j])
+            if key and len(key) > covered and rest[: len(key)] == key:
+                found, covered = j, len(key)
         if found is not None:
             break
-    if found is None and key:
-        found = next((i for i, line in enumerate(lines) if key.match(line)), None)
+    if found is None:  # a table only defined through sub-tables: [recipe] as [recipe.roles]
+        prefix = "[" + ".".join(toml_path) + "."
+        found = next((i for i, line in enumerate(lines) if line.replace(" ", "").startswith(prefix)), None)
     if found is None:
         return str(file), ""
     text = lines[found]
@@ -114,7 +132,15 @@ def locate(file: Path, toml_path: list[str]) -> tuple[str, str]:
     return f"{file}:{found + 1}", f"\n    {text}\n    {' ' * indent}{'^' * max(1, len(text.strip()))}"
 
 
-def _err(file: Path, toml_path: list[str], msg: str) -> ManifestError:
+def _invalid(err: dict) -> str:
+    """A pydantic error as one line: what is wrong and, for a scalar, the value given."""
+    msg = err["msg"].removeprefix("Value error, ")
+    got = err.get("input")
+    return msg if isinstance(got, (dict, list)) else f"{msg} (got {got!r})"
+
+
+def error_at(file: Path, toml_path: list[str], msg: str) -> ManifestError:
+    """A ManifestError naming the file, line and dotted TOML path, with the line and a caret."""
     loc, snippet = locate(file, toml_path)
     return ManifestError(loc, ".".join(toml_path), msg + snippet)
 
@@ -157,8 +183,8 @@ def _decl(file: Path, raw: dict) -> ManifestDecl:
         if err["type"] == "extra_forbidden":
             msg = f"unknown key{did_you_mean(path[-1], ManifestDecl.model_fields)}; allowed: {', '.join(ManifestDecl.model_fields)}"
         else:
-            msg = f"{err['msg']} (got {err.get('input')!r})"
-        raise _err(file, path, msg) from None
+            msg = _invalid(err)
+        raise error_at(file, path, msg) from None
 
 
 def _load_chain(file: Path, seen: list[Path]) -> tuple[dict, dict[str, Path], list[str]]:
@@ -166,7 +192,7 @@ def _load_chain(file: Path, seen: list[Path]) -> tuple[dict, dict[str, Path], li
     file = file.resolve()
     if file in seen:
         cycle = " -> ".join(p.stem for p in [*seen, file])
-        raise ManifestError(str(seen[-1]), "extends", f"extends loop: {cycle}")
+        raise error_at(seen[-1], ["extends"], f"extends loop: {cycle}; a manifest cannot extend itself")
     decl = _decl(file, _read_toml(file))
     raw = decl.model_dump()
     origin = {s: file for s in raw["steps"]}
@@ -175,7 +201,7 @@ def _load_chain(file: Path, seen: list[Path]) -> tuple[dict, dict[str, Path], li
         try:
             parent_file = find_manifest(decl.extends, file.parent)
         except ManifestError as e:
-            raise _err(file, ["extends"], f"unknown parent: {e}") from None
+            raise error_at(file, ["extends"], f"unknown parent: {e}") from None
         parent, p_origin, p_chain = _load_chain(parent_file, [*seen, file])
         merged = {
             "description": decl.description or parent["description"],
@@ -190,6 +216,26 @@ def _load_chain(file: Path, seen: list[Path]) -> tuple[dict, dict[str, Path], li
                 merged["steps"][name] = raw["steps"].get(name, parent["steps"].get(name))
         return merged, {**p_origin, **origin}, chain + p_chain
     return raw, origin, chain
+
+
+def _depth(table: dict, path: list[str]) -> int:
+    """How many leading parts of ``path`` the nested ``table`` defines."""
+    n = 0
+    for k in path:
+        if not isinstance(table, dict) or k not in table:
+            break
+        table, n = table[k], n + 1
+    return n
+
+
+def _defines(table: dict, path: list[str]) -> bool:
+    return _depth(table, path) == len(path)
+
+
+def _recipe_file(chain: list[str], path: list[str]) -> Path:
+    """The file of the extends chain (child first) that defines most of a recipe path."""
+    depths = [(_depth(_read_toml(Path(f)), path), -i, f) for i, f in enumerate(chain)]
+    return Path(max(depths)[2])
 
 
 def parse_ref(s: str) -> Ref:
@@ -209,12 +255,12 @@ def load(name_or_path: str, manifests_dir: str | Path = "manifests", source: str
         chain=chain,
     )
     if not raw["steps"]:
-        raise _err(file, ["steps"], "a manifest needs at least one step")
+        raise error_at(file, ["steps"], "a manifest needs at least one step")
     for name, body in raw["steps"].items():
         f = origin[name]
         where = ["steps", name]
         if not NAME_RE.match(name):
-            raise _err(f, where, "step names use letters, digits, '_', '-', '.'")
+            raise error_at(f, where, "step names use letters, digits, '_', '-', '.'")
         try:
             decl = StepDecl.model_validate(body)
         except ValidationError as e:
@@ -225,10 +271,10 @@ def load(name_or_path: str, manifests_dir: str | Path = "manifests", source: str
             elif err["type"] == "missing":
                 msg = "missing required key"
             else:
-                msg = f"{err['msg']} (got {err.get('input')!r})"
-            raise _err(f, loc, msg) from None
+                msg = _invalid(err)
+            raise error_at(f, loc, msg) from None
         if decl.kind not in REGISTRY:
-            raise _err(
+            raise error_at(
                 f,
                 [*where, "kind"],
                 f"unknown step kind {decl.kind!r}{did_you_mean(decl.kind, REGISTRY)}; "
@@ -236,7 +282,7 @@ def load(name_or_path: str, manifests_dir: str | Path = "manifests", source: str
             )
         step = get_step(decl.kind)
         params = dict(decl.params)
-        if step.uses_recipe:
+        if step.uses_recipe and isinstance(params.get("recipe", {}), dict):  # else validation says why
             params["recipe"] = deep_merge(raw["recipe"], params.get("recipe", {}))
         if "source" in step.Params.model_fields and params.get("source") is None:
             params["source"] = m.source
@@ -245,17 +291,19 @@ def load(name_or_path: str, manifests_dir: str | Path = "manifests", source: str
         except ValidationError as e:
             err = e.errors()[0]
             loc = [*where, "params", *(str(x) for x in err["loc"])]
+            if step.uses_recipe and loc[3:4] == ["recipe"] and not _defines(decl.params, loc[3:]):
+                f, loc = _recipe_file(chain, loc[3:]), loc[3:]  # the [recipe] table is to blame
             if err["type"] == "extra_forbidden":
                 msg = f"unknown param{did_you_mean(loc[-1], step.Params.model_fields)} for kind {decl.kind!r}; known: {', '.join(step.Params.model_fields)}"
             elif err["type"] == "missing":
                 msg = f"missing required param for kind {decl.kind!r}"
             else:
-                msg = f"{err['msg']} (got {err.get('input')!r})"
-            raise _err(f, loc, msg) from None
+                msg = _invalid(err)
+            raise error_at(f, loc, msg) from None
         inputs: dict[str, list[Ref]] = {}
         for slot, val in decl.inputs.items():
             if slot not in step.inputs:
-                raise _err(
+                raise error_at(
                     f,
                     [*where, "inputs", slot],
                     f"kind {decl.kind!r} has no input {slot!r}{did_you_mean(slot, step.inputs)}; "
@@ -263,17 +311,17 @@ def load(name_or_path: str, manifests_dir: str | Path = "manifests", source: str
                 )
             refs = [val] if isinstance(val, str) else list(val)
             if len(refs) != 1 and not step.inputs[slot].many:
-                raise _err(f, [*where, "inputs", slot], "takes exactly one node reference")
+                raise error_at(f, [*where, "inputs", slot], "takes exactly one node reference")
             inputs[slot] = [parse_ref(r) for r in refs]
         for slot, spec in step.inputs.items():
             if spec.required and not inputs.get(slot):
-                raise _err(f, [*where, "inputs"], f"missing input {slot!r} for kind {decl.kind!r}")
+                raise error_at(f, [*where, "inputs"], f"missing input {slot!r} for kind {decl.kind!r}")
         m.nodes[name] = Node(name, decl.kind, step, p, inputs, str(f))
     for node in m.nodes.values():
         for slot, refs in node.inputs.items():
             for r in refs:
                 if r.node not in m.nodes:
-                    raise _err(
+                    raise error_at(
                         Path(node.file),
                         ["steps", node.name, "inputs", slot],
                         f"input {str(r)!r} names no step{did_you_mean(r.node, m.nodes)}; "
@@ -281,7 +329,7 @@ def load(name_or_path: str, manifests_dir: str | Path = "manifests", source: str
                     )
                 producer = m.nodes[r.node].step
                 if r.output not in producer.outputs:
-                    raise _err(
+                    raise error_at(
                         Path(node.file),
                         ["steps", node.name, "inputs", slot],
                         f"step {r.node!r} ({producer.kind}) has no output {r.output!r}; "

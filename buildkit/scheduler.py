@@ -10,6 +10,7 @@ refs so that every rebuild can say why.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import threading
@@ -23,7 +24,7 @@ import networkx as nx
 
 from . import graph as graphs
 from . import keys, workers
-from .errors import BuildkitError, StepError
+from .errors import BuildkitError, StepError, StoreMiss
 from .manifest import Manifest, Node
 from .steps.base import BuildOptions, Context, Progress
 from .store import Store
@@ -255,7 +256,19 @@ class Scheduler:
         }
 
     def build(self, targets: list[str] | None = None, jobs: int = 2, quiet: bool = False) -> list[NodeState]:
-        """Run the stale nodes; independent nodes run in parallel on ``jobs`` threads."""
+        """Run the stale nodes; independent nodes run in parallel on ``jobs`` threads.
+
+        A store entry a step finds corrupt (or gone) is a miss: it has been removed, so the
+        build runs once more, which re-runs the steps that produced it.
+        """
+        try:
+            return self._build(targets, jobs, quiet)
+        except StoreMiss as e:
+            if not quiet:
+                print(f"buildkit: {e}; building again to restore it", file=sys.stderr)
+            return self._build(targets, jobs, quiet)
+
+    def _build(self, targets: list[str] | None, jobs: int, quiet: bool) -> list[NodeState]:
         names = self._selection(targets)
         prev = self._previous()
         states = {n: NodeState(n, self.m.nodes[n].kind) for n in names}
@@ -295,9 +308,13 @@ class Scheduler:
                 err = type(exc)(f"step {n!r} ({self.m.nodes[n].kind}) failed: {exc}")
                 err.exit_code = exc.exit_code
                 raise err from exc
+            if isinstance(exc, OSError):  # the disk or the OS said no: a clear message, no traceback
+                full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                hint = "; free space (or use --store/--out on another disk) and build again" if full else ""
+                raise StepError(f"step {n!r} ({self.m.nodes[n].kind}) failed: {exc}{hint}") from exc
             detail = "".join(traceback.format_exception(exc)).rstrip()
             raise StepError(f"step {n!r} ({self.m.nodes[n].kind}) failed with an internal error:\n{detail}") from exc
-        self._record(states, prev)
+        self._record(states)
         ran = sum(s.ran for s in states.values())
         if not quiet:
             reporter.line(
@@ -354,8 +371,8 @@ class Scheduler:
                 + (f", {ctx.progress.done} tensors" if ctx.progress.done else "")
             )
 
-    def _record(self, states: dict[str, NodeState], prev: dict) -> None:
-        nodes = dict(prev)
+    def _record(self, states: dict[str, NodeState]) -> None:
+        nodes = dict((self.store.get_ref(self.m.name) or {}).get("nodes", {}))  # not the parent's
         for n, st in states.items():
             nodes[n] = {"key": st.key, "ingredients": st.ingredients, "outputs": st.outputs}
         nodes = {n: v for n, v in nodes.items() if n in self.m.nodes}

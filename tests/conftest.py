@@ -55,10 +55,26 @@ class Project:
     def build(self, variant: str, *extra: str) -> subprocess.CompletedProcess:
         return self.run("build", variant, "--out", str(self.out / variant), *extra)
 
+    def adopt(self, other: Project) -> Project:
+        """Start from a copy of another project's store and outputs (instead of rebuilding)."""
+        shutil.copytree(other.store, self.store, dirs_exist_ok=True)
+        if other.out.exists():
+            shutil.copytree(other.out, self.out, dirs_exist_ok=True)
+        return self
+
 
 @pytest.fixture
 def project(tmp_path) -> Project:
     return Project(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def seed(tmp_path_factory) -> Project:
+    """xl then xl-mtp built once per session; tests ``project.adopt(seed)`` rather than rebuild."""
+    p = Project(tmp_path_factory.mktemp("seed"))
+    for variant in ("xl", "xl-mtp"):
+        assert p.cli("build", variant, "-q") == 0
+    return p
 
 
 def ran(proc: subprocess.CompletedProcess) -> list[str]:

@@ -1,0 +1,193 @@
+"""Plan and build: what re-runs and why, step versions, concurrent builds, explain, the store option."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+from conftest import cached, ran
+
+from buildkit.scheduler import action_key
+from buildkit.steps import REGISTRY
+from buildkit.steps.base import library_version
+from buildkit.steps.quantize import Quantize
+
+XL = ["fetch", "sanitize", "quantize", "verify", "publish"]
+XL_MTP = ["fetch", "sanitize", "graft", "quantize", "requantize", "verify", "publish"]
+XL4 = 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 4, group_size = 64 }\n'
+
+
+def cli(project, capsys, *argv):
+    """Run the CLI in-process; returns what ``ran``/``cached`` read (returncode, stdout, stderr)."""
+    rc = project.cli(*argv)
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
+
+
+def plan(project, variant: str) -> dict[str, str]:
+    """step -> its plan line without the key: 'fresh' or 'stale: <reasons>'."""
+    out = project.run("plan", variant).stdout.splitlines()
+    assert out[-1].startswith(f"{variant}: ")
+    lines = [re.fullmatch(r"(fresh|stale) (\S+) \((\S+)\) ([0-9a-f]{12}|\?{12})(: .+)?", s) for s in out[:-1]]
+    assert all(lines), out
+    return {m[2]: m[1] + (m[5] or "") for m in lines}
+
+
+def popen(project, *argv) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "buildkit.cli", *project.args(*argv)],
+        cwd=project.root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def finish(*procs: subprocess.Popen) -> list[SimpleNamespace]:
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        done.append(SimpleNamespace(returncode=p.returncode, stdout=out, stderr=err))
+    return done
+
+
+def test_first_build_runs_everything_second_nothing(project):
+    first = project.build("xl")
+    assert ran(first) == XL
+    assert all(f"[run]    {n} ({n}): never built\n" in first.stderr for n in XL)
+    assert "xl: 5 steps, 5 ran, 0 cached" in first.stderr
+    second = project.build("xl")
+    assert ran(second) == [] and cached(second) == XL
+    assert "xl: 5 steps, 0 ran, 5 cached" in second.stderr
+    assert plan(project, "xl") == dict.fromkeys(XL, "fresh")
+    assert project.run("plan", "xl").stdout.endswith("xl: 5 steps, 0 to run\n")
+    # writes are temp file + rename: nothing half-written is left behind
+    assert list((project.store / "tmp").iterdir()) == []
+    assert [p for p in project.root.rglob("*") if ".tmp" in p.name] == []
+
+
+def test_one_param_change_reruns_exactly_its_dependents(project, seed):
+    project.adopt(seed)
+    project.write_manifest("xl4", XL4)
+    assert plan(project, "xl4") == {
+        "fetch": "fresh",
+        "sanitize": "fresh",
+        "quantize": "stale: params.recipe.roles.routed_expert.bits changed 6→4",
+        "verify": "stale: input quantize will be rebuilt first",
+        "publish": "stale: input quantize, verify will be rebuilt first",
+    }
+    # a partial build records only what it built (not the parent's nodes it compared against)
+    assert cached(project.build("xl4", "--target", "sanitize")) == ["fetch", "sanitize"]
+    assert set(json.loads((project.store / "refs" / "xl4.json").read_text())["keys"]) == {"fetch", "sanitize"}
+    b = project.build("xl4")
+    assert ran(b) == ["quantize", "verify", "publish"] and cached(b) == ["fetch", "sanitize"]
+    assert "[run]    quantize (quantize): params.recipe.roles.routed_expert.bits changed 6→4\n" in b.stderr
+    assert "[run]    verify (verify): input model (quantize) changed\n" in b.stderr
+    assert ran(project.build("xl4")) == []
+
+    # The same edit made to xl itself: quantize and verify are already in the store (xl4 built
+    # them; keys name content, not variants), only xl's own output directory is out of date.
+    xl = project.manifests / "xl.toml"
+    xl.write_text(xl.read_text().replace("routed_expert = { bits = 6,", "routed_expert = { bits = 4,"))
+    p = plan(project, "xl")
+    assert [n for n, s in p.items() if s != "fresh"] == ["publish"]
+    assert p["publish"] == f"stale: output directory {project.out}/xl holds another build"
+    # A value never built: the reason compares with xl's own last build.
+    xl.write_text(xl.read_text().replace("routed_expert = { bits = 4,", "routed_expert = { bits = 5,"))
+    assert plan(project, "xl")["quantize"] == "stale: params.recipe.roles.routed_expert.bits changed 6→5"
+
+
+def test_target_and_failed_builds_keep_what_they_built(project):
+    assert ran(project.build("xl", "--target", "sanitize")) == ["fetch", "sanitize"]
+    project.write_manifest("typo", 'extends = "xl"\n[recipe.rules]\n"*.no_such_module" = "keep"\n')
+    p = project.run("build", "typo", check=False)
+    assert p.returncode == 1
+    assert cached(p) == ["fetch", "sanitize"] and ran(p) == ["quantize"]
+    assert "buildkit: error: step 'quantize' (quantize) failed: " in p.stderr
+    assert "'*.no_such_module'" in p.stderr and "Traceback" not in p.stderr
+    assert not (project.store / "refs" / "typo.json").exists()
+    assert ran(project.build("xl", "--target", "quantize")) == ["quantize"]
+    assert ran(project.build("xl")) == ["verify", "publish"]
+
+
+@pytest.mark.parametrize("kind", sorted(REGISTRY))
+def test_every_kind_declares_its_own_version(kind):
+    """A subclass (requantize of quantize) must not inherit its parent's version silently."""
+    cls = REGISTRY[kind]
+    assert "version" in vars(cls), f"{cls.__name__} inherits version from {cls.__mro__[1].__name__}"
+    assert isinstance(cls.version, int) and cls.version >= 1
+
+
+def test_step_version_bump_reruns_only_that_kind(project, seed, capsys, monkeypatch):
+    project.adopt(seed)
+    monkeypatch.setattr(Quantize, "version", 2)
+    assert REGISTRY["requantize"].version == 1  # requantize subclasses quantize, keeps its own
+    p = cli(project, capsys, "plan", "xl-mtp")
+    assert re.search(r"^stale quantize \(quantize\) \w{12}: step version changed 1→2$", p.stdout, re.M)
+    assert re.search(r"^fresh requantize ", p.stdout, re.M)
+    b = cli(project, capsys, "build", "xl-mtp")
+    assert b.returncode == 0
+    assert "[run]    quantize (quantize): step version changed 1→2\n" in b.stderr
+    # The new version wrote the same bytes, so the dependents' inputs did not change: early
+    # cutoff keeps verify and publish cached (a changed output would re-run them, see above).
+    assert ran(b) == ["quantize"]
+    assert sorted(cached(b)) == sorted(set(XL_MTP) - {"quantize"})
+    assert ran(cli(project, capsys, "build", "xl-mtp")) == []
+    monkeypatch.undo()
+    assert ran(cli(project, capsys, "build", "xl-mtp")) == []  # version 1's record is still there
+
+
+def test_concurrent_builds_of_one_variant_run_each_node_once(project):
+    a, b = finish(popen(project, "build", "xl"), popen(project, "build", "xl"))
+    assert Counter(ran(a) + ran(b)) == Counter(XL)
+    assert sorted(ran(a) + cached(a)) == sorted(XL) == sorted(ran(b) + cached(b))
+    assert ran(project.build("xl")) == []
+
+
+def test_concurrent_builds_of_overlapping_variants_share_nodes(project):
+    a, b = finish(popen(project, "build", "xl"), popen(project, "build", "xl-mtp"))
+    shared = ["fetch", "sanitize", "quantize"]
+    assert Counter(n for n in ran(a) + ran(b) if n in shared) == Counter(shared)
+    assert set(ran(a)) >= {"verify", "publish"}
+    assert set(ran(b)) >= {"graft", "requantize", "verify", "publish"}
+    assert sorted(ran(b) + cached(b)) == sorted(XL_MTP)
+    assert ran(project.build("xl")) == [] and ran(project.build("xl-mtp")) == []
+
+
+def test_explain_prints_the_ingredients_of_the_key(project, seed, capsys):
+    project.adopt(seed)
+    r = cli(project, capsys, "explain", "xl", "quantize")
+    assert r.returncode == 0
+    d = json.loads(r.stdout)
+    assert (d["node"], d["kind"], d["fresh"], d["reasons"]) == ("quantize", "quantize", True, [])
+    assert d["inputs"] == {"model": ["sanitize:model"]}
+    ingr = d["ingredients"]
+    assert set(ingr) == {"kind", "version", "params", "inputs", "libraries", "fingerprint"}
+    assert (ingr["kind"], ingr["version"]) == ("quantize", 1)
+    assert ingr["params"]["recipe"]["roles"]["routed_expert"]["bits"] == 6
+    assert ingr["libraries"] == {"mlx": library_version("mlx")}
+    ref = json.loads((project.store / "refs" / "xl.json").read_text())
+    assert ingr["inputs"] == {"model": [ref["nodes"]["sanitize"]["outputs"]["model"]]}
+    assert d["key"] == action_key(ingr)
+    fetch = json.loads(cli(project, capsys, "explain", "xl", "fetch").stdout)
+    assert fetch["fresh"] and fetch["ingredients"]["libraries"] == {}
+    assert "config.json" in fetch["ingredients"]["fingerprint"]
+
+
+def test_buildkit_store_env_var_is_honoured(project, tmp_path):
+    env_store = tmp_path / "env-store"
+    base = [sys.executable, "-m", "buildkit.cli", "--manifests", str(project.manifests)]
+    env = {**os.environ, "BUILDKIT_STORE": str(env_store)}
+    p = subprocess.run([*base, "build", "xl", "--target", "fetch"], cwd=project.root, env=env,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert ran(p) == ["fetch"]
+    assert list((env_store / "actions").glob("*/*")) and not (project.root / "cache").exists()
+    # --store wins over the variable
+    p = subprocess.run([*base, "--store", str(project.store), "plan", "xl"], cwd=project.root,
+                       env=env, capture_output=True, text=True)
+    assert p.returncode == 0 and "stale fetch (fetch)" in p.stdout
