@@ -261,12 +261,13 @@ class Scheduler:
         A store entry a step finds corrupt (or gone) is a miss: it has been removed, so the
         build runs once more, which re-runs the steps that produced it.
         """
-        try:
-            return self._build(targets, jobs, quiet)
-        except StoreMiss as e:
-            if not quiet:
-                print(f"buildkit: {e}; building again to restore it", file=sys.stderr)
-            return self._build(targets, jobs, quiet)
+        with self.store.in_use():
+            try:
+                return self._build(targets, jobs, quiet)
+            except StoreMiss as e:
+                if not quiet:
+                    print(f"buildkit: {e}; building again to restore it", file=sys.stderr)
+                return self._build(targets, jobs, quiet)
 
     def _build(self, targets: list[str] | None, jobs: int, quiet: bool) -> list[NodeState]:
         names = self._selection(targets)

@@ -348,6 +348,21 @@ class Store:
             finally:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
+    @contextlib.contextmanager
+    def in_use(self, exclusive: bool = False) -> Iterator[None]:
+        """Builds hold the store shared; gc holds it exclusively and never waits for a build."""
+        with open(self.root / "locks" / "store.lock", "a+") as f:
+            try:
+                fcntl.flock(f.fileno(), (fcntl.LOCK_EX | fcntl.LOCK_NB) if exclusive else fcntl.LOCK_SH)
+            except BlockingIOError:
+                raise StoreError(
+                    f"a build is using the store {self.root}; run gc again when it has finished"
+                ) from None
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
     # ---- refs and gc ---------------------------------------------------------------
 
     def set_ref(self, name: str, value: dict) -> None:
@@ -366,7 +381,14 @@ class Store:
         return out
 
     def gc(self, dry_run: bool = False) -> dict:
-        """Remove actions no ref names, then artifacts and objects no kept action reaches."""
+        """Remove actions no ref names, then artifacts and objects no kept action reaches.
+
+        Refuses (StoreError) while a build holds the store, whose new objects no ref names yet.
+        """
+        with self.in_use(exclusive=True):
+            return self._gc(dry_run)
+
+    def _gc(self, dry_run: bool) -> dict:
         keep_keys = {k for ref in self.refs().values() for k in ref.get("keys", {}).values()}
         live_arts: set[str] = set()
         removed = {"actions": 0, "artifacts": 0, "objects": 0, "bytes": 0}

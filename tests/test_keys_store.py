@@ -280,3 +280,14 @@ def test_store_check_finds_and_removes_a_corrupt_object(project, seed):
     assert not store.object_path(digest).exists()
     assert project.run("store", "check").returncode == 0
     assert ran(project.build("xl")) == ["quantize"]
+
+
+def test_gc_refuses_while_a_build_holds_the_store(tmp_path):
+    from buildkit.errors import StoreError
+    from buildkit.store import Store
+
+    store = Store(tmp_path / "cache")
+    with store.in_use():  # what a running build holds
+        with pytest.raises(StoreError, match="a build is using the store"):
+            Store(tmp_path / "cache").gc()
+    assert Store(tmp_path / "cache").gc()["objects"] == 0
