@@ -31,12 +31,30 @@ class VerifyParams(Params):
     max_rel_l1: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_REL_L1))
 
 
-def reference(store, hf: str, digest: str, info, slc, shape) -> np.ndarray:
-    """The MLX-layout tensor computed straight from the raw source, the way mlx_lm does."""
-    entry = {"dtype": info.dtype, "shape": list(info.shape), "view": {"file": digest, "tensor": hf}}
-    raw = store.read_tensor(entry)
+class Reference:
+    """MLX-layout tensors computed straight from the raw source, the way mlx_lm does.
+
+    Gate and up come from one fused tensor and are asked for one after the other, so the
+    last fused read is kept for the second half.
+    """
+
+    def __init__(self, store):
+        self.store = store
+        self.last: tuple | None = None
+
+    def __call__(self, hf: str, digest: str, info, slc, shape) -> np.ndarray:
+        if self.last is not None and self.last[0] == (digest, hf):
+            raw = self.last[1]
+        else:
+            entry = {"dtype": info.dtype, "shape": list(info.shape), "view": {"file": digest, "tensor": hf}}
+            raw = self.store.read_tensor(entry)
+            self.last = ((digest, hf), raw) if slc is not None else None
+        return mlx_layout(hf, raw, info.dtype, slc, shape)
+
+
+def mlx_layout(hf: str, raw: np.ndarray, dtype: str, slc, shape) -> np.ndarray:
     if ckpt.is_offset_norm(hf):
-        return from_mlx(to_mlx(raw, info.dtype) + 1.0)[0]
+        return from_mlx(to_mlx(raw, dtype) + 1.0)[0]
     if ckpt.is_conv1d(hf):
         return np.ascontiguousarray(np.moveaxis(raw, 2, 1))  # mlx_lm: [C, 1, K] -> [C, K, 1]
     if ckpt.is_patch_embed(hf) and raw.ndim == 5:
@@ -69,6 +87,7 @@ def calibrated_expert_error(store, heldout: Artifact, parts: list[Artifact], rol
     source weights at the same bits; data-aware must be lower."""
     import mlx.core as mx
 
+    reference = Reference(store)
     model = {k: v for a in parts for k, v in a.tensors.items()}
     fallback: dict[str, list[int]] = {}
     for a in parts:
@@ -87,7 +106,7 @@ def calibrated_expert_error(store, heldout: Artifact, parts: list[Artifact], rol
                 problems.append(f"{module}: not a quantized tensor of this model")
                 continue
             hf, digest, info, slc, shape = expected[f"{module}.weight"]
-            raw = reference(store, hf, digest, info, slc, shape)
+            raw = reference(hf, digest, info, slc, shape)
             qargs[proj] = {"group_size": q["group_size"], "bits": q["bits"], "mode": q.get("mode", "affine")}
             packed["ref"][proj] = (raw, info.dtype)
             packed["aware"][proj] = [to_mlx(store.read_tensor(model[f"{module}.{k}"]), model[f"{module}.{k}"]["dtype"])
@@ -188,6 +207,7 @@ class Verify(Step):
                 for mlx_name, shape, slc in pieces:
                     expected[mlx_name] = (hf, digest, info, slc, shape)
         checks = Checks()
+        reference = Reference(store)
 
         # 1. key set, derived from the source layout and the recorded role of each module
         want = set()
@@ -211,7 +231,7 @@ class Verify(Step):
         n_norm = n_pass = 0
         ctx.progress.start(len(expected))
         for name, (hf, digest, info, slc, shape) in sorted(expected.items()):
-            ref = reference(store, hf, digest, info, slc, shape)
+            ref = reference(hf, digest, info, slc, shape)
             ref32 = to_float32(ref, info.dtype)
             if not np.isfinite(ref32).all():
                 nonfinite.append(name)
@@ -263,7 +283,7 @@ class Verify(Step):
                 continue
             gate_name, up_name = names[0], names[1]
             _, digest, info, _, _ = expected[gate_name]
-            src = to_float32(reference(store, hf, digest, info, None, info.shape), info.dtype)
+            src = to_float32(reference(hf, digest, info, None, info.shape), info.dtype)
             g, u = (self._dense(store, model, roles_q, n) for n in (gate_name, up_name))
             right = rel_l1(src, np.concatenate([g, u], axis=1))
             swapped = rel_l1(src, np.concatenate([u, g], axis=1))
