@@ -8,10 +8,10 @@ JOBS    ?= 2
 
 .PHONY: install xl xl-mtp oq4e-mtp-xl all fixture test lint bench release clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test]" -c constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -11,17 +11,33 @@ from pathlib import Path
 
 from . import keys
 from .errors import UsageError
+from .store import atomic_write
 
-TOOLS = ("buildkit", "mlx", "mlx-lm", "safetensors", "numpy")
+TOOLS = ("buildkit", "mlx", "mlx-lm", "numpy", "safetensors", "tokenizers")
+PINS = "constraints.txt"  # the exact versions release locks are made with (see README)
 
 
 def lock_path(sched) -> Path:
     return sched.m.file.with_suffix(".lock")
 
 
+def tool_versions() -> dict[str, str]:
+    return {t: version(t) for t in TOOLS}
+
+
+def machine() -> str:
+    return f"{platform.system()}-{platform.machine()}"
+
+
 def lock_data(sched, states) -> dict:
     nodes = {
-        s.name: {"kind": s.kind, "key": s.key, "outputs": dict(sorted(s.outputs.items()))} for s in states
+        s.name: {
+            "kind": s.kind,
+            "key": s.key,
+            "libraries": s.ingredients["libraries"],
+            "outputs": dict(sorted(s.outputs.items())),
+        }
+        for s in states
     }
     sources = {
         s.name: {"source": s.ingredients["params"], "files": s.ingredients["fingerprint"]}
@@ -32,15 +48,37 @@ def lock_data(sched, states) -> dict:
         "variant": sched.m.name,
         "sources": sources,
         "nodes": nodes,
-        "tools": {t: version(t) for t in TOOLS},
+        "tools": tool_versions(),
         "python": platform.python_version(),
+        "platform": machine(),
     }
 
 
 def write_lock(sched, states) -> Path:
     path = lock_path(sched)
-    path.write_text(json.dumps(lock_data(sched, states), indent=2, sort_keys=True) + "\n")
+    atomic_write(path, (json.dumps(lock_data(sched, states), indent=2, sort_keys=True) + "\n").encode())
     return path
+
+
+def read_lock(path: str | Path, variant: str) -> dict:
+    """A lock file, checked to be one (for ``variant``) before anything is built against it."""
+    try:
+        lock = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UsageError(f"{path}: cannot read lock file: {e}") from None
+    nodes = lock.get("nodes") if isinstance(lock, dict) else None
+    if not (isinstance(nodes, dict) and all(isinstance(v, dict) for v in nodes.values())
+            and isinstance(lock.get("sources", {}), dict)):
+        raise UsageError(f"{path}: not a buildkit lock file (no nodes table); write one with `buildkit build VARIANT --release`")
+    if lock.get("variant") != variant:
+        raise UsageError(f"{path} is the lock of variant {lock.get('variant')!r}, not {variant!r}")
+    return lock
+
+
+def _differ(a: dict, b: dict) -> str:
+    """'name A (lock) vs B (here)' for each entry that differs between two version tables."""
+    a, b = a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}
+    return ", ".join(f"{k} {a.get(k)} (lock) vs {b.get(k)} (here)" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
 def verify_against(args, manifest) -> int:
@@ -49,10 +87,17 @@ def verify_against(args, manifest) -> int:
     from .steps.base import BuildOptions
     from .store import Store
 
-    try:
-        lock = json.loads(Path(args.against).read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{args.against}: cannot read lock file: {e}") from None
+    lock = read_lock(args.against, manifest.name)
+    tools = _differ(lock.get("tools"), tool_versions())
+    if tools:
+        print(
+            f"buildkit: warning: tool versions differ from the lock's: {tools}. Cache keys include the "
+            "versions of libraries that change bytes, so the nodes that use them cannot reproduce "
+            f"the lock; install the release pins (pip install -c {PINS} -e .) and verify again",
+            file=sys.stderr,
+        )
+    if lock.get("platform", machine()) != machine():
+        print(f"buildkit: note: the lock was made on {lock['platform']}, this is {machine()}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="buildkit-verify-") as tmp:
         opts = BuildOptions(project_root=Path.cwd(), out_dir=Path(tmp) / "out", release=True)
         sched = Scheduler(manifest, Store(Path(tmp) / "store"), opts)
@@ -60,15 +105,27 @@ def verify_against(args, manifest) -> int:
         got = lock_data(sched, states)
     for name in sched.order:
         want = lock["nodes"].get(name)
-        have = got["nodes"].get(name)
-        if want != have:
-            print(f"differs at node {name!r}:", file=sys.stderr)
-            for field in ("kind", "key", "outputs"):
-                if (want or {}).get(field) != (have or {}).get(field):
-                    print(f"  {field}: lock {json.dumps((want or {}).get(field))} vs rebuild {json.dumps((have or {}).get(field))}", file=sys.stderr)
-            tools = {t: (lock.get("tools", {}).get(t), got["tools"][t]) for t in TOOLS if lock.get("tools", {}).get(t) != got["tools"][t]}
-            if tools:
-                print(f"  tool versions differ: {tools}", file=sys.stderr)
+        have = got["nodes"][name]
+        if want is None:
+            print(f"differs at node {name!r}: the lock has no such node (the manifest changed since)", file=sys.stderr)
+            return 1
+        if any(want.get(f) != have[f] for f in ("kind", "key", "outputs")):
+            print(f"differs at node {name!r} ({have['kind']}), the first in build order:", file=sys.stderr)
+            for f in ("kind", "key", "outputs"):
+                if want.get(f) != have[f]:
+                    print(f"  {f}: lock {json.dumps(want.get(f))} vs rebuild {json.dumps(have[f])}", file=sys.stderr)
+            libs = _differ(want.get("libraries"), have["libraries"])
+            if libs:
+                print(f"  its key includes library versions that differ: {libs}; "
+                      f"install the release pins (pip install -c {PINS} -e .)", file=sys.stderr)
+            if have["kind"] == "fetch":
+                old = (lock.get("sources", {}).get(name) or {}).get("files") or {}
+                new = got["sources"][name]["files"] or {}
+                files = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+                if files:
+                    print(f"  source files differ: {', '.join(files)}", file=sys.stderr)
+            elif tools and not libs:
+                print("  (an input of this node differs, or a tool version above changed its bytes)", file=sys.stderr)
             return 1
     extra = sorted(set(lock["nodes"]) - set(got["nodes"]))
     if extra:

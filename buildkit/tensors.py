@@ -36,6 +36,7 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("?"),
 }
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+MAX_DIM = 1 << 62  # no real dimension comes near; numpy cannot index past 2**63
 
 
 def nbytes(dtype: str, shape) -> int:
@@ -87,6 +88,8 @@ def read_header(path: str | Path) -> Header:
         head = json.loads(blob)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SourceError(f"{path}: header is not valid JSON ({e})") from e
+    except RecursionError:
+        raise SourceError(f"{path}: header is not a safetensors header (JSON nested too deeply)") from None
     if not isinstance(head, dict):
         raise SourceError(f"{path}: header is not a JSON object")
     metadata = head.pop("__metadata__", None) or {}
@@ -100,14 +103,14 @@ def read_header(path: str | Path) -> Header:
         if not isinstance(info, dict):
             raise SourceError(f"{where}: entry is not an object")
         dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise SourceError(f"{where}: unsupported dtype {dtype!r}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        if not (isinstance(shape, list) and all(type(d) is int and 0 <= d < MAX_DIM for d in shape)):
             raise SourceError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
         if not (
             isinstance(offs, list)
             and len(offs) == 2
-            and all(isinstance(o, int) for o in offs)
+            and all(type(o) is int for o in offs)
             and 0 <= offs[0] <= offs[1] <= data_len
         ):
             raise SourceError(

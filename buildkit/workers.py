@@ -13,7 +13,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 _pools: dict[str, Pool] = {}
 _lock = threading.Lock()
@@ -59,9 +59,14 @@ def imap(name: str, fn: Callable, items: Iterable, workers: int = 2, window: int
     """``map`` over ``workers`` threads of pool ``name``, in order, at most ``window`` in flight."""
     p = pool(name)
     pending: deque[Future] = deque()
-    for it in items:
-        pending.append(p.submit(fn, it, workers=workers))
-        if len(pending) >= window:
+    try:
+        for it in items:
+            pending.append(p.submit(fn, it, workers=workers))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
             yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
+    finally:  # on a failure, no work may outlive the caller (mlx aborts if it runs into exit)
+        for fut in pending:
+            fut.cancel()
+        wait(pending)

@@ -87,15 +87,21 @@ class Fetch(Step):
                 )
             from huggingface_hub import snapshot_download
 
+            rev = m["rev"] or "main"
             try:
-                path = Path(
-                    snapshot_download(m["repo"], revision=m["rev"] or "main", allow_patterns=HF_PATTERNS)
-                )
-            except Exception as e:  # hub errors come in many types; all mean "cannot fetch"
-                raise SourceError(
-                    f"cannot fetch {params.source}: {e}. Offline? Set HF_HUB_OFFLINE=1 to use the "
-                    "local HF cache, or pass --source with a local directory"
-                ) from e
+                # A pinned commit already in the HF cache needs no network (and keeps no-op
+                # builds fast); anything else asks the Hub (or fails offline with its reason).
+                if not PINNED.match(rev):
+                    raise LookupError(rev)
+                path = Path(snapshot_download(m["repo"], revision=rev, allow_patterns=HF_PATTERNS, local_files_only=True))
+            except Exception:
+                try:
+                    path = Path(snapshot_download(m["repo"], revision=rev, allow_patterns=HF_PATTERNS))
+                except Exception as e:  # hub errors come in many types; all mean "cannot fetch"
+                    raise SourceError(
+                        f"cannot fetch {params.source}: {e}. Offline? Set HF_HUB_OFFLINE=1 to use the "
+                        "local HF cache, or pass --source with a local directory"
+                    ) from e
             return path, {"type": "hf", "repo": m["repo"], "revision": path.name}
         if kind == "fixture":
             from ..fixture import generate

@@ -13,8 +13,10 @@ one rename, so a reader never sees a mix of old and new shards.
 from __future__ import annotations
 
 import ctypes
+import glob
 import json
 import os
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -89,6 +91,34 @@ def exchange(src: Path, dst: Path) -> None:
     os.rename(dst, aside)
     os.rename(src, dst)
     os.rename(aside, src)
+
+
+LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)")
+
+
+def clear_leftovers(dest: Path) -> None:
+    """Remove the temp and set-aside directories that killed publishes left beside ``dest``."""
+    for p in dest.parent.glob(f".{glob.escape(dest.name)}.*-*"):
+        m = LEFTOVER.fullmatch(p.name)
+        if m and m["name"] == dest.name and not _alive(int(m["pid"])):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        pass
+    return True
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: list[Artifact], reports: list[dict], bpw: float, n_tensors: int) -> str:
@@ -189,18 +219,20 @@ class Publish(Step):
             )
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+        clear_leftovers(dest)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
             art = self._write(ctx, params, tmp, tensors, config, src, reports, parts)
             self._check(tmp, tensors, params)
-            (tmp / STAMP).write_text(json.dumps({"artifact": art.digest, "variant": ctx.variant}))
+            write_synced(tmp / STAMP, json.dumps({"artifact": art.digest, "variant": ctx.variant}).encode())
             fsync_dir(tmp)
-            if dest.exists():
-                exchange(tmp, dest)
-            else:
-                os.rename(tmp, dest)
-            fsync_dir(dest.parent)
+            with ctx.store.lock(keys.digest_json("publish", str(dest))):  # one swap at a time per dir
+                if dest.exists():
+                    exchange(tmp, dest)
+                else:
+                    os.rename(tmp, dest)
+                fsync_dir(dest.parent)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         ctx.log(f"published {len(tensors)} tensors to {dest}")
@@ -249,7 +281,7 @@ class Publish(Step):
         art = Artifact(meta={"shards": meta_shards, "bits_per_weight": round(bpw, 4)})
         for name, data in files.items():
             _safe_name(name)
-            (tmp / name).write_bytes(data)
+            write_synced(tmp / name, data)
             art.files[name] = store.put_blob(data)
             sizes[name] = len(data)
         art.meta["sizes"] = sizes
