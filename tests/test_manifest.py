@@ -143,13 +143,15 @@ def test_extends_inherits_and_deep_merges(project):
     xl = manifest.load("xl", project.manifests)
     mtp = manifest.load("xl-mtp", project.manifests)
     assert list(xl.nodes) == ["fetch", "sanitize", "quantize", "verify", "publish"]
-    assert list(mtp.nodes) == [*xl.nodes, "graft", "requantize"]
+    assert list(mtp.nodes) == [*xl.nodes, "graft", "requantize", "verify_head"]
     assert [p.rsplit("/", 1)[1] for p in mtp.chain] == ["xl-mtp.toml", "xl.toml"]
     # inherited untouched, redefined partly (kind from xl, inputs from xl-mtp), new
     assert mtp.nodes["fetch"].file.endswith("/xl.toml")
-    assert mtp.nodes["verify"].file.endswith("/xl-mtp.toml")
-    assert mtp.nodes["verify"].kind == "verify"
-    assert {s: list(map(str, r)) for s, r in mtp.nodes["verify"].inputs.items()} == {
+    assert mtp.nodes["publish"].file.endswith("/xl-mtp.toml")
+    assert mtp.nodes["publish"].kind == "publish"
+    assert mtp.nodes["verify"].file.endswith("/xl.toml")  # the trunk's verify is xl's own
+    assert mtp.nodes["verify_head"].params.only == "language_model.mtp.*"
+    assert {s: list(map(str, r)) for s, r in mtp.nodes["verify_head"].inputs.items()} == {
         "model": ["quantize", "requantize"], "source": ["fetch"], "base": ["quantize"],
     }
     assert mtp.source == xl.source == "fixture:seed=0"
@@ -194,9 +196,11 @@ def test_manifest_by_path(project, tmp_path):
 MTP_EDGES = {
     ("fetch", "sanitize", "source"), ("sanitize", "quantize", "model"),
     ("sanitize", "graft", "head"), ("sanitize", "graft", "trunk"), ("graft", "requantize", "model"),
-    ("quantize", "verify", "model"), ("requantize", "verify", "model"), ("fetch", "verify", "source"),
-    ("quantize", "verify", "base"), ("quantize", "publish", "model"), ("requantize", "publish", "model"),
-    ("fetch", "publish", "source"), ("verify", "publish", "report"),
+    ("quantize", "verify", "model"), ("fetch", "verify", "source"),
+    ("quantize", "verify_head", "model"), ("requantize", "verify_head", "model"),
+    ("fetch", "verify_head", "source"), ("quantize", "verify_head", "base"),
+    ("quantize", "publish", "model"), ("requantize", "publish", "model"),
+    ("fetch", "publish", "source"), ("verify", "publish", "report"), ("verify_head", "publish", "report"),
 }
 
 
@@ -214,9 +218,11 @@ def test_graph_command_renders_every_node_and_edge(project, capsys, fmt):
     assert project.cli("graph", "xl-mtp", "--format", fmt) == 0
     out = capsys.readouterr().out
     kinds = {n: n for n in ("fetch", "sanitize", "quantize", "graft", "requantize", "verify", "publish")}
+    kinds["verify_head"] = "verify"
     if fmt == "text":
         assert "graft (graft) <- head=sanitize:mtp, trunk=sanitize:model" in out
-        assert "verify (verify) <- model=quantize, requantize, source=fetch, base=quantize" in out
+        assert "verify (verify) <- model=quantize, source=fetch" in out
+        assert "verify_head (verify) <- model=quantize, requantize, source=fetch, base=quantize" in out
         assert "fetch (fetch)\n" in out
         return
     if fmt == "dot":

@@ -102,7 +102,7 @@ def test_changing_the_calibration_text_reruns_only_calibrated_nodes(built):
     fewer = "params.max_tokens = 1024\nparams.max_heldout_tokens = 256\n"  # a quicker calibration
     name = extend(project, "oq4e-edit", f'[steps.calibrate]\nparams.text = "{text.name}"\n{fewer}')
     proc = project.build(name)
-    downstream = {"calibrate", "quantize", "verify", "publish"}
+    downstream = {"calibrate", "quantize", "verify", "verify_head", "publish"}
     assert set(ran(proc)) == downstream
     assert {"fetch", "sanitize", "donor_fetch", "donor_sanitize", "graft", "requantize"} <= set(cached(proc))
 

@@ -38,8 +38,8 @@ def built(tmp_path_factory):
 def test_xl_mtp_after_xl_reruns_only_the_head_and_publish(built):
     p, xl, mtp = built
     assert ran(xl) == ["fetch", "sanitize", "quantize", "verify", "publish"]
-    assert sorted(ran(mtp)) == ["graft", "publish", "requantize", "verify"]
-    assert sorted(cached(mtp)) == ["fetch", "quantize", "sanitize"]
+    assert sorted(ran(mtp)) == ["graft", "publish", "requantize", "verify_head"]
+    assert sorted(cached(mtp)) == ["fetch", "quantize", "sanitize", "verify"]
 
 
 def test_both_load_and_generate_with_mlx_lm(built):
@@ -156,8 +156,12 @@ def test_verify_report_and_model_card(built):
     report = json.loads((p.out / "xl-mtp" / "verify.json").read_text())
     checks = report["checks"]
     assert report["ok"] and all(c["ok"] for c in checks.values())
-    assert checks["key_set"]["figure"]["mtp_keys"] == 44
-    assert checks["base_identical"]["figure"]["differ"] == 0
+    head = " (language_model.mtp.*)"
+    assert checks["key_set"]["figure"]["mtp_keys"] == 0  # the trunk's own check
+    assert checks["key_set" + head]["figure"] == {"expected": 44, "actual": 44, "mtp_keys": 44}
+    assert checks["base_identical" + head]["figure"] == {"tensors": 215, "differ": 0}
+    assert checks["experts_split_order"]["figure"]["checked"] == 4  # every trunk layer
+    assert checks["experts_split_order" + head]["figure"]["checked"] == 1
     assert checks["dequant_rel_l1"]["figure"]["6-bit"]["max"] < 0.045
     card = (p.out / "xl-mtp" / "README.md").read_text()
     assert card.startswith("---\nbase_model: Qwen/Qwen3.6-35B-A3B\nlibrary_name: mlx\n")

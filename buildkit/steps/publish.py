@@ -79,6 +79,16 @@ def quantization_config(parts: list[Artifact]) -> dict | None:
     return cfg
 
 
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from several verify nodes; a scoped node's checks are named with their scope."""
+    checks = {}
+    for rep in reports:
+        scope = rep.get("scope", "all")
+        for name, r in rep.get("checks", {}).items():
+            checks[name if scope == "all" else f"{name} ({scope})"] = r
+    return {"ok": all(r["ok"] for r in checks.values()), "checks": checks}
+
+
 def exchange(src: Path, dst: Path) -> None:
     """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE), else rename aside."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -206,7 +216,7 @@ class Publish(Step):
         if qcfg:
             config["quantization"] = qcfg
             config["quantization_config"] = qcfg
-        reports = [r.meta.get("report", {}) for r in inputs.get("report", [])]
+        reports = [merge_reports([r.meta.get("report", {}) for r in inputs.get("report", [])])] if inputs.get("report") else []
         failed = [k for rep in reports for k, r in rep.get("checks", {}).items() if not r["ok"]]
         if failed:
             raise StepError(f"refusing to publish: verify failed {', '.join(failed)}")
@@ -274,7 +284,7 @@ class Publish(Step):
             if name not in SKIP_SOURCE_FILES and "/" not in name:
                 files[name] = store.get_blob(digest)
         if reports:
-            files["verify.json"] = json.dumps(reports if len(reports) > 1 else reports[0], indent=2, sort_keys=True).encode()
+            files["verify.json"] = json.dumps(reports[0], indent=2, sort_keys=True).encode()
         params_total = sum(r["params"] for a in parts for r in a.meta.get("role_table", {}).values())
         bpw = sum(a.meta.get("bits_per_weight", 0) * sum(r["params"] for r in a.meta.get("role_table", {}).values()) for a in parts) / max(params_total, 1)
         files["README.md"] = model_card(ctx, params, config.get("quantization"), parts, reports, bpw, len(tensors)).encode()

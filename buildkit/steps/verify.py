@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import math
+from fnmatch import fnmatchcase
 
 import numpy as np
 from pydantic import Field
 
 from .. import calibration as cal
 from .. import checkpoint as ckpt
-from .. import keys
+from .. import keys, workers
 from ..errors import VerifyError
 from ..store import Artifact
 from ..tensors import from_mlx, to_float32, to_mlx
@@ -29,30 +30,11 @@ DEFAULT_REL_L1 = {"2": 0.6, "3": 0.3, "4": 0.16, "5": 0.08, "6": 0.045, "8": 0.0
 
 class VerifyParams(Params):
     max_rel_l1: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_REL_L1))
-
-
-class Reference:
-    """MLX-layout tensors computed straight from the raw source, the way mlx_lm does.
-
-    Gate and up come from one fused tensor and are asked for one after the other, so the
-    last fused read is kept for the second half.
-    """
-
-    def __init__(self, store):
-        self.store = store
-        self.last: tuple | None = None
-
-    def __call__(self, hf: str, digest: str, info, slc, shape) -> np.ndarray:
-        if self.last is not None and self.last[0] == (digest, hf):
-            raw = self.last[1]
-        else:
-            entry = {"dtype": info.dtype, "shape": list(info.shape), "view": {"file": digest, "tensor": hf}}
-            raw = self.store.read_tensor(entry)
-            self.last = ((digest, hf), raw) if slc is not None else None
-        return mlx_layout(hf, raw, info.dtype, slc, shape)
+    only: str | None = None  # check only the tensors whose MLX names match this glob
 
 
 def mlx_layout(hf: str, raw: np.ndarray, dtype: str, slc, shape) -> np.ndarray:
+    """The MLX-layout tensor computed from a raw source tensor the way mlx_lm does."""
     if ckpt.is_offset_norm(hf):
         return from_mlx(to_mlx(raw, dtype) + 1.0)[0]
     if ckpt.is_conv1d(hf):
@@ -76,9 +58,104 @@ def dequantize(store, model: dict, base: str, q: dict) -> np.ndarray:
     return np.array(out.astype(mx.float32))
 
 
-def rel_l1(ref: np.ndarray, got: np.ndarray) -> float:
-    den = float(np.abs(ref).sum(dtype=np.float64))
-    return float(np.abs(ref - got).sum(dtype=np.float64)) / max(den, 1e-30)
+def read_raw(store, hf: str, digest: str, info) -> np.ndarray:
+    return store.read_tensor({"dtype": info.dtype, "shape": list(info.shape), "view": {"file": digest, "tensor": hf}})
+
+
+BLOCK_BYTES = 64 << 20  # rows of source compared at a time: memory stays a few blocks, not a tensor
+
+
+class Inspect:
+    """All per-tensor checks for one source tensor and the MLX tensors made from it.
+
+    The source is read once; gate and up of a fused tensor are checked against it together,
+    block by block along the first axis, in float32 mlx arithmetic.
+    """
+
+    def __init__(self, store, model: dict, roles_q: dict):
+        self.store, self.model, self.roles_q = store, model, roles_q
+
+    def quant(self, name: str) -> dict | None:
+        base = name.removesuffix(".weight")
+        if name.endswith(".weight") and base in self.roles_q and f"{base}.scales" in self.model:
+            return self.roles_q[base]
+        return None
+
+    def __call__(self, item) -> dict:
+        import mlx.core as mx
+
+        hf, digest, info, pieces = item
+        raw = read_raw(self.store, hf, digest, info)
+        r = {"hf": hf, "norm": [], "pass": [], "nonfinite": [], "shape_bad": [], "err": {}, "split": None, "bytes": raw.nbytes}
+        dense = []  # pieces compared numerically, block by block
+        for name, slc, shape in pieces:
+            q = self.quant(name)
+            if q is None:
+                if name not in self.model:
+                    continue  # the key-set check reports it
+                ref = mlx_layout(hf, raw, info.dtype, slc, shape)
+                got = self.store.read_tensor(self.model[name])
+                same = got.dtype == ref.dtype and got.shape == ref.shape and got.tobytes() == ref.tobytes()
+                (r["norm"] if ckpt.is_offset_norm(hf) else r["pass"]).append((name, same))
+                if not bool(mx.isfinite(to_mlx(ref, info.dtype)).all()):
+                    r["nonfinite"].append(name)
+                if slc is not None:
+                    dense.append((name, slc, None))
+                continue
+            pack = 32 // q["bits"] if 32 % q["bits"] == 0 else None
+            w = self.model[f"{name.removesuffix('.weight')}.weight"]
+            if w["shape"][:-1] != list(shape[:-1]) or (pack and w["shape"][-1] * pack != shape[-1]):
+                r["shape_bad"].append(name)
+                continue
+            dense.append((name, slc, q))
+        if not dense:
+            return r
+        # Quantized (and sliced) pieces: rel-L1 per piece, and for a fused pair the swapped order
+        base_of = {n: n.removesuffix(".weight") for n, _, _ in dense}
+        packed = {n: [to_mlx(self.store.read_tensor(self.model[f"{base_of[n]}.{k}"]), self.model[f"{base_of[n]}.{k}"]["dtype"])
+                      for k in ("weight", "scales", "biases")] for n, _, q in dense if q is not None}
+        plain = {n: self.store.read_tensor(self.model[n]) for n, _, q in dense if q is None}
+        num = {n: 0.0 for n, _, _ in dense}
+        den = dict(num)
+        swapped = 0.0
+        finite = {n: True for n, _, _ in dense}
+        rows = raw.shape[0]
+        row_bytes = max(1, raw.nbytes // max(rows, 1))
+        step = max(1, BLOCK_BYTES // row_bytes)
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            src = to_mlx(np.ascontiguousarray(raw[a:b]), info.dtype).astype(mx.float32)
+            refs, outs = [], []
+            for n, slc, q in dense:
+                shape = [b - a, *next(p[2] for p in pieces if p[0] == n)[1:]]
+                if slc is not None:
+                    axis, lo, hi = slc
+                    idx = [slice(None)] * src.ndim
+                    idx[axis] = slice(lo, hi)
+                    ref = src[tuple(idx)].reshape(shape)
+                else:
+                    ref = src.reshape(shape)
+                if q is not None:
+                    got = mx.dequantize(*(x[a:b] for x in packed[n]), group_size=q["group_size"], bits=q["bits"],
+                                        mode=q.get("mode", "affine")).astype(mx.float32)
+                else:
+                    got = to_mlx(np.ascontiguousarray(plain[n][a:b]), self.model[n]["dtype"]).astype(mx.float32)
+                num[n] += mx.abs(ref - got).sum().item()
+                den[n] += mx.abs(ref).sum().item()
+                finite[n] = finite[n] and bool(mx.isfinite(ref).all()) and bool(mx.isfinite(got).all())
+                refs.append(ref)
+                outs.append(got)
+            if len(dense) == 2:  # gate|up against up|gate
+                swapped += (mx.abs(refs[0] - outs[1]).sum() + mx.abs(refs[1] - outs[0]).sum()).item()
+        for n, _, q in dense:
+            if not finite[n]:
+                r["nonfinite"].append(n)
+            if q is not None:
+                r["err"][n] = (str(q["bits"]), num[n] / max(den[n], 1e-30))
+        if len(dense) == 2:
+            tot = max(sum(den.values()), 1e-30)
+            r["split"] = (sum(num.values()) / tot, swapped / tot)
+        return r
 
 
 def calibrated_expert_error(store, heldout: Artifact, parts: list[Artifact], roles_q: dict, expected: dict) -> tuple[bool, dict, list | None]:
@@ -87,7 +164,6 @@ def calibrated_expert_error(store, heldout: Artifact, parts: list[Artifact], rol
     source weights at the same bits; data-aware must be lower."""
     import mlx.core as mx
 
-    reference = Reference(store)
     model = {k: v for a in parts for k, v in a.tensors.items()}
     fallback: dict[str, list[int]] = {}
     for a in parts:
@@ -106,7 +182,7 @@ def calibrated_expert_error(store, heldout: Artifact, parts: list[Artifact], rol
                 problems.append(f"{module}: not a quantized tensor of this model")
                 continue
             hf, digest, info, slc, shape = expected[f"{module}.weight"]
-            raw = reference(hf, digest, info, slc, shape)
+            raw = mlx_layout(hf, read_raw(store, hf, digest, info), info.dtype, slc, shape)
             qargs[proj] = {"group_size": q["group_size"], "bits": q["bits"], "mode": q.get("mode", "affine")}
             packed["ref"][proj] = (raw, info.dtype)
             packed["aware"][proj] = [to_mlx(store.read_tensor(model[f"{module}.{k}"]), model[f"{module}.{k}"]["dtype"])
@@ -169,7 +245,7 @@ class Checks:
 @register
 class Verify(Step):
     kind = "verify"
-    version = 1
+    version = 2
     Params = VerifyParams
     inputs = {
         "model": Slot(many=True),  # the artifacts that make up the output model
@@ -206,8 +282,11 @@ class Verify(Step):
                     fused[hf] = [p[0] for p in pieces]
                 for mlx_name, shape, slc in pieces:
                     expected[mlx_name] = (hf, digest, info, slc, shape)
+        full_model = model
+        if params.only:
+            expected = {k: v for k, v in expected.items() if fnmatchcase(k, params.only)}
+            model = {k: v for k, v in model.items() if fnmatchcase(k, params.only)}
         checks = Checks()
-        reference = Reference(store)
 
         # 1. key set, derived from the source layout and the recorded role of each module
         want = set()
@@ -224,46 +303,40 @@ class Verify(Step):
             {"missing": missing[:20], "unexpected": extra[:20]} if missing or extra else None,
         )
 
-        # 2-4. norms, passthrough identity, dequant error, finiteness: one pass over the tensors
-        norm_bad, pass_bad, nonfinite, shape_bad = [], [], [], []
+        # 2-5. norms, passthrough identity, dequant error, finiteness, split order: one read of
+        # each source tensor, two at a time
+        by_hf: dict[str, list] = {}
+        for name, (hf, digest, info, slc, shape) in sorted(expected.items()):
+            by_hf.setdefault(hf, [digest, info, []])[2].append((name, slc, shape))
+        items = [(hf, d, info, pieces) for hf, (d, info, pieces) in sorted(by_hf.items())]
+        norms, passes, nonfinite, shape_bad, split_bad = [], [], [], [], []
         per_role: dict[str, list[float]] = {}
         over: list[str] = []
-        n_norm = n_pass = 0
-        ctx.progress.start(len(expected))
-        for name, (hf, digest, info, slc, shape) in sorted(expected.items()):
-            ref = reference(hf, digest, info, slc, shape)
-            ref32 = to_float32(ref, info.dtype)
-            if not np.isfinite(ref32).all():
-                nonfinite.append(name)
-            base = name.removesuffix(".weight")
-            q = roles_q.get(base) if name.endswith(".weight") else None
-            if q is not None and f"{base}.scales" in model:
-                pack = 32 // q["bits"] if 32 % q["bits"] == 0 else None
-                w = model[f"{base}.weight"]
-                if w["shape"][:-1] != list(shape[:-1]) or (pack and w["shape"][-1] * pack != shape[-1]):
-                    shape_bad.append(name)
-                    continue
-                deq = dequantize(store, model, base, q)
-                if not np.isfinite(deq).all():
-                    nonfinite.append(f"{base} (dequantized)")
-                err = rel_l1(ref32, deq)
-                per_role.setdefault(str(q["bits"]), []).append(err)
-                if err > params.max_rel_l1.get(str(q["bits"]), 1.0):
+        split = {"checked": 0, "ok": 0}
+        ctx.progress.start(len(items))
+        for r in workers.imap("tensors", Inspect(store, model, roles_q), items, workers=2, window=2):
+            norms += r["norm"]
+            passes += r["pass"]
+            nonfinite += r["nonfinite"]
+            shape_bad += r["shape_bad"]
+            for name, (bits, err) in r["err"].items():
+                per_role.setdefault(bits, []).append(err)
+                if not err <= params.max_rel_l1.get(bits, 1.0):
                     over.append(f"{name}: {err:.4f}")
-            elif name in model:
-                got = store.read_tensor(model[name])
-                same = got.dtype == ref.dtype and got.shape == ref.shape and got.tobytes() == ref.tobytes()
-                if ckpt.is_offset_norm(hf):
-                    n_norm += 1
-                    if not same:
-                        norm_bad.append(name)
-                else:
-                    n_pass += 1
-                    if not same:
-                        pass_bad.append(name)
-            ctx.progress.advance(1, info.nbytes)
-        checks.add("norms_shifted_once", not norm_bad, {"norms": n_norm, "wrong": len(norm_bad)}, norm_bad[:20] or None)
-        checks.add("passthrough_identical", not pass_bad, {"tensors": n_pass, "differ": len(pass_bad)}, pass_bad[:20] or None)
+            if r["split"] is not None:
+                right, swapped = r["split"]
+                ok = right < 0.5 * swapped
+                split["checked"] += 1
+                split["ok"] += ok
+                split["worst_right"] = max(split.get("worst_right", 0.0), round(right, 5))
+                split["best_swapped"] = min(split.get("best_swapped", math.inf), round(swapped, 5))
+                if not ok:
+                    split_bad.append(f"{r['hf']}: gate|up {right:.4f} vs up|gate {swapped:.4f}")
+            ctx.progress.advance(1, r["bytes"])
+        norm_bad = [n for n, same in norms if not same]
+        pass_bad = [n for n, same in passes if not same]
+        checks.add("norms_shifted_once", not norm_bad, {"norms": len(norms), "wrong": len(norm_bad)}, norm_bad[:20] or None)
+        checks.add("passthrough_identical", not pass_bad, {"tensors": len(passes), "differ": len(pass_bad)}, pass_bad[:20] or None)
         checks.add("finite", not nonfinite, {"non_finite": len(nonfinite)}, nonfinite[:20] or None)
         checks.add("quantized_shapes", not shape_bad, {"wrong": len(shape_bad)}, shape_bad[:20] or None)
         checks.add(
@@ -272,34 +345,12 @@ class Verify(Step):
                           "limit": params.max_rel_l1.get(b)} for b, v in sorted(per_role.items())},
             over[:20] or None,
         )
-
-        # 5. fused experts: gate-then-up must reassemble the source, up-then-gate must not
-        trunk_layers = sorted({int(h.split(".")[3]) for h in fused if h.startswith("model.language_model.layers.")})
-        keep = {trunk_layers[0], trunk_layers[-1]} if trunk_layers else set()  # the head's always
-        split = {"checked": 0, "ok": 0}
-        split_bad = []
-        for hf, names in sorted(fused.items()):
-            if hf.startswith("model.language_model.layers.") and int(hf.split(".")[3]) not in keep:
-                continue
-            gate_name, up_name = names[0], names[1]
-            _, digest, info, _, _ = expected[gate_name]
-            src = to_float32(reference(hf, digest, info, None, info.shape), info.dtype)
-            g, u = (self._dense(store, model, roles_q, n) for n in (gate_name, up_name))
-            right = rel_l1(src, np.concatenate([g, u], axis=1))
-            swapped = rel_l1(src, np.concatenate([u, g], axis=1))
-            split["checked"] += 1
-            ok = right < 0.5 * swapped
-            split["ok"] += ok
-            split["worst_right"] = max(split.get("worst_right", 0.0), round(right, 5))
-            split["best_swapped"] = min(split.get("best_swapped", math.inf), round(swapped, 5))
-            if not ok:
-                split_bad.append(f"{hf}: gate|up {right:.4f} vs up|gate {swapped:.4f}")
         checks.add("experts_split_order", not split_bad and split["checked"] > 0, split, split_bad or None)
 
         # 6. base weights unchanged
         if inputs.get("base"):
             base_t = {k: v for a in inputs["base"] for k, v in a.tensors.items()}
-            differ = sorted(k for k, v in base_t.items() if model.get(k) != v)
+            differ = sorted(k for k, v in base_t.items() if full_model.get(k) != v)
             checks.add("base_identical", not differ, {"tensors": len(base_t), "differ": len(differ)}, differ[:20] or None)
 
         # 7. data-aware experts against data-agnostic ones, on held-out calibration text
@@ -307,7 +358,7 @@ class Verify(Step):
             checks.add("calibrated_expert_error", *calibrated_expert_error(
                 store, inputs["calibration"][0], inputs["model"], roles_q, expected))
 
-        report = {"checks": checks.results, "ok": not checks.failed}
+        report = {"checks": checks.results, "ok": not checks.failed, "scope": params.only or "all"}
         blob = json.dumps(report, indent=2, sort_keys=True, default=str).encode()
         out = Artifact(files={"verify.json": ctx.store.put_blob(blob)}, meta={"report": json.loads(blob)})
         for name, r in checks.results.items():
@@ -322,11 +373,3 @@ class Verify(Step):
             )
             raise VerifyError(f"{len(checks.failed)} check(s) failed: {details}. Full report: {path}")
         return {"out": out}
-
-    @staticmethod
-    def _dense(store, model, roles_q, name) -> np.ndarray:
-        base = name.removesuffix(".weight")
-        if base in roles_q and f"{base}.scales" in model:
-            return dequantize(store, model, base, roles_q[base])
-        e = model[name]
-        return to_float32(store.read_tensor(e), e["dtype"])
