@@ -242,3 +242,43 @@ def from_mlx(a) -> tuple[np.ndarray, str]:
         if name != "BF16" and arr.dtype == dt:
             return arr, name
     raise TypeError(f"no safetensors dtype for {a.dtype}")
+
+
+def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    """mlx's affine packing undone: little-endian bit fields of ``bits`` bits -> uint8 codes."""
+    b = np.ascontiguousarray(packed).view(np.uint8)
+    lead, n = b.shape[:-1], b.shape[-1] * 8 // bits
+    if 8 % bits == 0:
+        per, mask = 8 // bits, (1 << bits) - 1
+        q = np.empty((*b.shape, per), np.uint8)
+        for k in range(per):
+            np.bitwise_and(b >> (k * bits), mask, out=q[..., k])
+        return q.reshape(*lead, n)
+    fields = np.unpackbits(b, axis=-1, bitorder="little").reshape(*lead, n, bits)
+    q = np.zeros((*lead, n), np.uint8)
+    for k in range(bits):
+        q |= fields[..., k] << k
+    return q
+
+
+def dequantize(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int) -> np.ndarray:
+    """Affine dequantization in float32 numpy: ``scale * code + bias`` per group.
+
+    An implementation independent of mlx's kernels (and faster than ``mx.dequantize`` on
+    CPU), so verify checks mlx's quantizer with arithmetic of its own.
+    """
+    q = unpack(packed, bits)
+    lead, n = q.shape[:-1], q.shape[-1]
+    q = q.reshape(*lead, n // group_size, group_size).astype(np.float32)
+    q *= scales[..., None]
+    q += biases[..., None]
+    return q.reshape(*lead, n)
+
+
+def non_finite(arr: np.ndarray, dtype: str) -> bool:
+    """Any NaN or Inf in a storage array (bf16 checked on its exponent bits, without converting)."""
+    if dtype == "BF16":
+        return bool(((arr & 0x7F80) == 0x7F80).any())
+    if arr.dtype.kind == "f":
+        return not bool(np.isfinite(arr).all())
+    return False

@@ -150,9 +150,9 @@ def test_concurrent_builds_of_one_variant_run_each_node_once(project):
 
 def test_concurrent_builds_of_overlapping_variants_share_nodes(project):
     a, b = finish(popen(project, "build", "xl"), popen(project, "build", "xl-mtp"))
-    shared = ["fetch", "sanitize", "quantize"]
+    shared = ["fetch", "sanitize", "quantize", "verify"]  # xl-mtp reuses xl's trunk verify
     assert Counter(n for n in ran(a) + ran(b) if n in shared) == Counter(shared)
-    assert set(ran(a)) >= {"verify", "publish"}
+    assert set(ran(a)) >= {"publish"}
     assert set(ran(b)) >= {"graft", "requantize", "verify_head", "publish"}
     assert sorted(ran(b) + cached(b)) == sorted(XL_MTP)
     assert ran(project.build("xl")) == [] and ran(project.build("xl-mtp")) == []

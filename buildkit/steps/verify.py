@@ -22,7 +22,8 @@ from .. import checkpoint as ckpt
 from .. import keys, workers
 from ..errors import VerifyError
 from ..store import Artifact
-from ..tensors import from_mlx, to_float32, to_mlx
+from ..tensors import dequantize as dequantize_np
+from ..tensors import from_mlx, non_finite, to_float32, to_mlx
 from .base import Context, Params, Slot, Step, library_version, register
 
 DEFAULT_REL_L1 = {"2": 0.6, "3": 0.3, "4": 0.16, "5": 0.08, "6": 0.045, "8": 0.012}
@@ -49,15 +50,6 @@ def mlx_layout(hf: str, raw: np.ndarray, dtype: str, slc, shape) -> np.ndarray:
     return np.ascontiguousarray(raw).reshape(shape)
 
 
-def dequantize(store, model: dict, base: str, q: dict) -> np.ndarray:
-    import mlx.core as mx
-
-    w, s, b = (model[f"{base}.{k}"] for k in ("weight", "scales", "biases"))
-    arrs = [to_mlx(store.read_tensor(e), e["dtype"]) for e in (w, s, b)]
-    out = mx.dequantize(*arrs, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"))
-    return np.array(out.astype(mx.float32))
-
-
 def read_raw(store, hf: str, digest: str, info) -> np.ndarray:
     return store.read_tensor({"dtype": info.dtype, "shape": list(info.shape), "view": {"file": digest, "tensor": hf}})
 
@@ -69,7 +61,8 @@ class Inspect:
     """All per-tensor checks for one source tensor and the MLX tensors made from it.
 
     The source is read once; gate and up of a fused tensor are checked against it together,
-    block by block along the first axis, in float32 mlx arithmetic.
+    block by block along the first axis, in float32 numpy arithmetic of buildkit's own
+    (``tensors.dequantize``), independent of mlx's kernels.
     """
 
     def __init__(self, store, model: dict, roles_q: dict):
@@ -82,11 +75,11 @@ class Inspect:
         return None
 
     def __call__(self, item) -> dict:
-        import mlx.core as mx
-
         hf, digest, info, pieces = item
         raw = read_raw(self.store, hf, digest, info)
         r = {"hf": hf, "norm": [], "pass": [], "nonfinite": [], "shape_bad": [], "err": {}, "split": None, "bytes": raw.nbytes}
+        if non_finite(raw, info.dtype):  # named as the MLX tensors made from it
+            r["nonfinite"] += [name for name, _, _ in pieces]
         dense = []  # pieces compared numerically, block by block
         for name, slc, shape in pieces:
             q = self.quant(name)
@@ -97,59 +90,56 @@ class Inspect:
                 got = self.store.read_tensor(self.model[name])
                 same = got.dtype == ref.dtype and got.shape == ref.shape and got.tobytes() == ref.tobytes()
                 (r["norm"] if ckpt.is_offset_norm(hf) else r["pass"]).append((name, same))
-                if not bool(mx.isfinite(to_mlx(ref, info.dtype)).all()):
-                    r["nonfinite"].append(name)
                 if slc is not None:
-                    dense.append((name, slc, None))
+                    dense.append((name, slc, shape, None))
                 continue
             pack = 32 // q["bits"] if 32 % q["bits"] == 0 else None
             w = self.model[f"{name.removesuffix('.weight')}.weight"]
             if w["shape"][:-1] != list(shape[:-1]) or (pack and w["shape"][-1] * pack != shape[-1]):
                 r["shape_bad"].append(name)
                 continue
-            dense.append((name, slc, q))
+            dense.append((name, slc, shape, q))
         if not dense:
             return r
         # Quantized (and sliced) pieces: rel-L1 per piece, and for a fused pair the swapped order
-        base_of = {n: n.removesuffix(".weight") for n, _, _ in dense}
-        packed = {n: [to_mlx(self.store.read_tensor(self.model[f"{base_of[n]}.{k}"]), self.model[f"{base_of[n]}.{k}"]["dtype"])
-                      for k in ("weight", "scales", "biases")] for n, _, q in dense if q is not None}
-        plain = {n: self.store.read_tensor(self.model[n]) for n, _, q in dense if q is None}
-        num = {n: 0.0 for n, _, _ in dense}
+        stored = {}
+        for n, _, _, q in dense:
+            base = n.removesuffix(".weight")
+            keys_ = ("weight", "scales", "biases") if q is not None else ()
+            stored[n] = [self.store.read_tensor(self.model[f"{base}.{k}"]) for k in keys_] or [self.store.read_tensor(self.model[n])]
+            if q is not None:  # scales and biases to float32 once
+                stored[n][1:] = [to_float32(x, self.model[f"{base}.{k}"]["dtype"]) for x, k in zip(stored[n][1:], ("scales", "biases"))]
+        num = {n: 0.0 for n, *_ in dense}
         den = dict(num)
         swapped = 0.0
-        finite = {n: True for n, _, _ in dense}
         rows = raw.shape[0]
-        row_bytes = max(1, raw.nbytes // max(rows, 1))
-        step = max(1, BLOCK_BYTES // row_bytes)
+        step = max(1, BLOCK_BYTES // max(1, raw.nbytes // max(rows, 1)))
         for a in range(0, rows, step):
             b = min(rows, a + step)
-            src = to_mlx(np.ascontiguousarray(raw[a:b]), info.dtype).astype(mx.float32)
+            src = to_float32(raw[a:b], info.dtype)
             refs, outs = [], []
-            for n, slc, q in dense:
-                shape = [b - a, *next(p[2] for p in pieces if p[0] == n)[1:]]
+            for n, slc, shape, q in dense:
                 if slc is not None:
                     axis, lo, hi = slc
                     idx = [slice(None)] * src.ndim
                     idx[axis] = slice(lo, hi)
-                    ref = src[tuple(idx)].reshape(shape)
+                    ref = src[tuple(idx)].reshape(b - a, *shape[1:])
                 else:
-                    ref = src.reshape(shape)
+                    ref = src.reshape(b - a, *shape[1:])
                 if q is not None:
-                    got = mx.dequantize(*(x[a:b] for x in packed[n]), group_size=q["group_size"], bits=q["bits"],
-                                        mode=q.get("mode", "affine")).astype(mx.float32)
+                    wq, sc, bi = stored[n]
+                    got = dequantize_np(wq[a:b], sc[a:b], bi[a:b], q["bits"], q["group_size"])
                 else:
-                    got = to_mlx(np.ascontiguousarray(plain[n][a:b]), self.model[n]["dtype"]).astype(mx.float32)
-                num[n] += mx.abs(ref - got).sum().item()
-                den[n] += mx.abs(ref).sum().item()
-                finite[n] = finite[n] and bool(mx.isfinite(ref).all()) and bool(mx.isfinite(got).all())
+                    got = to_float32(stored[n][0][a:b], self.model[n]["dtype"])
+                if not np.isfinite(got).all() and n not in r["nonfinite"]:
+                    r["nonfinite"].append(n)
+                num[n] += float(np.abs(ref - got).sum())
+                den[n] += float(np.abs(ref).sum())
                 refs.append(ref)
                 outs.append(got)
             if len(dense) == 2:  # gate|up against up|gate
-                swapped += (mx.abs(refs[0] - outs[1]).sum() + mx.abs(refs[1] - outs[0]).sum()).item()
-        for n, _, q in dense:
-            if not finite[n]:
-                r["nonfinite"].append(n)
+                swapped += float(np.abs(refs[0] - outs[1]).sum() + np.abs(refs[1] - outs[0]).sum())
+        for n, _, _, q in dense:
             if q is not None:
                 r["err"][n] = (str(q["bits"]), num[n] / max(den[n], 1e-30))
         if len(dense) == 2:
@@ -245,7 +235,7 @@ class Checks:
 @register
 class Verify(Step):
     kind = "verify"
-    version = 2
+    version = 3
     Params = VerifyParams
     inputs = {
         "model": Slot(many=True),  # the artifacts that make up the output model
