@@ -55,8 +55,14 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], tmp_dir: Path | None = None) -> int:
-    """Write bytes (or chunks) to ``path`` atomically: temp file, fsync, rename. Returns the size."""
+def atomic_write(
+    path: Path, data: bytes | Iterable[bytes | memoryview], tmp_dir: Path | None = None, sync_dir: bool = True
+) -> int:
+    """Write bytes (or chunks) to ``path`` atomically: temp file, fsync, rename. Returns the size.
+
+    ``sync_dir=False`` skips the fsync of the parent directory: for store objects, whose lost
+    rename after a crash is only a miss (the action record naming them is synced after them).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = tmp_dir or path.parent
     tmp_dir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +79,8 @@ def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], tmp_dir
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
     return size
 
 
@@ -148,7 +155,7 @@ class Store:
         path = self.object_path(digest)
         if path.exists():
             return digest
-        self.stats.bytes_written += atomic_write(path, chunks, self.root / "tmp")
+        self.stats.bytes_written += atomic_write(path, chunks, self.root / "tmp", sync_dir=False)
         self.stats.objects_written += 1
         return digest
 
