@@ -245,20 +245,30 @@ def from_mlx(a) -> tuple[np.ndarray, str]:
 
 
 def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
-    """mlx's affine packing undone: little-endian bit fields of ``bits`` bits -> uint8 codes."""
+    """mlx's affine packing undone: little-endian bit fields of ``bits`` bits -> uint8 codes.
+
+    Eight codes always fill exactly ``bits`` bytes, so for 3, 5, 6 and 7 bits each run of
+    ``bits`` bytes is gathered into one uint64 and the eight fields are shifted out of it.
+    """
     b = np.ascontiguousarray(packed).view(np.uint8)
     lead, n = b.shape[:-1], b.shape[-1] * 8 // bits
+    mask = (1 << bits) - 1
+    if bits == 8:
+        return b
     if 8 % bits == 0:
-        per, mask = 8 // bits, (1 << bits) - 1
+        per = 8 // bits
         q = np.empty((*b.shape, per), np.uint8)
         for k in range(per):
             np.bitwise_and(b >> (k * bits), mask, out=q[..., k])
         return q.reshape(*lead, n)
-    fields = np.unpackbits(b, axis=-1, bitorder="little").reshape(*lead, n, bits)
-    q = np.zeros((*lead, n), np.uint8)
-    for k in range(bits):
-        q |= fields[..., k] << k
-    return q
+    runs = b.reshape(*lead, n // 8, bits)
+    v = runs[..., 0].astype(np.uint64)
+    for j in range(1, bits):
+        v |= runs[..., j].astype(np.uint64) << np.uint64(8 * j)
+    q = np.empty((*lead, n // 8, 8), np.uint8)
+    for k in range(8):
+        np.bitwise_and(v >> np.uint64(k * bits), mask, out=q[..., k], casting="unsafe")
+    return q.reshape(*lead, n)
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int) -> np.ndarray:
