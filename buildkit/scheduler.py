@@ -32,6 +32,10 @@ from .store import Store
 UNKNOWN = "(pending)"
 
 
+class Cancelled(Exception):
+    """A node that started early (see ``Slot.gate``) whose gate input failed: not a failure of its own."""
+
+
 @dataclass
 class NodeState:
     name: str
@@ -42,7 +46,8 @@ class NodeState:
     ingredients: dict | None = None
     outputs: dict[str, str] = field(default_factory=dict)
     ran: bool = False
-    seconds: float = 0.0
+    seconds: float = 0.0  # running, including work done ahead of its gates
+    early: float = 0.0  # of which ahead of its gates (Slot.gate), overlapping them
     stats: dict = field(default_factory=dict)
 
 
@@ -185,9 +190,11 @@ class Scheduler:
             nodes.update((self.store.get_ref(Path(file).stem) or {}).get("nodes", {}))
         return nodes
 
-    def _input_digests(self, node: Node, states: dict[str, NodeState]) -> dict[str, list[str]] | None:
+    def _input_digests(self, node: Node, states: dict[str, NodeState], gates: bool = True) -> dict[str, list[str]] | None:
         out = {}
         for slot, refs in node.inputs.items():
+            if not gates and node.step.inputs[slot].gate:
+                continue
             ds = []
             for r in refs:
                 st = states[r.node]
@@ -278,6 +285,7 @@ class Scheduler:
         done: set[str] = set()
         failures: list[tuple[str, BaseException]] = []
         running = {}
+        self._ended = {n: threading.Event() for n in names}
         t0 = time.monotonic()
         jobs = max(1, jobs)
         pool = workers.pool("nodes")
@@ -287,9 +295,9 @@ class Scheduler:
                     for n in [n for n in names if n in remaining]:
                         if len(running) >= jobs:
                             break
-                        if all(p in done for p in self.g.predecessors(n) if p in states):
+                        if self._startable(n, states, done, set(running.values())):
                             remaining.discard(n)
-                            fut = pool.submit(self._run_node, n, states, prev, reporter, workers=jobs)
+                            fut = pool.submit(self._run_node_once, n, states, prev, reporter, workers=jobs)
                             running[fut] = n
                 if not running:
                     break
@@ -297,6 +305,8 @@ class Scheduler:
                 for fut in finished:
                     n = running.pop(fut)
                     exc = fut.exception()
+                    if isinstance(exc, Cancelled):
+                        continue
                     if exc is not None:
                         failures.append((n, exc))
                     else:
@@ -324,10 +334,67 @@ class Scheduler:
             )
         return list(states.values())
 
+    def _gates(self, name: str, states: dict) -> set[str]:
+        """Producers this node may start without (they feed only its gate slots), if it can."""
+        node = self.m.nodes[name]
+        if node.step.prepare is None:
+            return set()
+        gate, other = set(), set()
+        for slot, refs in node.inputs.items():
+            (gate if node.step.inputs[slot].gate else other).update(r.node for r in refs if r.node in states)
+        return gate - other
+
+    def _startable(self, name: str, states: dict, done: set[str], running: set[str]) -> bool:
+        gates = self._gates(name, states)
+        preds = [p for p in self.g.predecessors(name) if p in states]
+        return all(p in done or (p in gates and p in running) for p in preds)
+
+    def _run_node_once(self, name: str, states: dict[str, NodeState], prev: dict, reporter: Reporter) -> None:
+        try:
+            self._run_node(name, states, prev, reporter)
+        finally:
+            self._ended[name].set()
+
+    def _prepare_early(self, name: str, states: dict, prev: dict, reporter: Reporter, ctx: Context):
+        """Start a node whose gate producers still run, if it will surely run; wait for them."""
+        node = self.m.nodes[name]
+        waiting = sorted(g for g in self._gates(name, states) if not self._ended[g].is_set())
+        if not waiting:
+            return None
+        known = self._input_digests(node, states, gates=False)
+        old = (prev.get(name, {}).get("ingredients") or {}).get("inputs")
+        prepared = None
+        if old is None or any(old.get(slot) != ds for slot, ds in known.items()):  # its key will be new
+            reporter.line(f"[start]  {name} ({node.kind}): ahead of {', '.join(waiting)}")
+            inputs = {slot: [self.store.get_artifact(d) for d in ds] for slot, ds in known.items()}
+            t = time.monotonic()
+            prepared = node.step.prepare(ctx, node.params, inputs)
+            states[name].early = time.monotonic() - t
+        try:
+            for g in waiting:
+                self._ended[g].wait()
+        except BaseException:
+            node.step.discard(prepared)
+            raise
+        if self._input_digests(node, states) is None:  # a gate producer failed
+            node.step.discard(prepared)
+            raise Cancelled(name)
+        return prepared
+
     def _run_node(self, name: str, states: dict[str, NodeState], prev: dict, reporter: Reporter) -> None:
         node = self.m.nodes[name]
         st = states[name]
         ctx = self._ctx(name, reporter)
+        prepared = self._prepare_early(name, states, prev, reporter, ctx)
+        try:
+            self._run_ready(node, st, states, prev, reporter, ctx, prepared)
+        except BaseException:
+            if ctx.prepared is None:  # not handed to run, which cleans up after itself
+                node.step.discard(prepared)
+            raise
+
+    def _run_ready(self, node: Node, st: NodeState, states: dict, prev: dict, reporter: Reporter, ctx: Context, prepared) -> None:
+        name = node.name
         digests = self._input_digests(node, states)
         assert digests is not None, name
         st.ingredients = ingredients(node, digests, ctx)
@@ -339,6 +406,7 @@ class Scheduler:
                 why = node.step.outdated(node.params, self._artifacts(st.outputs), ctx)
                 if not why:
                     st.fresh = True
+                    node.step.discard(prepared)
                     reporter.line(f"[cached] {name} ({node.kind}) {keys.short(st.key)}")
                     return
                 reasons = [why]
@@ -350,13 +418,15 @@ class Scheduler:
             inputs = {
                 slot: [self.store.get_artifact(d) for d in ds] for slot, ds in digests.items()
             }
+            ctx.prepared = prepared
             outputs = node.step.run(ctx, node.params, inputs)
             if set(outputs) != set(node.step.outputs):
                 raise StepError(f"returned outputs {sorted(outputs)}, expected {list(node.step.outputs)}")
             st.outputs = {k: self.store.put_artifact(a) for k, a in sorted(outputs.items())}
-            st.seconds = time.monotonic() - t
+            st.seconds = time.monotonic() - t + st.early
             st.stats = {
                 "seconds": round(st.seconds, 3),
+                "early_seconds": round(st.early, 3),
                 "tensors": ctx.progress.done,
                 "bytes": ctx.progress.bytes,
             }
@@ -369,6 +439,7 @@ class Scheduler:
             reporter.finish_node(name)
             reporter.line(
                 f"[done]   {name} ({node.kind}) {keys.short(st.key)} in {st.seconds:.2f}s"
+                + (f" ({st.early:.2f}s of it alongside {', '.join(sorted(self._gates(name, states)))})" if st.early else "")
                 + (f", {ctx.progress.done} tensors" if ctx.progress.done else "")
             )
 

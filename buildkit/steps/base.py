@@ -23,10 +23,16 @@ class Params(BaseModel):
 
 @dataclass(frozen=True)
 class Slot:
-    """A named input of a step. ``many`` slots take a list of node references."""
+    """A named input of a step. ``many`` slots take a list of node references.
+
+    A ``gate`` slot need not be ready for the step to start: a step with ``prepare`` may do
+    the work that does not depend on it while the gate's producers still run (publish
+    writes the model while verify checks it) and gets it, as usual, in ``run``.
+    """
 
     required: bool = True
     many: bool = False
+    gate: bool = False
 
 
 @dataclass
@@ -75,6 +81,7 @@ class Context:
     options: BuildOptions
     progress: Progress
     log_sink: Any = None
+    prepared: Any = None  # what ``Step.prepare`` returned, when the scheduler called it
 
     def log(self, msg: str) -> None:
         if self.log_sink:
@@ -118,6 +125,12 @@ class Step:
 
     def run(self, ctx: Context, params: Params, inputs: dict[str, list[Artifact]]) -> dict[str, Artifact]:
         raise NotImplementedError
+
+    # Optional, for steps with gate slots: start before the gates are ready.
+    prepare: ClassVar[Any] = None  # (ctx, params, inputs without gate slots) -> handle for run
+
+    def discard(self, prepared: Any) -> None:
+        """Undo ``prepare`` when ``run`` will not be called (a gate failed, or a cache hit)."""
 
 
 REGISTRY: dict[str, type[Step]] = {}

@@ -12,6 +12,7 @@ one rename, so a reader never sees a mix of old and new shards.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import json
@@ -19,6 +20,7 @@ import os
 import re
 import shutil
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import Field
@@ -175,12 +177,26 @@ def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: lis
     return "\n".join(lines) + "\n"
 
 
+@dataclass
+class Staged:
+    """A model written by ``Publish.prepare`` into ``tmp``, waiting for its reports."""
+
+    dest: Path
+    tmp: Path
+    parts: list[Artifact]
+    tensors: dict[str, dict]
+    config: dict
+    made: Path | None = None  # the outermost directory prepare created
+    art: Artifact | None = None
+
+
 @register
 class Publish(Step):
     kind = "publish"
     version = 1
     Params = PublishParams
-    inputs = {"model": Slot(many=True), "source": Slot(), "report": Slot(required=False, many=True)}
+    # The model is written and load-checked while verify runs; the reports gate the swap.
+    inputs = {"model": Slot(many=True), "source": Slot(), "report": Slot(required=False, many=True, gate=True)}
 
     def key_params(self, params: PublishParams) -> dict:
         return params.model_dump(mode="json", exclude={"out"})
@@ -202,7 +218,9 @@ class Publish(Step):
                 return f"{out / name} is missing"
         return None
 
-    def run(self, ctx: Context, params: PublishParams, inputs) -> dict[str, Artifact]:
+    def prepare(self, ctx: Context, params: PublishParams, inputs) -> Staged:
+        """Everything but the verify reports: shards, index, config and side files in a temp
+        directory beside the target, checked (index parity, mlx_lm load)."""
         store = ctx.store
         parts: list[Artifact] = inputs["model"]
         tensors: dict[str, dict] = {}
@@ -217,25 +235,55 @@ class Publish(Step):
         if qcfg:
             config["quantization"] = qcfg
             config["quantization_config"] = qcfg
-        reports = [merge_reports([r.meta.get("report", {}) for r in inputs.get("report", [])])] if inputs.get("report") else []
-        failed = [k for rep in reports for k, r in rep.get("checks", {}).items() if not r["ok"]]
-        if failed:
-            raise StepError(f"refusing to publish: verify failed {', '.join(failed)}")
-
         dest = out_dir(params, ctx)
         if dest.exists() and not (dest / STAMP).exists():
             raise UsageError(
                 f"Cannot publish to {dest}: it exists and was not written by buildkit. "
                 "Delete it or pass --out with a new path."
             )
+        made = next((d for d in reversed(dest.parents) if not d.exists()), None)  # to undo on discard
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
         clear_leftovers(dest)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        staged = Staged(dest, tmp, parts, tensors, config, made)
         try:
-            art = self._write(ctx, params, tmp, tensors, config, src, reports, parts)
+            staged.art = self._write(ctx, params, staged, src)
             self._check(tmp, tensors, params)
+        except BaseException:
+            self.discard(staged)
+            raise
+        return staged
+
+    def discard(self, prepared: Staged | None) -> None:
+        if prepared is None:
+            return
+        shutil.rmtree(prepared.tmp, ignore_errors=True)
+        if prepared.made is not None and not prepared.dest.exists():  # directories prepare created
+            for d in [prepared.dest.parent, *prepared.dest.parent.parents]:
+                if d == prepared.made.parent:
+                    break
+                with contextlib.suppress(OSError):
+                    d.rmdir()  # only if empty
+
+    def run(self, ctx: Context, params: PublishParams, inputs) -> dict[str, Artifact]:
+        reports = [merge_reports([r.meta.get("report", {}) for r in inputs.get("report", [])])] if inputs.get("report") else []
+        failed = [k for rep in reports for k, r in rep.get("checks", {}).items() if not r["ok"]]
+        staged: Staged | None = ctx.prepared
+        try:
+            if failed:
+                raise StepError(f"refusing to publish: verify failed {', '.join(failed)}")
+            if staged is None:
+                staged = self.prepare(ctx, params, inputs)
+            art, tmp, dest = staged.art, staged.tmp, staged.dest
+            files = {}
+            if reports:
+                files["verify.json"] = json.dumps(reports[0], indent=2, sort_keys=True).encode()
+            files["README.md"] = model_card(
+                ctx, params, staged.config.get("quantization"), staged.parts, reports, art.meta["bits_per_weight"], len(staged.tensors)
+            ).encode()
+            self._put_files(ctx.store, tmp, art, files)
             write_synced(tmp / STAMP, json.dumps({"artifact": art.digest, "variant": ctx.variant}).encode())
             fsync_dir(tmp)
             with ctx.store.lock(keys.digest_json("publish", str(dest))):  # one swap at a time per dir
@@ -245,12 +293,12 @@ class Publish(Step):
                     os.rename(tmp, dest)
                 fsync_dir(dest.parent)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        ctx.log(f"published {len(tensors)} tensors to {dest}")
+            self.discard(staged)
+        ctx.log(f"published {len(staged.tensors)} tensors to {dest}")
         return {"out": art}
 
-    def _write(self, ctx, params, tmp: Path, tensors, config, src, reports, parts) -> Artifact:
-        store = ctx.store
+    def _write(self, ctx, params, staged: Staged, src) -> Artifact:
+        store, tmp, tensors, parts = ctx.store, staged.tmp, staged.tensors, staged.parts
         shards = plan_shards(tensors, params.max_shard_bytes)
         n = len(shards)
         weight_map, meta_shards, sizes = {}, {}, {}
@@ -283,24 +331,24 @@ class Publish(Step):
             "model.safetensors.index.json": json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
             ).encode(),
-            "config.json": json.dumps(config, indent=2, sort_keys=True).encode(),
+            "config.json": json.dumps(staged.config, indent=2, sort_keys=True).encode(),
         }
         for name, digest in sorted(src.files.items()):
             if name not in SKIP_SOURCE_FILES and "/" not in name:
                 files[name] = store.get_blob(digest)
-        if reports:
-            files["verify.json"] = json.dumps(reports[0], indent=2, sort_keys=True).encode()
         params_total = sum(r["params"] for a in parts for r in a.meta.get("role_table", {}).values())
         bpw = sum(a.meta.get("bits_per_weight", 0) * sum(r["params"] for r in a.meta.get("role_table", {}).values()) for a in parts) / max(params_total, 1)
-        files["README.md"] = model_card(ctx, params, config.get("quantization"), parts, reports, bpw, len(tensors)).encode()
-        art = Artifact(meta={"shards": meta_shards, "bits_per_weight": round(bpw, 4)})
+        art = Artifact(meta={"shards": meta_shards, "bits_per_weight": round(bpw, 4), "sizes": sizes})
+        self._put_files(store, tmp, art, files)
+        return art
+
+    @staticmethod
+    def _put_files(store, tmp: Path, art: Artifact, files: dict[str, bytes]) -> None:
         for name, data in files.items():
             _safe_name(name)
             write_synced(tmp / name, data)
             art.files[name] = store.put_blob(data)
-            sizes[name] = len(data)
-        art.meta["sizes"] = sizes
-        return art
+            art.meta["sizes"][name] = len(data)
 
     def _check(self, tmp: Path, tensors: dict, params: PublishParams) -> None:
         idx = json.loads((tmp / "model.safetensors.index.json").read_text())
