@@ -363,12 +363,15 @@ class Scheduler:
             return None
         known = self._input_digests(node, states, gates=False)
         old = (prev.get(name, {}).get("ingredients") or {}).get("inputs")
-        prepared = None
+        prepared = failed = None
         if old is None or any(old.get(slot) != ds for slot, ds in known.items()):  # its key will be new
             reporter.line(f"[start]  {name} ({node.kind}): ahead of {', '.join(waiting)}")
             inputs = {slot: [self.store.get_artifact(d) for d in ds] for slot, ds in known.items()}
             t = time.monotonic()
-            prepared = node.step.prepare(ctx, node.params, inputs)
+            try:
+                prepared = node.step.prepare(ctx, node.params, inputs)
+            except Exception as e:  # reported only if the gates pass: theirs is the first error
+                failed = e
             states[name].early = time.monotonic() - t
         try:
             for g in waiting:
@@ -379,6 +382,8 @@ class Scheduler:
         if self._input_digests(node, states) is None:  # a gate producer failed
             node.step.discard(prepared)
             raise Cancelled(name)
+        if failed is not None:
+            raise failed
         return prepared
 
     def _run_node(self, name: str, states: dict[str, NodeState], prev: dict, reporter: Reporter) -> None:

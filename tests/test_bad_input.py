@@ -20,7 +20,7 @@ from conftest import Project
 from buildkit.errors import SourceError, StepError
 from buildkit.fixture import FixtureSpec, generate
 from buildkit.steps.base import BuildOptions, Context, Progress
-from buildkit.steps.publish import Publish, PublishParams
+from buildkit.steps.publish import Publish, PublishParams, Staged
 from buildkit.store import Artifact, Store
 from buildkit.tensors import header_bytes, read_header, read_tensor
 
@@ -240,6 +240,8 @@ def test_nan_and_inf_fail_verify_naming_each_tensor(project, capsys, source):
     edit_tensors(src, set_nan_inf)
     code, err = fail(project, capsys, "build", "xl", "--source", str(src), "--out", str(project.out / "xl"))
     assert code == 1 and "step 'verify' (verify) failed" in err
+    assert "[start]  publish (publish): ahead of verify" in err  # its work is discarded, below
+    assert "step 'publish'" not in err
     assert "language_model.model.layers.0.mlp.gate.weight" in err
     assert "language_model.model.layers.1.linear_attn.A_log" in err
     report = json.loads(next((project.store / "reports").iterdir()).read_text())
@@ -275,11 +277,12 @@ def test_publish_writes_no_file_outside_its_directory(tmp_path):
     blob = store.put_blob(b"evil")
     files = {"config.json": store.put_blob(b"{}"), "../evil.txt": blob, "/tmp/evil-abs.txt": blob,
              "sub/../../evil2.txt": blob, "ok.txt": blob}
-    Publish()._write(ctx, PublishParams(), out, {}, {}, Artifact(files=files), [], [])
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors.index.json", "ok.txt"]
+    staged = Staged(out, out, [], {}, {})
+    Publish()._write(ctx, PublishParams(), staged, Artifact(files=files))
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors.index.json", "ok.txt"]
     assert not list(tmp_path.rglob("evil*.txt")) and not Path("/tmp/evil-abs.txt").exists()
     with pytest.raises(StepError, match="must stay inside the output directory"):
-        Publish()._write(ctx, PublishParams(), out, {}, {}, Artifact(files={"..": blob}), [], [])
+        Publish()._write(ctx, PublishParams(), staged, Artifact(files={"..": blob}))
 
 
 def test_escaping_tensor_names_stay_header_keys(project, capsys, source):
