@@ -23,10 +23,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from .errors import SourceError, UsageError
+from .lazy import lazy
 from .tensors import to_mlx
+
+np = lazy("numpy", __name__)
 
 BUILTIN = "builtin:"
 SWITCH = ".mlp.switch_mlp"

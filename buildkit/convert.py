@@ -7,10 +7,11 @@ embedding change bytes and are written to the store.
 
 from __future__ import annotations
 
-import numpy as np
-
 from . import checkpoint as ckpt
+from .lazy import lazy
 from .tensors import TensorInfo, from_float32, to_float32
+
+np = lazy("numpy", __name__)
 
 
 def view(digest: str, info: TensorInfo, shape=None, slc=None) -> dict:

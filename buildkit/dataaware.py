@@ -27,15 +27,16 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
-
 from . import calibration as cal
 from .errors import StepError
+from .lazy import lazy
 from .roles import Role
 from .tensors import bf16_to_f32, f32_to_bf16, from_mlx, to_float32, to_mlx
 
+np = lazy("numpy", __name__)
+
 METHOD = "diag-weighted-affine-search/1"  # bump when the search changes its output bytes
-GRID = np.linspace(-1.0, 3.0, 17)  # extra quantization steps over the min-max range
+GRID = [-1.0 + 0.25 * i for i in range(17)]  # extra quantization steps over the min-max range (np.linspace(-1, 3, 17))
 REFINE = 2
 IMPORTANCE_FLOOR = 1e-3  # of the mean importance: no channel is weighted zero
 

@@ -30,11 +30,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from . import keys
 from .errors import SourceError, StoreError, StoreMiss
+from .lazy import lazy
 from .tensors import DTYPES, Header, nbytes, read_header, read_slice, read_tensor
+
+np = lazy("numpy", __name__)
 
 RACY_TICK_NS = 2_000_000_000  # coarsest common filesystem timestamp resolution (FAT: 2 s)
 

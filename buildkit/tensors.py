@@ -12,35 +12,46 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from .errors import SourceError
+from .lazy import lazy
 
-# safetensors dtype -> (numpy storage dtype, itemsize)
-DTYPES: dict[str, np.dtype] = {
-    "BF16": np.dtype("<u2"),
-    "F16": np.dtype("<f2"),
-    "F32": np.dtype("<f4"),
-    "F64": np.dtype("<f8"),
-    "U8": np.dtype("u1"),
-    "I8": np.dtype("i1"),
-    "U16": np.dtype("<u2"),
-    "I16": np.dtype("<i2"),
-    "U32": np.dtype("<u4"),
-    "I32": np.dtype("<i4"),
-    "U64": np.dtype("<u8"),
-    "I64": np.dtype("<i8"),
-    "BOOL": np.dtype("?"),
+np = lazy("numpy", __name__)
+
+# safetensors dtype -> numpy storage dtype (bf16 is stored as uint16 bit patterns)
+_DTYPE_CODES = {
+    "BF16": "<u2", "F16": "<f2", "F32": "<f4", "F64": "<f8", "U8": "u1", "I8": "i1", "U16": "<u2",
+    "I16": "<i2", "U32": "<u4", "I32": "<i4", "U64": "<u8", "I64": "<i8", "BOOL": "?",
 }
+ITEMSIZE = {name: int(code[-1]) if code[-1].isdigit() else 1 for name, code in _DTYPE_CODES.items()}
+
+
+class _Dtypes(Mapping):
+    """``DTYPES[name]`` -> numpy dtype; numpy is imported when a dtype is first asked for."""
+
+    def __getitem__(self, name: str):
+        return np.dtype(_DTYPE_CODES[name])
+
+    def __iter__(self):
+        return iter(_DTYPE_CODES)
+
+    def __len__(self) -> int:
+        return len(_DTYPE_CODES)
+
+    def __contains__(self, name) -> bool:
+        return name in _DTYPE_CODES
+
+
+DTYPES = _Dtypes()
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 MAX_DIM = 1 << 62  # no real dimension comes near; numpy cannot index past 2**63
 
 
 def nbytes(dtype: str, shape) -> int:
-    n = DTYPES[dtype].itemsize
+    n = ITEMSIZE[dtype]
     for d in shape:
         n *= int(d)
     return n
@@ -141,7 +152,7 @@ def read_slice(info: TensorInfo, path: str | Path, axis: int, start: int, stop: 
     shape = list(info.shape)
     if not (0 <= axis < len(shape) and 0 <= start <= stop <= shape[axis]):
         raise SourceError(f"{path}: tensor {info.name!r} {shape} has no slice {axis}:{start}:{stop}")
-    item = DTYPES[info.dtype].itemsize
+    item = ITEMSIZE[info.dtype]
     inner = item
     for d in shape[axis + 1 :]:
         inner *= d

@@ -15,14 +15,16 @@ output error on).
 
 from __future__ import annotations
 
-import numpy as np
 from pydantic import Field
 
 from .. import calibration as cal
 from ..errors import StepError
+from ..lazy import lazy
 from ..store import Artifact
 from ..tensors import f32_to_bf16
 from .base import Context, Params, Slot, Step, library_version, register
+
+np = lazy("numpy", __name__)
 
 
 class CalibrateParams(Params):

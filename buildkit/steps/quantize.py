@@ -16,7 +16,7 @@ from .. import dataaware, workers
 from ..errors import StepError
 from ..roles import Recipe, Role
 from ..store import Artifact
-from ..tensors import DTYPES, from_mlx, nbytes, to_mlx
+from ..tensors import ITEMSIZE, from_mlx, nbytes, to_mlx
 from .base import Context, Params, Slot, Step, library_version, register
 
 
@@ -107,7 +107,7 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
         row["tensors"] += 1
         row["params"] += n
         src_params += n
-        src_bits += 8 * DTYPES[src["dtype"]].itemsize * n
+        src_bits += 8 * ITEMSIZE[src["dtype"]] * n
         out_bits += stored_bits(entries)
         ctx.progress.advance(1, nbytes(src["dtype"], src["shape"]))
     out.meta = {

@@ -14,17 +14,19 @@ import json
 import math
 from fnmatch import fnmatchcase
 
-import numpy as np
 from pydantic import Field
 
 from .. import calibration as cal
 from .. import checkpoint as ckpt
 from .. import keys, workers
 from ..errors import VerifyError
+from ..lazy import lazy
 from ..store import Artifact
 from ..tensors import dequantize as dequantize_np
 from ..tensors import from_mlx, non_finite, read_slice, to_float32, to_mlx
 from .base import Context, Params, Slot, Step, library_version, register
+
+np = lazy("numpy", __name__)
 
 DEFAULT_REL_L1 = {"2": 0.6, "3": 0.3, "4": 0.16, "5": 0.08, "6": 0.045, "8": 0.012}
 

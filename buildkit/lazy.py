@@ -1,0 +1,31 @@
+"""Import heavy modules on first use, so a no-op build does not pay for numpy.
+
+``np = lazy("numpy", __name__)`` binds a stand-in that imports numpy the first
+time one of its attributes is read and then replaces itself in the module's
+globals, so later lookups cost nothing extra.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+
+class _Lazy:
+    def __init__(self, name: str, owner: str, alias: str):
+        self._name, self._owner, self._alias = name, owner, alias
+
+    def __getattr__(self, attr: str):
+        mod = importlib.import_module(self._name)
+        setattr(sys.modules[self._owner], self._alias, mod)
+        return getattr(mod, attr)
+
+    def __repr__(self) -> str:
+        return f"<lazy module {self._name!r}>"
+
+
+def lazy(name: str, owner: str, alias: str = "np") -> object:
+    """A stand-in for module ``name``, bound as ``alias`` in module ``owner``."""
+    if name in sys.modules:
+        return sys.modules[name]
+    return _Lazy(name, owner, alias)
