@@ -36,7 +36,9 @@ from .tensors import bf16_to_f32, f32_to_bf16, from_mlx, to_float32, to_mlx
 np = lazy("numpy", __name__)
 
 METHOD = "diag-weighted-affine-search/1"  # bump when the search changes its output bytes
-GRID = [-1.0 + 0.25 * i for i in range(17)]  # extra quantization steps over the min-max range (np.linspace(-1, 3, 17))
+# extra quantization steps over the min-max range: np.linspace(-1, 3, 17), used as np.float64
+# (a float64 scalar, unlike a Python float, makes the arithmetic below float64: NEP 50)
+GRID = [-1.0 + 0.25 * i for i in range(17)]
 REFINE = 2
 IMPORTANCE_FLOOR = 1e-3  # of the mean importance: no channel is weighted zero
 
@@ -105,7 +107,7 @@ def search(w: np.ndarray, d: np.ndarray, bits: int, dtype: str, base: tuple) -> 
     won = np.zeros(best_e.shape, bool)
     lo, hi = w.min(-1), w.max(-1)
     span = np.where(hi > lo, hi - lo, 1.0)
-    for t in GRID:
+    for t in map(np.float64, GRID):
         q = np.clip(np.rint((w - lo[..., None]) * ((n + t) / span)[..., None]), 0, n)
         for _ in range(REFINE + 1):
             s, b = _fit(w, d, q)
