@@ -75,10 +75,11 @@ def _storage_round(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def _fit(w: np.ndarray, d: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Weighted least squares (s, b) minimizing Σ d (s q + b - w)² per group (last axis)."""
-    sw, sq, sqq = d.sum(-1), (d * q).sum(-1), (d * q * q).sum(-1)
-    sx, sqx = (d * w).sum(-1), (d * q * w).sum(-1)
+def _fit(w: np.ndarray, d: np.ndarray, q: np.ndarray, sw: np.ndarray, sx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Weighted least squares (s, b) minimizing Σ d (s q + b - w)² per group (last axis);
+    ``sw = Σ d`` and ``sx = Σ d w`` do not depend on the codes and are computed once."""
+    dq = d * q
+    sq, sqq, sqx = dq.sum(-1), (dq * q).sum(-1), (dq * w).sum(-1)
     det = sw * sqq - sq * sq
     ok = det > 1e-9 * sw * np.maximum(sqq, 1e-30)
     safe = np.where(ok, det, 1.0)
@@ -96,10 +97,23 @@ def _err(w, d, q, s, b) -> np.ndarray:
     return (d * np.square(s[..., None] * q + b[..., None] - w)).sum(-1, dtype=np.float64)
 
 
+SEARCH_BLOCK = 1 << 17  # weights searched at a time: every temporary stays in the CPU's cache
+
+
 def search(w: np.ndarray, d: np.ndarray, bits: int, dtype: str, base: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Best (codes, scales, biases) per group of w [..., G, g] under importance d (broadcast to
+    """Best (codes, scales, biases) per group of w [rows, G, g] under importance d (broadcast to
     w), starting from the data-agnostic ``base`` = (codes, scales, biases); also returns a
-    boolean [..., G] of the groups where a searched candidate beat ``base``."""
+    boolean [rows, G] of the groups where a searched candidate beat ``base``.
+
+    Groups are independent, so rows are searched a block at a time (the same arithmetic,
+    about twice as fast as whole experts whose temporaries spill out of the cache)."""
+    rows = max(1, SEARCH_BLOCK // max(1, w[0].size))
+    parts = [_search(w[a : a + rows], d, bits, dtype, tuple(x[a : a + rows] for x in base))
+             for a in range(0, w.shape[0], rows)]
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
+
+
+def _search(w: np.ndarray, d: np.ndarray, bits: int, dtype: str, base: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     n = 2**bits - 1
     bq, bs, bb = base
     best_e = _err(w, d, bq, bs, bb)
@@ -107,10 +121,11 @@ def search(w: np.ndarray, d: np.ndarray, bits: int, dtype: str, base: tuple) -> 
     won = np.zeros(best_e.shape, bool)
     lo, hi = w.min(-1), w.max(-1)
     span = np.where(hi > lo, hi - lo, 1.0)
+    sw, sx = d.sum(-1), (d * w).sum(-1)
     for t in map(np.float64, GRID):
         q = np.clip(np.rint((w - lo[..., None]) * ((n + t) / span)[..., None]), 0, n)
         for _ in range(REFINE + 1):
-            s, b = _fit(w, d, q)
+            s, b = _fit(w, d, q, sw, sx)
             s, b = _storage_round(s, dtype), _storage_round(b, dtype)
             q = _codes(w, s, b, n)
         e = _err(w, d, q, s, b)
