@@ -49,6 +49,9 @@ def _ident(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
+HASH_CHUNK = 4 << 20  # source files are hashed through a buffer of this size
+
+
 @functools.cache
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
@@ -317,10 +320,12 @@ class Store:
                 if e["stat"] == ident and e["recorded_ns"] - st.st_mtime_ns > RACY_TICK_NS:
                     return e["digest"]
         h = keys.blob_hasher()
-        with open(path, "rb") as f:
-            while chunk := f.read(16 << 20):
-                h.update(chunk)
-                self.stats.bytes_read += len(chunk)
+        buf = bytearray(HASH_CHUNK)  # one buffer, refilled: no fresh pages for every chunk
+        view = memoryview(buf)
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+                self.stats.bytes_read += n
         digest = keys.finish(h)
         rec = {"path": str(path), "stat": ident, "digest": digest, "recorded_ns": time.time_ns()}
         atomic_write(entry_path, keys.canonical_json(rec), self.root / "tmp")
