@@ -56,7 +56,7 @@ def read_raw(store, hf: str, digest: str, info) -> np.ndarray:
     return store.read_tensor({"dtype": info.dtype, "shape": list(info.shape), "view": {"file": digest, "tensor": hf}})
 
 
-BLOCK_BYTES = 4 << 20  # rows of source compared at a time: temporaries stay small and reused
+BLOCK_BYTES = 1 << 20  # rows of source compared at a time: temporaries stay small and reused
 
 
 class Inspect:
