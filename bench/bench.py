@@ -62,7 +62,6 @@ BUILDKIT = [sys.executable, "-c", "import sys; from buildkit.cli import main; sy
 RESULTS = REPO / "bench" / "RESULTS.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 MB, GB = 1e6, 1e9
-SKIP_OQ4E = False  # --skip-oq4e: its data-aware search is far slower than the rest (see RESULTS.md)
 ABORTED: list[str] = []  # runs that finished their build and then died with SIGABRT at exit
 
 # The fixture is the real checkpoint scaled down evenly: 40-ish layers, so the MTP head is a
@@ -329,7 +328,7 @@ def hashing(src: Path, work: Path, cold: bool, rounds: int = 2) -> dict:
 # ---- the benchmark ----------------------------------------------------------------
 
 
-def write_manifests(dest: Path, source: Path) -> list[str]:
+def write_manifests(dest: Path, source: Path, skip_oq4e: bool = False) -> list[str]:
     """Copy manifests/*.toml and add the incremental variant; returns the variants to build.
 
     A fetch step with a source of its own (oq4e-mtp-xl's donor head: a small fixture of
@@ -358,7 +357,7 @@ def write_manifests(dest: Path, source: Path) -> list[str]:
         (dest / p.name).write_text("\n".join(lines) + "\n")
     (dest / f"{INCREMENTAL}.toml").write_text(INCREMENTAL_TOML)
     variants = ["xl", "xl-mtp"]
-    if (dest / "oq4e-mtp-xl.toml").exists() and not SKIP_OQ4E:
+    if (dest / "oq4e-mtp-xl.toml").exists() and not skip_oq4e:
         variants.append("oq4e-mtp-xl")
     return variants
 
@@ -395,7 +394,7 @@ def run_bench(args) -> dict:
         flush=True,
     )
     src, gen = ensure_fixture(work / "fixture", spec, logs)
-    variants = write_manifests(ctx["manifests"], src)
+    variants = write_manifests(ctx["manifests"], src, args.skip_oq4e)
     shards = shard_files(src)
     cold = not args.no_evict
     R: dict = {
@@ -457,7 +456,7 @@ def run_bench(args) -> dict:
         shutil.rmtree(tiny_src, ignore_errors=True)
         measure("tiny-fixture", [*BUILDKIT, "fixture", tiny_src], logs)
     tiny_ctx = {**ctx, "manifests": work / "tiny-manifests"}
-    write_manifests(tiny_ctx["manifests"], tiny_src)
+    write_manifests(tiny_ctx["manifests"], tiny_src, args.skip_oq4e)
     for v in variants:
         build(f"tiny-{v}", v, tiny_store, tiny_src, tiny_out, tiny_ctx)
     R["noop_tiny"] = noop("noop-tiny", variants, tiny_store, tiny_src, tiny_out, tiny_ctx)
@@ -712,8 +711,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    global SKIP_OQ4E
-    SKIP_OQ4E = args.skip_oq4e
     saved = Path(args.workdir) / "results.json"
     if args.report_only:
         R = json.loads(saved.read_text())

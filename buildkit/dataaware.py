@@ -31,7 +31,7 @@ from . import calibration as cal
 from .errors import StepError
 from .lazy import lazy
 from .roles import Role
-from .tensors import bf16_to_f32, f32_to_bf16, from_mlx, to_float32, to_mlx
+from .tensors import bf16_to_f32, f32_to_bf16, from_mlx, to_float32, to_mlx, unpack
 
 np = lazy("numpy", __name__)
 
@@ -54,13 +54,6 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     planes = (codes.astype(np.uint32)[..., None] >> np.arange(bits, dtype=np.uint32)) & 1
     flat = planes.astype(np.uint8).reshape(*shape[:-1], shape[-1] * bits)
     return np.packbits(flat, axis=-1, bitorder="little").view("<u4")
-
-
-def unpack(words: np.ndarray, bits: int) -> np.ndarray:
-    """Inverse of ``pack``: uint32 words [..., m] -> codes [..., m * 32 / bits] (uint8)."""
-    flat = np.unpackbits(np.ascontiguousarray(words, "<u4").view(np.uint8), axis=-1, bitorder="little")
-    planes = flat.reshape(*words.shape[:-1], -1, bits).astype(np.uint8)
-    return (planes << np.arange(bits, dtype=np.uint8)).sum(-1, dtype=np.uint8)
 
 
 # ---- the search ---------------------------------------------------------------------------

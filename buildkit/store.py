@@ -217,8 +217,7 @@ class Store:
     def get_blob(self, digest: str) -> bytes:
         data = self._read_object(digest)
         if keys.blob_digest(data) != digest:
-            self._quarantine(self.object_path(digest), "content does not match its digest")
-            raise StoreMiss(f"store object {keys.short(digest)} was corrupt and has been removed; rebuild")
+            raise self._corrupt(digest)
         return data
 
     def _read_object(self, digest: str) -> bytes:
@@ -226,11 +225,17 @@ class Store:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise StoreMiss(
-                f"store object {keys.short(digest)} is missing from {self.root}; rebuild"
-            ) from None
+            raise self._missing(digest) from None
         self.stats.bytes_read += len(data)
         return data
+
+    def _missing(self, digest: str) -> StoreMiss:
+        return StoreMiss(f"store object {keys.short(digest)} is missing from {self.root}; rebuild")
+
+    def _corrupt(self, digest: str) -> StoreMiss:
+        """Quarantine an object whose bytes do not match its digest; the miss to raise."""
+        self._quarantine(self.object_path(digest), "content does not match its digest")
+        return StoreMiss(f"store object {keys.short(digest)} was corrupt and has been removed; rebuild")
 
     def read_tensor(self, entry: dict, verify: bool = True) -> np.ndarray:
         """Read a tensor entry (store object or source view) as a storage-dtype array."""
@@ -241,10 +246,7 @@ class Store:
         if len(data) != nbytes(dtype, shape) or (
             verify and keys.tensor_digest(dtype, shape, data) != entry["digest"]
         ):
-            self._quarantine(self.object_path(entry["digest"]), "content does not match its digest")
-            raise StoreMiss(
-                f"store object {keys.short(entry['digest'])} was corrupt and has been removed; rebuild"
-            )
+            raise self._corrupt(entry["digest"])
         return np.frombuffer(data, dtype=DTYPES[dtype]).reshape(shape)
 
     def copy_tensor(self, entry: dict, sink, buf: bytearray) -> int:
@@ -263,7 +265,7 @@ class Store:
         try:
             f = open(self.object_path(digest), "rb", buffering=0)
         except FileNotFoundError:
-            raise StoreMiss(f"store object {keys.short(digest)} is missing from {self.root}; rebuild") from None
+            raise self._missing(digest) from None
         with f:
             while n := f.readinto(view[: min(len(buf), want - done + 1)]):
                 h.update(view[:n])
@@ -271,8 +273,7 @@ class Store:
                 done += n
         self.stats.bytes_read += done
         if done != want or keys.finish(h) != digest:
-            self._quarantine(self.object_path(digest), "content does not match its digest")
-            raise StoreMiss(f"store object {keys.short(digest)} was corrupt and has been removed; rebuild")
+            raise self._corrupt(digest)
         return done
 
     def header(self, file_digest: str) -> tuple[Path, Header]:
