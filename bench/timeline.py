@@ -1,8 +1,9 @@
 """Resident memory of a ``buildkit build`` over time, attributed to the steps running.
 
-Runs the command, samples the child's VmRSS every few milliseconds and reads its
-``[run]`` / ``[done]`` lines as they come, then prints each step's start, duration and
-the peak RSS seen while it ran (with ``-j 2`` two steps can overlap; both are charged).
+Runs the command, samples the child's VmRSS and CPU time every few milliseconds and reads
+its ``[run]`` / ``[done]`` lines as they come, then prints each step's start, duration, the
+peak RSS seen while it ran and the cores the whole process used meanwhile (with ``-j 2``
+two steps can overlap; both are charged).
 
     python bench/timeline.py [--csv FILE] -- buildkit --store S build xl --source SRC
 """
@@ -10,6 +11,7 @@ the peak RSS seen while it ran (with ``-j 2`` two steps can overlap; both are ch
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -28,6 +30,15 @@ def rss(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def cpu(pid: int) -> float:
+    """CPU seconds (user + system) the process has used so far, all its threads."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv=None) -> int:
@@ -50,7 +61,7 @@ def main(argv=None) -> int:
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    samples: list[tuple[float, int, tuple[str, ...]]] = []
+    samples: list[tuple[float, int, float, tuple[str, ...]]] = []
     running: set[str] = set()
     seen = 0
     while child.poll() is None:
@@ -58,7 +69,7 @@ def main(argv=None) -> int:
             _, kind, step = events[seen]
             (running.add if kind == "run" else running.discard)(step)
             seen += 1
-        samples.append((time.perf_counter() - t0, rss(child.pid), tuple(sorted(running))))
+        samples.append((time.perf_counter() - t0, rss(child.pid), cpu(child.pid), tuple(sorted(running))))
         time.sleep(args.interval)
     reader.join()
     wall = time.perf_counter() - t0
@@ -68,22 +79,34 @@ def main(argv=None) -> int:
         s = steps.setdefault(step, {"start": t, "end": wall, "peak": 0})
         if kind == "done":
             s["end"] = t
-    for _, r, run in samples:
+    for _, r, _, run in samples:
         for step in run:
             steps[step]["peak"] = max(steps[step]["peak"], r)
-    outside = max((r for _, r, run in samples if not run), default=0)
-    print(f"\n{'step':12} {'start':>8} {'seconds':>8} {'peak RSS':>10}")
+
+    def cores(a: float, b: float) -> float:
+        """Mean cores the process used between seconds a and b (from the samples)."""
+        inside = [(t, c) for t, _, c, _ in samples if a <= t <= b]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return float("nan")
+        return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+    outside = max((r for _, r, _, run in samples if not run), default=0)
+    first = min((s["start"] for s in steps.values()), default=wall)
+    print(f"\n{'step':12} {'start':>8} {'seconds':>8} {'peak RSS':>10} {'cores':>6}")
+    print(f"{'(before)':12} {0:8.1f} {first:8.1f} {'':>10} {cores(0, first):6.2f}")
     for step, s in steps.items():
-        print(f"{step:12} {s['start']:8.1f} {s['end'] - s['start']:8.1f} {s['peak'] / MB:8.0f} MB")
-    print(f"{'(no step)':12} {'':8} {'':8} {outside / MB:8.0f} MB")
-    print(
-        f"{'(process)':12} {'':8} {wall:8.1f} {max((r for _, r, _ in samples), default=0) / MB:8.0f} MB"
-    )
+        print(
+            f"{step:12} {s['start']:8.1f} {s['end'] - s['start']:8.1f} {s['peak'] / MB:7.0f} MB"
+            f" {cores(s['start'], s['end']):6.2f}"
+        )
+    print(f"{'(no step)':12} {'':8} {'':8} {outside / MB:7.0f} MB")
+    peak = max((r for _, r, _, _ in samples), default=0)
+    print(f"{'(process)':12} {'':8} {wall:8.1f} {peak / MB:7.0f} MB {cores(0, wall):6.2f}")
     if args.csv:
         with open(args.csv, "w") as f:
-            f.write("seconds,rss_mb,running\n")
-            for t, r, run in samples:
-                f.write(f"{t:.3f},{r / MB:.1f},{'+'.join(run)}\n")
+            f.write("seconds,rss_mb,cpu_seconds,running\n")
+            for t, r, c, run in samples:
+                f.write(f"{t:.3f},{r / MB:.1f},{c:.2f},{'+'.join(run)}\n")
     return child.returncode
 
 
