@@ -10,6 +10,7 @@ with the file and tensor named.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -143,8 +144,9 @@ def read_header(path: str | Path) -> Header:
 
 def read_tensor(info: TensorInfo, path: str | Path | None = None, fd: int | None = None) -> np.ndarray:
     """Read one tensor as a numpy array of its storage dtype."""
-    buf = _pread(info.start, info.nbytes, path, fd)
-    return np.frombuffer(buf, dtype=DTYPES[info.dtype]).reshape(info.shape)
+    out = np.empty(info.shape, DTYPES[info.dtype])
+    _pread_into(_bytes(out), info.start, path, fd)
+    return out
 
 
 def read_slice(info: TensorInfo, path: str | Path, axis: int, start: int, stop: int) -> np.ndarray:
@@ -152,40 +154,42 @@ def read_slice(info: TensorInfo, path: str | Path, axis: int, start: int, stop: 
     shape = list(info.shape)
     if not (0 <= axis < len(shape) and 0 <= start <= stop <= shape[axis]):
         raise SourceError(f"{path}: tensor {info.name!r} {shape} has no slice {axis}:{start}:{stop}")
-    item = ITEMSIZE[info.dtype]
-    inner = item
+    inner = ITEMSIZE[info.dtype]
     for d in shape[axis + 1 :]:
         inner *= d
     outer = 1
     for d in shape[:axis]:
         outer *= d
     row, run = shape[axis] * inner, (stop - start) * inner
-    buf = bytearray(outer * run)
+    shape[axis] = stop - start
+    out = np.empty(shape, DTYPES[info.dtype])
+    view = _bytes(out)
     fd = os.open(path, os.O_RDONLY)
     try:
         for o in range(outer):
-            chunk = _pread(info.start + o * row + start * inner, run, path, fd)
-            buf[o * run : (o + 1) * run] = chunk
+            _pread_into(view[o * run : (o + 1) * run], info.start + o * row + start * inner, path, fd)
     finally:
         os.close(fd)
-    shape[axis] = stop - start
-    return np.frombuffer(buf, dtype=DTYPES[info.dtype]).reshape(shape)
+    return out
 
 
-def _pread(offset: int, length: int, path=None, fd=None) -> bytearray:
+def _bytes(arr: np.ndarray) -> memoryview:
+    """A C-contiguous array's memory as bytes, to read into (no zero-filling, no copy)."""
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def _pread_into(view: memoryview, offset: int, path=None, fd=None) -> None:
+    """Fill ``view`` from the file at ``offset`` (the GIL is released while the kernel copies)."""
     own = fd is None
     if own:
         fd = os.open(path, os.O_RDONLY)
     try:
-        buf = bytearray(length)
-        view = memoryview(buf)
-        got = 0
+        got, length = 0, len(view)
         while got < length:
             n = os.preadv(fd, [view[got:]], offset + got)
             if n == 0:
                 raise SourceError(f"{path or fd}: unexpected end of file at {offset + got}")
             got += n
-        return buf
     finally:
         if own:
             os.close(fd)
@@ -207,8 +211,10 @@ def header_bytes(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict
 # ---- bf16 helpers (bit-exact, platform independent) ----
 
 
-def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
-    return (u16.astype(np.uint32) << 16).view(np.float32)
+def bf16_to_f32(u16: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """bf16 bit patterns -> float32 (exact), in one pass; into ``out`` (float32) if given."""
+    wide = np.left_shift(u16, 16, dtype=np.uint32, out=None if out is None else out.view(np.uint32))
+    return wide.view(np.float32)
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
@@ -258,27 +264,27 @@ def from_mlx(a) -> tuple[np.ndarray, str]:
 def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     """mlx's affine packing undone: little-endian bit fields of ``bits`` bits -> uint8 codes.
 
-    Eight codes always fill exactly ``bits`` bytes, so for 3, 5, 6 and 7 bits each run of
-    ``bits`` bytes is gathered into one uint64 and the eight fields are shifted out of it.
+    A period of ``bits / g`` bytes holds exactly ``8 / g`` codes (``g = gcd(8, bits)``), so
+    code ``k`` of a period is the byte its first bit falls in, shifted down, joined with the
+    low bits of the next byte when it spills over: every operation is on uint8 lanes.
     """
     b = np.ascontiguousarray(packed).view(np.uint8)
-    lead, n = b.shape[:-1], b.shape[-1] * 8 // bits
-    mask = (1 << bits) - 1
     if bits == 8:
         return b
-    if 8 % bits == 0:
-        per = 8 // bits
-        q = np.empty((*b.shape, per), np.uint8)
-        for k in range(per):
-            np.bitwise_and(b >> (k * bits), mask, out=q[..., k])
-        return q.reshape(*lead, n)
-    runs = b.reshape(*lead, n // 8, bits)
-    v = runs[..., 0].astype(np.uint64)
-    for j in range(1, bits):
-        v |= runs[..., j].astype(np.uint64) << np.uint64(8 * j)
-    q = np.empty((*lead, n // 8, 8), np.uint8)
-    for k in range(8):
-        np.bitwise_and(v >> np.uint64(k * bits), mask, out=q[..., k], casting="unsafe")
+    lead, n = b.shape[:-1], b.shape[-1] * 8 // bits
+    g = math.gcd(8, bits)
+    runs = b.reshape(*lead, -1, bits // g)
+    q = np.empty((*runs.shape[:-1], 8 // g), np.uint8)
+    mask = np.uint8((1 << bits) - 1)
+    for k in range(8 // g):
+        i, off = divmod(k * bits, 8)
+        v = runs[..., i] >> np.uint8(off)
+        if off + bits > 8:
+            v |= runs[..., i + 1] << np.uint8(8 - off)
+        if off + bits < 8 or off + bits > 8:
+            np.bitwise_and(v, mask, out=q[..., k])
+        else:  # the code ends at the top of its byte: the shift left nothing above it
+            q[..., k] = v
     return q.reshape(*lead, n)
 
 

@@ -93,7 +93,7 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
         return name, quantize_entry(ctx.store, name, art.tensors[name], role)
 
     # Two workers, at most four tensors in flight: a few tensors in memory, never the model.
-    for name, entries in workers.imap("tensors", work, names, workers=2, window=4):
+    for name, entries in workers.imap("tensors", work, names, workers=2, window=8):
         role_name = roles[name]
         role = recipe.roles[role_name]
         src = art.tensors[name]

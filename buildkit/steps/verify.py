@@ -121,6 +121,19 @@ class Inspect:
         rows = info.shape[0]
         step = max(1, BLOCK_BYTES // max(1, info.nbytes // max(rows, 1)))
         bad_rows = False
+        scratch: dict[tuple, np.ndarray] = {}  # float32 buffers, one per block shape, reused
+
+        def abs_sum(x: np.ndarray, y: np.ndarray | None = None) -> np.float32:
+            """sum |x - y| (or sum |x|), through a reused buffer instead of fresh temporaries."""
+            buf = scratch.get(x.shape)
+            if buf is None:
+                buf = scratch[x.shape] = np.empty(x.shape, np.float32)
+            if y is None:
+                np.abs(x, out=buf)
+            else:
+                np.abs(np.subtract(x, y, out=buf), out=buf)
+            return buf.sum()
+
         for a in range(0, rows, step):
             b = min(rows, a + step)
             block = raw[a:b] if raw is not None else read_slice(info, path, 0, a, b)
@@ -142,14 +155,17 @@ class Inspect:
                     got = dequantize_np(wq[a:b], sc[a:b], bi[a:b], q["bits"], q["group_size"])
                 else:
                     got = to_float32(stored[n][0][a:b], self.model[n]["dtype"])
-                if not np.isfinite(got).all() and n not in r["nonfinite"]:
+                err = float(abs_sum(ref, got))
+                # a NaN or Inf in got makes err one too; only then look for it (the source's own
+                # are found above, on its bits)
+                if not math.isfinite(err) and not np.isfinite(got).all() and n not in r["nonfinite"]:
                     r["nonfinite"].append(n)
-                num[n] += float(np.abs(ref - got).sum())
-                den[n] += float(np.abs(ref).sum())
+                num[n] += err
+                den[n] += float(abs_sum(ref))
                 refs.append(ref)
                 outs.append(got)
             if len(dense) == 2:  # gate|up against up|gate
-                swapped += float(np.abs(refs[0] - outs[1]).sum() + np.abs(refs[1] - outs[0]).sum())
+                swapped += float(abs_sum(refs[0], outs[1]) + abs_sum(refs[1], outs[0]))
         for n, _, _, q in dense:
             if q is not None:
                 r["err"][n] = (str(q["bits"]), num[n] / max(den[n], 1e-30))
@@ -315,7 +331,7 @@ class Verify(Step):
         over: list[str] = []
         split = {"checked": 0, "ok": 0}
         ctx.progress.start(len(items))
-        for r in workers.imap("tensors", Inspect(store, model, roles_q), items, workers=2, window=2):
+        for r in workers.imap("tensors", Inspect(store, model, roles_q), items, workers=2, window=8):
             norms += r["norm"]
             passes += r["pass"]
             nonfinite += r["nonfinite"]
