@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def _ident(st: os.stat_result) -> list[int]:
 
 
 HASH_CHUNK = 4 << 20  # source files are hashed through a buffer of this size
+HASH_READERS = 4  # source files hashed at once
 
 
 @functools.cache
@@ -154,9 +156,18 @@ class Artifact:
 
 @dataclass
 class Stats:
+    """Bytes through the store, counted from every thread that reads or writes it."""
+
     bytes_read: int = 0
     bytes_written: int = 0
     objects_written: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, read: int = 0, written: int = 0, objects: int = 0) -> None:
+        with self._lock:  # ``+=`` on an attribute is not atomic across threads
+            self.bytes_read += read
+            self.bytes_written += written
+            self.objects_written += objects
 
 
 class Store:
@@ -168,6 +179,7 @@ class Store:
         except OSError as e:
             raise StoreError(f"cannot use store at {self.root}: {e.strerror}") from e
         self.stats = Stats()
+        self._sources_lock = threading.Lock()
         self._unsynced = False
         self._headers: dict[str, Header] = {}
         self._resolved: dict[str, tuple[Path, list[int]]] = {}
@@ -184,8 +196,8 @@ class Store:
         path = self.object_path(digest)
         if path.exists():
             return digest
-        self.stats.bytes_written += atomic_write(path, chunks, self.root / "tmp", sync_dir=False, sync=False)
-        self.stats.objects_written += 1
+        size = atomic_write(path, chunks, self.root / "tmp", sync_dir=False, sync=False)
+        self.stats.add(written=size, objects=1)
         self._unsynced = True
         return digest
 
@@ -226,7 +238,7 @@ class Store:
             data = path.read_bytes()
         except FileNotFoundError:
             raise self._missing(digest) from None
-        self.stats.bytes_read += len(data)
+        self.stats.add(read=len(data))
         return data
 
     def _missing(self, digest: str) -> StoreMiss:
@@ -271,7 +283,7 @@ class Store:
                 h.update(view[:n])
                 sink(view[:n])
                 done += n
-        self.stats.bytes_read += done
+        self.stats.add(read=done)
         if done != want or keys.finish(h) != digest:
             raise self._corrupt(digest)
         return done
@@ -295,7 +307,7 @@ class Store:
             arr = read_tensor(info, path)
         if arr.dtype != DTYPES[dtype] or arr.size != int(np.prod(shape, dtype=np.int64)):
             raise SourceError(f"{path}: tensor {view['tensor']!r} no longer matches its recorded {dtype}{list(shape)}")
-        self.stats.bytes_read += arr.nbytes
+        self.stats.add(read=arr.nbytes)
         return arr.reshape(shape)
 
     def _quarantine(self, path: Path, why: str) -> None:
@@ -311,31 +323,53 @@ class Store:
         A remembered digest is trusted only if it was recorded more than one
         filesystem timestamp tick after the file's mtime (the racy-git rule).
         """
-        path = Path(path).absolute()
+        return self.digest_files([path], rehash)[0]
+
+    def digest_files(self, paths: Iterable[str | Path], rehash: bool = False) -> list[str]:
+        """``digest_file`` of each path; the files not remembered are hashed ``HASH_READERS``
+        at a time (a disk serves several streams faster than one: 2x on this project's
+        machines, cold)."""
+        paths = [Path(p).absolute() for p in paths]
+        known = {p: None if rehash else self._remembered(p) for p in paths}
+        todo = [p for p, d in known.items() if d is None]
+        if len(todo) == 1:
+            known[todo[0]] = self._hash_file(todo[0])
+        elif todo:
+            with ThreadPoolExecutor(min(HASH_READERS, len(todo)), thread_name_prefix="hash") as ex:
+                known.update(zip(todo, ex.map(self._hash_file, todo)))
+        return [known[p] for p in paths]
+
+    def _remembered(self, path: Path) -> str | None:
         st = path.stat()
-        ident = _ident(st)
-        entry_path = _fan(self.root / "sources", keys.digest_json("path", str(path)))
-        if not rehash:
-            with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
-                e = json.loads(entry_path.read_text())
-                if e["stat"] == ident and e["recorded_ns"] - st.st_mtime_ns > RACY_TICK_NS:
-                    return e["digest"]
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+            e = json.loads(self._source_entry(path).read_text())
+            if e["stat"] == _ident(st) and e["recorded_ns"] - st.st_mtime_ns > RACY_TICK_NS:
+                return e["digest"]
+        return None
+
+    def _source_entry(self, path: Path) -> Path:
+        return _fan(self.root / "sources", keys.digest_json("path", str(path)))
+
+    def _hash_file(self, path: Path) -> str:
+        """Hash a file and remember its digest under its stat (taken before reading)."""
+        ident = _ident(path.stat())
         h = keys.blob_hasher()
         buf = bytearray(HASH_CHUNK)  # one buffer, refilled: no fresh pages for every chunk
         view = memoryview(buf)
         with open(path, "rb", buffering=0) as f:
             while n := f.readinto(buf):
                 h.update(view[:n])
-                self.stats.bytes_read += n
+                self.stats.add(read=n)
         digest = keys.finish(h)
         rec = {"path": str(path), "stat": ident, "digest": digest, "recorded_ns": time.time_ns()}
-        atomic_write(entry_path, keys.canonical_json(rec), self.root / "tmp")
+        atomic_write(self._source_entry(path), keys.canonical_json(rec), self.root / "tmp")
         by_digest = _fan(self.root / "sources", digest)
-        paths = set()
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            paths = set(json.loads(by_digest.read_text()))
-        if str(path) not in paths:
-            atomic_write(by_digest, keys.canonical_json(sorted(paths | {str(path)})), self.root / "tmp")
+        with self._sources_lock:  # two files with the same content: both paths are kept
+            paths = set()
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                paths = set(json.loads(by_digest.read_text()))
+            if str(path) not in paths:
+                atomic_write(by_digest, keys.canonical_json(sorted(paths | {str(path)})), self.root / "tmp")
         return digest
 
     def resolve_external(self, digest: str) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -141,6 +142,34 @@ def test_an_action_is_a_hit_only_when_whole(tmp_path, capsys):
     action.write_text("{not json")
     assert store.get_action(key) is None and not action.exists()
     assert "action record is corrupt; removed" in capsys.readouterr().err
+
+
+def test_source_files_hashed_together_are_remembered_and_resolvable(tmp_path):
+    """digest_files hashes several files at once: each gets its content digest, the next call
+    trusts the stat cache (no bytes read), and two files with the same bytes both resolve."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    blobs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (0, 1, 5 << 20, 3 << 20)]
+    blobs.append(blobs[2])  # same content as another file
+    files = []
+    for i, b in enumerate(blobs):
+        files.append(src / f"f{i}")
+        files[-1].write_bytes(b)
+        t = time.time() - 10  # older than the racy-timestamp window, so the cache is trusted
+        os.utime(files[-1], (t, t))
+    store = Store(tmp_path / "cache")
+    want = [keys.blob_digest(b) for b in blobs]
+    assert store.digest_files(files) == want
+    hashed = store.stats.bytes_read
+    assert hashed == sum(map(len, blobs))
+    again = Store(tmp_path / "cache")
+    assert again.digest_files(reversed(files)) == want[::-1]
+    assert again.stats.bytes_read == 0  # remembered by stat, not re-read
+    assert store.digest_files(files, rehash=True) == want
+    assert store.stats.bytes_read == 2 * hashed
+    files[2].unlink()  # one of the two same-content files goes: the other still resolves
+    assert Store(tmp_path / "cache").resolve_external(want[2]) == files[4]
 
 
 def test_lock_excludes_other_holders(tmp_path):

@@ -132,10 +132,9 @@ class Fetch(Step):
 
     def fingerprint(self, params: FetchParams, ctx: Context) -> dict:
         root, _ = self.resolve(params, ctx)
-        return {
-            str(p.relative_to(root)): ctx.store.digest_file(p, rehash=ctx.options.rehash)
-            for p in self._files(root)
-        }
+        files = self._files(root)
+        digests = ctx.store.digest_files(files, rehash=ctx.options.rehash)
+        return {str(p.relative_to(root)): d for p, d in zip(files, digests)}
 
     def describe_fingerprint_change(self, old, new) -> str:
         old, new = old or {}, new or {}
@@ -147,9 +146,8 @@ class Fetch(Step):
         art = Artifact(meta={"source": meta})
         files = self._files(root)
         ctx.progress.start(len(files))
-        for p in files:
+        for p, digest in zip(files, ctx.store.digest_files(files, rehash=ctx.options.rehash)):
             rel = str(p.relative_to(root))
-            digest = ctx.store.digest_file(p, rehash=ctx.options.rehash)
             if p.suffix == ".safetensors" or p.stat().st_size > SMALL_FILE_LIMIT:
                 art.external[rel] = digest
             else:
