@@ -10,13 +10,15 @@ refs so that every rebuild can say why.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import importlib
 import os
 import sys
 import threading
 import time
 import traceback
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,6 +173,7 @@ class Scheduler:
         self.options = options or BuildOptions()
         self.g = graphs.build(manifest)
         self.order = graphs.order(self.g)
+        self._warm_lock = threading.Lock()
 
     def _ctx(self, name: str, reporter: Reporter | None = None) -> Context:
         prog = Progress(name, reporter.update if reporter else None)
@@ -286,6 +289,7 @@ class Scheduler:
         failures: list[tuple[str, BaseException]] = []
         running = {}
         self._ended = {n: threading.Event() for n in names}
+        self._warming: dict[str, Future] = {}
         t0 = time.monotonic()
         jobs = max(1, jobs)
         pool = workers.pool("nodes")
@@ -313,6 +317,7 @@ class Scheduler:
                         done.add(n)
         finally:
             reporter.close()
+            wait(self._warming.values())  # no import may still run when the process exits
         if failures:
             n, exc = failures[0]
             if isinstance(exc, BuildkitError):
@@ -424,6 +429,7 @@ class Scheduler:
                 slot: [self.store.get_artifact(d) for d in ds] for slot, ds in digests.items()
             }
             ctx.prepared = prepared
+            self._warm(name, states)
             outputs = node.step.run(ctx, node.params, inputs)
             if set(outputs) != set(node.step.outputs):
                 raise StepError(f"returned outputs {sorted(outputs)}, expected {list(node.step.outputs)}")
@@ -448,6 +454,17 @@ class Scheduler:
                 + (f", {ctx.progress.done} tensors" if ctx.progress.done else "")
             )
 
+    def _warm(self, name: str, states: dict) -> None:
+        """A node runs: import what the nodes after it will need (``Step.imports``) on a spare
+        thread meanwhile, so a slow import is not paid on the critical path later."""
+        later = nx.descendants(self.g, name)
+        mods = [m for n in self.order if n in later and n in states for m in self.m.nodes[n].step.imports]
+        with self._warm_lock:
+            todo = [m for m in dict.fromkeys(mods) if m not in self._warming]
+            if todo:
+                fut = workers.pool("imports").submit(_import_all, todo, workers=1)
+                self._warming.update(dict.fromkeys(todo, fut))
+
     def _record(self, states: dict[str, NodeState]) -> None:
         nodes = dict((self.store.get_ref(self.m.name) or {}).get("nodes", {}))  # not the parent's
         for n, st in states.items():
@@ -457,3 +474,9 @@ class Scheduler:
             self.m.name,
             {"keys": {n: v["key"] for n, v in nodes.items()}, "nodes": nodes},
         )
+
+
+def _import_all(modules: list[str]) -> None:
+    for m in modules:
+        with contextlib.suppress(Exception):  # a step that needs it reports the failure itself
+            importlib.import_module(m)

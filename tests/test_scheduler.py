@@ -70,6 +70,30 @@ def test_first_build_runs_everything_second_nothing(project):
     assert [p for p in project.root.rglob("*") if ".tmp" in p.name] == []
 
 
+def imported(project, *argv: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run the CLI with ``python -X importtime``: the result and the top-level packages imported."""
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "buildkit.cli", *project.args(*argv)],
+                       cwd=project.root, capture_output=True, text=True, check=True)
+    mods = {m[1].split(".")[0] for m in re.finditer(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", p.stderr, re.M)}
+    return p, mods
+
+
+def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):
+    """A no-op build (and a plan) decide from the store alone: numpy, mlx and mlx_lm are never
+    imported, not even by the scheduler's early imports, which start only once a step runs."""
+    project.adopt(seed)
+    heavy = {"numpy", "mlx", "mlx_lm", "transformers"}
+    p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))
+    assert ran(p) == [] and "xl-mtp: 8 steps, 0 ran, 8 cached" in p.stderr
+    assert not mods & heavy, sorted(mods & heavy)
+    assert "networkx" in mods  # the check sees the imports at all
+    _, mods = imported(project, "plan", "xl-mtp")
+    assert not mods & heavy, sorted(mods & heavy)
+    (project.out / "xl-mtp" / "config.json").unlink()  # publish alone runs, and imports mlx_lm
+    p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))
+    assert ran(p) == ["publish"] and {"numpy", "mlx", "mlx_lm"} <= mods
+
+
 def test_one_param_change_reruns_exactly_its_dependents(project, seed):
     project.adopt(seed)
     project.write_manifest("xl4", XL4)

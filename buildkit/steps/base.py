@@ -126,6 +126,11 @@ class Step:
     def run(self, ctx: Context, params: Params, inputs: dict[str, list[Artifact]]) -> dict[str, Artifact]:
         raise NotImplementedError
 
+    # Modules ``run`` imports that are slow to import (mlx_lm pulls in transformers: ~1.2 s).
+    # Once a build runs its first step, the scheduler imports those of the steps after it on
+    # a spare thread, while that step works; a build with nothing to do imports none.
+    imports: ClassVar[tuple[str, ...]] = ()
+
     # Optional, for steps with gate slots: start before the gates are ready.
     prepare: ClassVar[Any] = None  # (ctx, params, inputs without gate slots) -> handle for run
 

@@ -38,6 +38,7 @@ class CalibrateParams(Params):
 @register
 class Calibrate(Step):
     kind = "calibrate"
+    imports = ("numpy", "mlx.core", "mlx_lm.models.qwen3_5_moe")
     version = 1
     Params = CalibrateParams
     inputs = {"model": Slot()}

@@ -194,6 +194,7 @@ class Staged:
 class Publish(Step):
     kind = "publish"
     version = 1
+    imports = ("numpy", "mlx.core", "mlx_lm.utils")  # the load check
     Params = PublishParams
     # The model is written and load-checked while verify runs; the reports gate the swap.
     inputs = {"model": Slot(many=True), "source": Slot(), "report": Slot(required=False, many=True, gate=True)}

@@ -130,6 +130,7 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
 class Quantize(Step):
     kind = "quantize"
     version = 1
+    imports = ("numpy", "mlx.core")
     Params = QuantizeParams
     inputs = {"model": Slot(), "calibration": Slot(required=False)}  # a calibrate output
     uses_recipe = True

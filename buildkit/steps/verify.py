@@ -263,6 +263,7 @@ class Checks:
 class Verify(Step):
     kind = "verify"
     version = 3
+    imports = ("numpy", "mlx.core")
     Params = VerifyParams
     inputs = {
         "model": Slot(many=True),  # the artifacts that make up the output model
