@@ -407,6 +407,8 @@ class Scheduler:
         name = node.name
         digests = self._input_digests(node, states)
         assert digests is not None, name
+        if name not in prev:  # never built: it will run, after its key (a cold source is hashed)
+            self._warm({name} | nx.descendants(self.g, name), states)
         st.ingredients = ingredients(node, digests, ctx)
         st.key = action_key(st.ingredients)
         with self.store.lock(st.key):
@@ -429,7 +431,7 @@ class Scheduler:
                 slot: [self.store.get_artifact(d) for d in ds] for slot, ds in digests.items()
             }
             ctx.prepared = prepared
-            self._warm(name, states)
+            self._warm(nx.descendants(self.g, name), states)
             outputs = node.step.run(ctx, node.params, inputs)
             if set(outputs) != set(node.step.outputs):
                 raise StepError(f"returned outputs {sorted(outputs)}, expected {list(node.step.outputs)}")
@@ -454,11 +456,10 @@ class Scheduler:
                 + (f", {ctx.progress.done} tensors" if ctx.progress.done else "")
             )
 
-    def _warm(self, name: str, states: dict) -> None:
-        """A node runs: import what the nodes after it will need (``Step.imports``) on a spare
-        thread meanwhile, so a slow import is not paid on the critical path later."""
-        later = nx.descendants(self.g, name)
-        mods = [m for n in self.order if n in later and n in states for m in self.m.nodes[n].step.imports]
+    def _warm(self, nodes: set[str], states: dict) -> None:
+        """Nodes that will run: import what they need (``Step.imports``) on a spare thread
+        meanwhile, so a slow import is not paid on the critical path later."""
+        mods = [m for n in self.order if n in nodes and n in states for m in self.m.nodes[n].step.imports]
         with self._warm_lock:
             todo = [m for m in dict.fromkeys(mods) if m not in self._warming]
             if todo:

@@ -128,7 +128,8 @@ class Step:
 
     # Modules ``run`` imports that are slow to import (mlx_lm pulls in transformers: ~1.2 s).
     # Once a build runs its first step, the scheduler imports those of the steps after it on
-    # a spare thread, while that step works; a build with nothing to do imports none.
+    # a spare thread, while that step works (or its source is hashed, in a first build);
+    # a build with nothing to do imports none.
     imports: ClassVar[tuple[str, ...]] = ()
 
     # Optional, for steps with gate slots: start before the gates are ready.
