@@ -199,6 +199,16 @@ def build(name: str, variant: str, store: Path, src: Path, out: Path, ctx: dict,
 
 
 def fixture_spec(args) -> dict:
+    """The fixture's dimensions from the flags; a bad combination exits with the reason."""
+    from pydantic import ValidationError
+
+    try:
+        return _fixture_spec(args)
+    except ValidationError as e:
+        sys.exit(f"bench: bad fixture dimensions: {'; '.join(err['msg'] for err in e.errors())}")
+
+
+def _fixture_spec(args) -> dict:
     from buildkit.fixture import FixtureSpec, _plan
 
     dims = dict(DEFAULT_DIMS)
