@@ -426,14 +426,15 @@ def run_bench(args) -> dict:
     pairs = []  # (buildkit, convert), interleaved: the machine is shared, so one pair is noisy
     for i in range(args.cold_pairs):
         st_i, out_i = (store, out) if i == 0 else (work / "cold-store", work / "cold-out")
+        tag = "" if i == 0 else f"-{i}"
         if cold:
             evict(shards)
-        xl = build(f"cold-xl{'' if i == 0 else f'-{i}'}", "xl", st_i, src, out_i, ctx)
+        xl = build(f"cold-xl{tag}", "xl", st_i, src, out_i, ctx)
         if cold:
             evict(shards)
         shutil.rmtree(work / "mlx_lm", ignore_errors=True)
         ref = measure(
-            f"mlx_lm-convert{'' if i == 0 else f'-{i}'}",
+            f"mlx_lm-convert{tag}",
             [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", src, "--mlx-path", work / "mlx_lm",
              "-q", "--q-bits", "6", "--q-group-size", "64"],
             logs,

@@ -327,8 +327,8 @@ class Store:
 
     def digest_files(self, paths: Iterable[str | Path], rehash: bool = False) -> list[str]:
         """``digest_file`` of each path; the files not remembered are hashed ``HASH_READERS``
-        at a time (a disk serves several streams faster than one: 2x on this project's
-        machines, cold)."""
+        at a time (a disk serves several streams faster than one: four cold shards took
+        0.8 s instead of 1.0-1.7 s on this project's machines)."""
         paths = [Path(p).absolute() for p in paths]
         known = {p: None if rehash else self._remembered(p) for p in paths}
         todo = [p for p, d in known.items() if d is None]

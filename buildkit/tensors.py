@@ -211,10 +211,9 @@ def header_bytes(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict
 # ---- bf16 helpers (bit-exact, platform independent) ----
 
 
-def bf16_to_f32(u16: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """bf16 bit patterns -> float32 (exact), in one pass; into ``out`` (float32) if given."""
-    wide = np.left_shift(u16, 16, dtype=np.uint32, out=None if out is None else out.view(np.uint32))
-    return wide.view(np.float32)
+def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns -> float32 (exact), widened and shifted in one pass."""
+    return np.left_shift(u16, 16, dtype=np.uint32).view(np.float32)
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
@@ -281,7 +280,7 @@ def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
         v = runs[..., i] >> np.uint8(off)
         if off + bits > 8:
             v |= runs[..., i + 1] << np.uint8(8 - off)
-        if off + bits < 8 or off + bits > 8:
+        if off + bits != 8:
             np.bitwise_and(v, mask, out=q[..., k])
         else:  # the code ends at the top of its byte: the shift left nothing above it
             q[..., k] = v

@@ -80,7 +80,8 @@ def imported(project, *argv: str) -> tuple[subprocess.CompletedProcess, set[str]
 
 def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):
     """A no-op build (and a plan) decide from the store alone: numpy, mlx and mlx_lm are never
-    imported, not even by the scheduler's early imports, which start only once a step runs."""
+    imported, not even by the scheduler's early imports, which start only for a node that runs
+    or was never built."""
     project.adopt(seed)
     heavy = {"numpy", "mlx", "mlx_lm", "transformers"}
     p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))

@@ -38,8 +38,8 @@ class CalibrateParams(Params):
 @register
 class Calibrate(Step):
     kind = "calibrate"
-    imports = ("numpy", "mlx.core", "mlx_lm.models.qwen3_5_moe")
     version = 1
+    imports = ("numpy", "mlx.core", "mlx_lm.models.qwen3_5_moe")
     Params = CalibrateParams
     inputs = {"model": Slot()}
     outputs = ("out", "heldout")
