@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-import tokenizers as tk
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from .lazy import lazy
 
 np = lazy("numpy", __name__)
+tk = lazy("tokenizers", __name__, "tk")  # only for writing a tokenizer; the CLI parser reads FixtureSpec
 
 # Constants of the real checkpoint that the fixture keeps as they are.
 PATCH_SIZE, TEMPORAL_PATCH_SIZE, IN_CHANNELS, SPATIAL_MERGE = 16, 2, 3, 2

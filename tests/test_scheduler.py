@@ -79,11 +79,11 @@ def imported(project, *argv: str) -> tuple[subprocess.CompletedProcess, set[str]
 
 
 def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):
-    """A no-op build (and a plan) decide from the store alone: numpy, mlx and mlx_lm are never
+    """A no-op build (and a plan) decide from the store alone: numpy, mlx, mlx_lm and tokenizers are never
     imported, not even by the scheduler's early imports, which start only for a node that runs
     or was never built."""
     project.adopt(seed)
-    heavy = {"numpy", "mlx", "mlx_lm", "transformers"}
+    heavy = {"numpy", "mlx", "mlx_lm", "transformers", "tokenizers"}
     p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))
     assert ran(p) == [] and "xl-mtp: 8 steps, 0 ran, 8 cached" in p.stderr
     assert not mods & heavy, sorted(mods & heavy)
