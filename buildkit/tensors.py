@@ -263,28 +263,40 @@ def from_mlx(a) -> tuple[np.ndarray, str]:
 def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     """mlx's affine packing undone: little-endian bit fields of ``bits`` bits -> uint8 codes.
 
-    A period of ``bits / g`` bytes holds exactly ``8 / g`` codes (``g = gcd(8, bits)``), so
-    code ``k`` of a period is the byte its first bit falls in, shifted down, joined with the
-    low bits of the next byte when it spills over: every operation is on uint8 lanes.
+    A period of ``bits / g`` bytes holds exactly ``8 / g`` codes (``g = gcd(8, bits)``). Each
+    period is read into one little-endian lane of ``8 / g`` bytes and each code is moved to its
+    own byte of that lane (shift, mask, or over whole arrays, contiguous, which numpy
+    vectorizes; writes into strided outputs it does not); the lanes viewed as bytes are then
+    the codes in order.
     """
     b = np.ascontiguousarray(packed).view(np.uint8)
     if bits == 8:
         return b
     lead, n = b.shape[:-1], b.shape[-1] * 8 // bits
     g = math.gcd(8, bits)
-    runs = b.reshape(*lead, -1, bits // g)
-    q = np.empty((*runs.shape[:-1], 8 // g), np.uint8)
-    mask = np.uint8((1 << bits) - 1)
-    for k in range(8 // g):
-        i, off = divmod(k * bits, 8)
-        v = runs[..., i] >> np.uint8(off)
-        if off + bits > 8:
-            v |= runs[..., i + 1] << np.uint8(8 - off)
-        if off + bits != 8:
-            np.bitwise_and(v, mask, out=q[..., k])
-        else:  # the code ends at the top of its byte: the shift left nothing above it
-            q[..., k] = v
-    return q.reshape(*lead, n)
+    per, codes = bits // g, 8 // g
+    flat = b.reshape(-1)
+    periods = flat.size // per
+    word = np.dtype(f"<u{next(w for w in (1, 2, 4, 8) if w >= per)}")  # the read of one period
+    lane = np.dtype(f"<u{codes}")
+    # A period read as a word starts at its first byte; the last one's word would reach past
+    # the buffer, so that one is read from a zero-padded copy.
+    main = periods - 1 if word.itemsize > per else periods
+    x = np.empty(periods, lane)
+    x[:main] = np.ndarray((main,), word, flat, 0, (per,))
+    if main < periods:
+        tail = np.zeros(word.itemsize, np.uint8)
+        tail[:per] = flat[main * per :]
+        x[main:] = tail.view(word)
+    mask = (1 << bits) - 1
+    out = np.bitwise_and(x, lane.type(mask))
+    tmp = np.empty_like(x)
+    for k in range(1, codes):
+        move = (8 - bits) * k  # code k: from bit bits * k up to bit 8 * k
+        np.left_shift(x, lane.type(move), out=tmp)
+        np.bitwise_and(tmp, lane.type(mask << 8 * k), out=tmp)
+        np.bitwise_or(out, tmp, out=out)
+    return out.view(np.uint8).reshape(*lead, n)
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int) -> np.ndarray:

@@ -92,9 +92,8 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
             return name, dataaware.quantize_entry(ctx.store, name, art.tensors[name], role, calibration, tally)
         return name, quantize_entry(ctx.store, name, art.tensors[name], role)
 
-    # Two workers: two tensors in memory, never the model. Up to eight results wait in order
-    # (a few small dicts each), so one big tensor does not leave the other worker idle.
-    for name, entries in workers.imap("tensors", work, names, workers=2, window=8):
+    # Two workers: two tensors in memory, never the model; results are a few small dicts each.
+    for name, entries in workers.imap("tensors", work, names, workers=2):
         role_name = roles[name]
         role = recipe.roles[role_name]
         src = art.tensors[name]

@@ -332,7 +332,7 @@ class Verify(Step):
         over: list[str] = []
         split = {"checked": 0, "ok": 0}
         ctx.progress.start(len(items))
-        for r in workers.imap("tensors", Inspect(store, model, roles_q), items, workers=2, window=8):
+        for r in workers.imap("tensors", Inspect(store, model, roles_q), items, workers=2):
             norms += r["norm"]
             passes += r["pass"]
             nonfinite += r["nonfinite"]
