@@ -26,6 +26,7 @@ from buildkit.tensors import header_bytes, read_header, read_tensor
 
 INDEX = "model.safetensors.index.json"
 GATE = "model.language_model.layers.0.mlp.gate.weight"
+FUSED = "model.language_model.layers.2.mlp.experts.gate_up_proj"
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +140,9 @@ def set_nan_inf(name, dt, a):
     if name == "model.language_model.layers.1.linear_attn.A_log":
         a = a.copy()
         a[0] = 0x7F80  # bf16 +Inf
+    if name == FUSED:  # in the up half of the last expert: named as both tensors split from it
+        a = a.copy()
+        a[-1, -1, -1] = 0xFF80  # bf16 -Inf
     return [(name, dt, a)]
 
 
@@ -245,7 +249,9 @@ def test_nan_and_inf_fail_verify_naming_each_tensor(project, capsys, source):
     assert "language_model.model.layers.0.mlp.gate.weight" in err
     assert "language_model.model.layers.1.linear_attn.A_log" in err
     report = json.loads(next((project.store / "reports").iterdir()).read_text())
-    assert report["checks"]["finite"]["figure"] == {"non_finite": 2}
+    assert report["checks"]["finite"]["figure"] == {"non_finite": 4}
+    assert sorted(report["checks"]["finite"]["detail"])[2:] == [
+        f"language_model.model.layers.2.mlp.switch_mlp.{p}_proj.weight" for p in ("gate", "up")]
     assert written(project) == []
 
 

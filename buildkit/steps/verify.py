@@ -137,9 +137,6 @@ class Inspect:
         for a in range(0, rows, step):
             b = min(rows, a + step)
             block = raw[a:b] if raw is not None else read_slice(info, path, 0, a, b)
-            if raw is None and not bad_rows and non_finite(block, info.dtype):
-                bad_rows = True
-                r["nonfinite"] += [name for name, _, _ in pieces]
             src = to_float32(block, info.dtype)
             refs, outs = [], []
             for n, slc, shape, q in dense:
@@ -155,13 +152,17 @@ class Inspect:
                     got = dequantize_np(wq[a:b], sc[a:b], bi[a:b], q["bits"], q["group_size"])
                 else:
                     got = to_float32(stored[n][0][a:b], self.model[n]["dtype"])
+                # A NaN or Inf in the source makes sum |ref| one too, and one in got makes err
+                # one: only then look for it (the source's on its bits), not in every block.
+                d = float(abs_sum(ref))
+                if not math.isfinite(d) and raw is None and not bad_rows and non_finite(block, info.dtype):
+                    bad_rows = True  # named as the MLX tensors made from it
+                    r["nonfinite"] += [name for name, _, _ in pieces if name not in r["nonfinite"]]
                 err = float(abs_sum(ref, got))
-                # a NaN or Inf in got makes err one too; only then look for it (the source's own
-                # are found above, on its bits)
                 if not math.isfinite(err) and not np.isfinite(got).all() and n not in r["nonfinite"]:
                     r["nonfinite"].append(n)
                 num[n] += err
-                den[n] += float(abs_sum(ref))
+                den[n] += d
                 refs.append(ref)
                 outs.append(got)
             if len(dense) == 2:  # gate|up against up|gate
