@@ -1,13 +1,22 @@
-"""Manifest -> networkx DiGraph of nodes, with cycle errors and text/dot/mermaid renderings."""
+"""Manifest -> networkx DiGraph of nodes, with cycle errors and text/dot/mermaid renderings,
+and the Topology the scheduler walks.
+
+networkx answers every question about the graph. Its answers (order, predecessors,
+ancestors, descendants) are kept in the variant's ref with a digest of the graph's shape,
+so a build whose manifest graph is unchanged reads them back instead of importing networkx,
+which costs 0.2 s (half of a no-op build).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-import networkx as nx
-
-from . import manifest
+from . import keys, manifest
+from .lazy import lazy
 from .manifest import Manifest
+
+nx = lazy("networkx", __name__, "nx")
 
 
 def build(m: Manifest) -> nx.DiGraph:
@@ -37,6 +46,43 @@ def build(m: Manifest) -> nx.DiGraph:
 def order(g: nx.DiGraph) -> list[str]:
     """Deterministic topological order (ties broken by name)."""
     return list(nx.lexicographical_topological_sort(g))
+
+
+@dataclass(frozen=True)
+class Topology:
+    digest: str  # of the graph's shape: node names and edges
+    order: list[str]  # ``order``: deterministic topological order
+    preds: dict[str, list[str]]
+    ancestors: dict[str, list[str]]
+    descendants: dict[str, list[str]]
+
+
+def shape_digest(m: Manifest) -> str:
+    edges = {n: sorted([slot, r.node, r.output] for slot, refs in node.inputs.items() for r in refs) for n, node in m.nodes.items()}
+    return keys.digest_json("graph", edges)
+
+
+def topology(m: Manifest, known: dict | None = None) -> Topology:
+    """The scheduler's view of ``m``'s graph: ``known`` (a Topology's fields, from the last
+    build's ref) if it has the same shape, else computed with networkx (cycles raise)."""
+    digest = shape_digest(m)
+    if known and known.get("digest") == digest:
+        try:
+            topo = Topology(**known)
+        except TypeError:  # an older or foreign ref: compute it
+            pass
+        else:
+            if sorted(topo.order) == sorted(m.nodes):
+                return topo
+    g = build(m)
+    nodes = order(g)
+    return Topology(
+        digest,
+        nodes,
+        {n: sorted(g.predecessors(n)) for n in nodes},
+        {n: sorted(nx.ancestors(g, n)) for n in nodes},
+        {n: sorted(nx.descendants(g, n)) for n in nodes},
+    )
 
 
 def render(g: nx.DiGraph, fmt: str = "text") -> str:

@@ -19,10 +19,8 @@ import threading
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import networkx as nx
 
 from . import graph as graphs
 from . import keys, workers
@@ -171,8 +169,8 @@ class Scheduler:
         self.m = manifest
         self.store = store
         self.options = options or BuildOptions()
-        self.g = graphs.build(manifest)
-        self.order = graphs.order(self.g)
+        self.topo = graphs.topology(manifest, (store.get_ref(manifest.name) or {}).get("topology"))
+        self.order = self.topo.order
         self._warm_lock = threading.Lock()
 
     def _ctx(self, name: str, reporter: Reporter | None = None) -> Context:
@@ -247,7 +245,7 @@ class Scheduler:
                 raise UsageError(f"{self.m.name} has no step {t!r}{did_you_mean(t, self.m.nodes)}")
         want = set(targets)
         for t in targets:
-            want |= nx.ancestors(self.g, t)
+            want.update(self.topo.ancestors[t])
         return [n for n in self.order if n in want]
 
     def explain(self, name: str) -> dict:
@@ -351,7 +349,7 @@ class Scheduler:
 
     def _startable(self, name: str, states: dict, done: set[str], running: set[str]) -> bool:
         gates = self._gates(name, states)
-        preds = [p for p in self.g.predecessors(name) if p in states]
+        preds = [p for p in self.topo.preds[name] if p in states]
         return all(p in done or (p in gates and p in running) for p in preds)
 
     def _run_node_once(self, name: str, states: dict[str, NodeState], prev: dict, reporter: Reporter) -> None:
@@ -408,7 +406,7 @@ class Scheduler:
         digests = self._input_digests(node, states)
         assert digests is not None, name
         if name not in prev:  # never built: it will run, after its key (a cold source is hashed)
-            self._warm({name} | nx.descendants(self.g, name), states)
+            self._warm({name, *self.topo.descendants[name]}, states)
         st.ingredients = ingredients(node, digests, ctx)
         st.key = action_key(st.ingredients)
         with self.store.lock(st.key):
@@ -431,7 +429,7 @@ class Scheduler:
                 slot: [self.store.get_artifact(d) for d in ds] for slot, ds in digests.items()
             }
             ctx.prepared = prepared
-            self._warm(nx.descendants(self.g, name), states)
+            self._warm(set(self.topo.descendants[name]), states)
             outputs = node.step.run(ctx, node.params, inputs)
             if set(outputs) != set(node.step.outputs):
                 raise StepError(f"returned outputs {sorted(outputs)}, expected {list(node.step.outputs)}")
@@ -473,7 +471,7 @@ class Scheduler:
         nodes = {n: v for n, v in nodes.items() if n in self.m.nodes}
         self.store.set_ref(
             self.m.name,
-            {"keys": {n: v["key"] for n, v in nodes.items()}, "nodes": nodes},
+            {"keys": {n: v["key"] for n, v in nodes.items()}, "nodes": nodes, "topology": asdict(self.topo)},
         )
 
 

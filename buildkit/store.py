@@ -6,7 +6,7 @@ Layout under the root (default ``cache/``)::
     artifacts/ab/<hex>    artifact listings (canonical JSON), named by their digest
     actions/ab/<hex>      action records: cache key -> named output artifacts
     sources/ab/<hex>      stat cache for external (source) files: path -> digest
-    refs/<name>.json      keys of the last build of a variant (roots for gc)
+    refs/<name>.json      keys of the last build of a variant (roots for gc), its graph's topology
     locks/, tmp/
 
 Every write is temp file + fsync + rename, so a reader sees a whole entry or

@@ -81,18 +81,36 @@ def imported(project, *argv: str) -> tuple[subprocess.CompletedProcess, set[str]
 def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):
     """A no-op build (and a plan) decide from the store alone: numpy, mlx, mlx_lm and tokenizers are never
     imported, not even by the scheduler's early imports, which start only for a node that runs
-    or was never built."""
+    or was never built. Nor is networkx: the graph's topology is read back from the last build."""
     project.adopt(seed)
-    heavy = {"numpy", "mlx", "mlx_lm", "transformers", "tokenizers"}
+    heavy = {"numpy", "mlx", "mlx_lm", "transformers", "tokenizers", "networkx"}
     p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))
     assert ran(p) == [] and "xl-mtp: 8 steps, 0 ran, 8 cached" in p.stderr
     assert not mods & heavy, sorted(mods & heavy)
-    assert "networkx" in mods  # the check sees the imports at all
+    assert "pydantic" in mods  # the check sees the imports at all
     _, mods = imported(project, "plan", "xl-mtp")
     assert not mods & heavy, sorted(mods & heavy)
     (project.out / "xl-mtp" / "config.json").unlink()  # publish alone runs, and imports mlx_lm
     p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))
     assert ran(p) == ["publish"] and {"numpy", "mlx", "mlx_lm"} <= mods
+
+
+def test_a_graph_edited_after_a_build_is_worked_out_again(project, seed):
+    """The topology kept in a variant's ref serves only the graph it was computed for: an edit
+    that adds a step, or closes a cycle, is seen by the next plan (networkx is asked again)."""
+    project.adopt(seed)
+    text = (project.manifests / "xl.toml").read_text()
+    _, mods = imported(project, "plan", "xl")
+    assert "networkx" not in mods
+    project.write_manifest("xl", text + '[steps.verify2]\nkind = "verify"\ninputs = { model = ["quantize"], source = "fetch" }\n')
+    _, mods = imported(project, "plan", "xl")
+    assert "networkx" in mods
+    steps = plan(project, "xl")  # verify2's key is verify's: same step, same inputs
+    assert steps == {**dict.fromkeys(XL, "fresh"), "verify2": "fresh"}
+    assert list(steps).index("verify2") > list(steps).index("quantize")
+    project.write_manifest("xl", text.replace('inputs = { source = "fetch" }', 'inputs = { source = "quantize" }'))
+    p = project.run("plan", "xl", check=False)
+    assert p.returncode == 2 and "cycle between steps" in p.stderr, p.stderr
 
 
 def test_one_param_change_reruns_exactly_its_dependents(project, seed):
