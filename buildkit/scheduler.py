@@ -429,6 +429,7 @@ class Scheduler:
                 slot: [self.store.get_artifact(d) for d in ds] for slot, ds in digests.items()
             }
             ctx.prepared = prepared
+            ctx.fingerprint = st.ingredients["fingerprint"]
             self._warm(set(self.topo.descendants[name]), states)
             outputs = node.step.run(ctx, node.params, inputs)
             if set(outputs) != set(node.step.outputs):

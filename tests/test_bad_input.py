@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 from conftest import Project
 
+from buildkit import keys
 from buildkit.errors import SourceError, StepError
 from buildkit.fixture import FixtureSpec, generate
 from buildkit.steps.base import BuildOptions, Context, Progress
+from buildkit.steps.fetch import Fetch, FetchParams
 from buildkit.steps.publish import Publish, PublishParams, Staged
 from buildkit.store import Artifact, Store
 from buildkit.tensors import header_bytes, read_header, read_tensor
@@ -272,6 +274,23 @@ def test_header_claiming_absurd_sizes_is_rejected_before_allocating(tmp_path):
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert peak < 1 << 20, peak
+
+
+def test_fetch_refuses_a_source_that_changed_after_its_key_was_made(tmp_path, source):
+    """Fetch records the digests the node's key was made from, or none: a source file edited
+    between hashing (the key) and the run fails the step and names the file."""
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    store = Store(tmp_path / "store")
+    ctx = Context(store, "fetch", "v", BuildOptions(project_root=tmp_path), Progress("fetch"))
+    step, params = Fetch(), FetchParams(source=str(src))
+    ctx.fingerprint = step.fingerprint(params, ctx)
+    art = step.run(ctx, params, {})["out"]
+    assert {**art.external, **{k: keys.blob_digest(store.get_blob(d)) for k, d in art.files.items()}} == ctx.fingerprint
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "edited": True}))
+    with pytest.raises(SourceError, match=r"changed after this build hashed them \(config\.json\); run again"):
+        step.run(ctx, params, {})
 
 
 def test_publish_writes_no_file_outside_its_directory(tmp_path):

@@ -82,6 +82,7 @@ class Context:
     progress: Progress
     log_sink: Any = None
     prepared: Any = None  # what ``Step.prepare`` returned, when the scheduler called it
+    fingerprint: Any = None  # what ``Step.fingerprint`` gave for this run's key
 
     def log(self, msg: str) -> None:
         if self.log_sink:

@@ -145,9 +145,14 @@ class Fetch(Step):
         root, meta = self.resolve(params, ctx)
         art = Artifact(meta={"source": meta})
         files = self._files(root)
+        digests = dict(zip((str(p.relative_to(root)) for p in files), ctx.store.digest_files(files)))
+        if ctx.fingerprint is not None and digests != ctx.fingerprint:  # the key was made from those
+            changed = self.describe_fingerprint_change(ctx.fingerprint, digests)
+            raise SourceError(f"{root}: source files changed after this build hashed them ({changed}); run again")
         ctx.progress.start(len(files))
-        for p, digest in zip(files, ctx.store.digest_files(files, rehash=ctx.options.rehash)):
+        for p in files:
             rel = str(p.relative_to(root))
+            digest = digests[rel]
             if p.suffix == ".safetensors" or p.stat().st_size > SMALL_FILE_LIMIT:
                 art.external[rel] = digest
             else:
