@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import keys
@@ -77,6 +77,30 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _write_temp(data: bytes | Iterable[bytes | memoryview], tmp_dir: Path, name: str, sync: bool, on_chunk=None) -> tuple[Path, int]:
+    """Write bytes (or chunks) to a new temp file in ``tmp_dir``: (its path, its size). On any
+    failure, the chunks' producer's included, the temp file is gone."""
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_dir / f".{name}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}.tmp"
+    size = 0
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
+                if on_chunk is not None:
+                    on_chunk(chunk)
+                size += f.write(chunk)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+            else:
+                start_writeback(f.fileno())
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    return tmp, size
+
+
 def atomic_write(
     path: Path,
     data: bytes | Iterable[bytes | memoryview],
@@ -91,19 +115,8 @@ def atomic_write(
     left by a power loss fails its digest check on read and is rebuilt.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = tmp_dir or path.parent
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_dir / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}.tmp"
-    size = 0
+    tmp, size = _write_temp(data, tmp_dir or path.parent, path.name, sync)
     try:
-        with open(tmp, "wb") as f:
-            for chunk in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
-                size += f.write(chunk)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-            else:
-                start_writeback(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -223,6 +236,32 @@ class Store:
         self._put_object(digest, [data])
         return {"dtype": dtype, "shape": list(arr.shape), "digest": digest}
 
+    def put_tensor_chunks(self, dtype: str, shape: list[int] | tuple[int, ...], chunks: Iterable[np.ndarray]) -> dict:
+        """Store a tensor given as consecutive blocks (numpy arrays of its storage dtype) without
+        holding it whole: hashed as it is written, named by its digest once all of it is."""
+        h = keys.tensor_hasher(dtype, shape)
+        tmp, size = _write_temp(
+            (memoryview(np.ascontiguousarray(c, dtype=DTYPES[dtype])).cast("B") for c in chunks),
+            self.root / "tmp", "tensor", sync=False, on_chunk=h.update,
+        )
+        try:
+            if size != nbytes(dtype, shape):
+                raise StoreError(f"tensor blocks add up to {size} bytes, expected {nbytes(dtype, shape)} for {dtype}{list(shape)}")
+            digest = keys.finish(h)
+            path = self.object_path(digest)
+            if path.exists():
+                tmp.unlink()
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp, path)
+                self.stats.add(written=size, objects=1)
+                self._unsynced = True
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        return {"dtype": dtype, "shape": list(shape), "digest": digest}
+
     def put_blob(self, data: bytes) -> str:
         return self._put_object(keys.blob_digest(data), [data])
 
@@ -260,6 +299,60 @@ class Store:
         ):
             raise self._corrupt(entry["digest"])
         return np.frombuffer(data, dtype=DTYPES[dtype]).reshape(shape)
+
+    def iter_rows(self, entry: dict, max_bytes: int) -> Iterator[np.ndarray]:
+        """A tensor entry as consecutive blocks along its first axis, each at most ``max_bytes``
+        (but at least one row), read one at a time: memory is a block, not the tensor.
+
+        A store object is checked against its digest as it passes; a mismatch quarantines it and
+        raises StoreMiss after the last block (the caller discards what it made of them).
+        """
+        dtype, shape = entry["dtype"], tuple(entry["shape"])
+        if not shape or shape[0] == 0:
+            yield self.read_tensor(entry)
+            return
+        n = shape[0]
+        row = nbytes(dtype, shape) // n
+        step = max(1, max_bytes // max(row, 1))
+        if "view" in entry:
+            path, header = self.header(entry["view"]["file"])
+            info = header.tensors.get(entry["view"]["tensor"])
+            slc = entry["view"].get("slice")
+            sliced = list(info.shape) if info is not None else []
+            if slc is not None and sliced:
+                sliced[slc[0]] = slc[2] - slc[1]
+            if info is None or info.dtype != dtype or tuple(sliced) != shape or (slc is not None and slc[0] == 0):
+                yield self.read_tensor(entry)  # not a plain row range of its source (or missing: read_tensor says so)
+                return
+            stride = info.nbytes // info.shape[0]
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                part = replace(info, shape=(b - a, *info.shape[1:]), start=info.start + a * stride, end=info.start + b * stride)
+                arr = read_slice(part, path, *slc) if slc is not None else read_tensor(part, path)
+                self.stats.add(read=arr.nbytes)
+                yield arr
+            return
+        digest = entry["digest"]
+        h = keys.tensor_hasher(dtype, shape)
+        try:
+            f = open(self.object_path(digest), "rb", buffering=0)
+        except FileNotFoundError:
+            raise self._missing(digest) from None
+        with f:
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                arr = np.empty((b - a, *shape[1:]), DTYPES[dtype])
+                view = memoryview(arr.reshape(-1).view(np.uint8))
+                got = 0
+                while got < len(view) and (k := f.readinto(view[got:])):
+                    got += k
+                if got < len(view):
+                    raise self._corrupt(digest)  # shorter than its shape
+                h.update(view)
+                self.stats.add(read=got)
+                yield arr
+            if f.read(1) or keys.finish(h) != digest:
+                raise self._corrupt(digest)
 
     def copy_tensor(self, entry: dict, sink, buf: bytearray) -> int:
         """Stream a tensor entry's bytes to ``sink(memoryview)`` through ``buf``; returns the count.

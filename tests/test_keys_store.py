@@ -335,3 +335,78 @@ def test_numpy_dequantize_matches_mlx(bits):
     got = dequantize(np.array(wq), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), bits, 64)
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= np.abs(want).max() * 2**-7  # one bf16 rounding
+
+
+# ---- quantizing in blocks of rows ------------------------------------------------------------
+
+
+def _source(tmp_path, tensors: dict[str, np.ndarray]):
+    """A safetensors file of bf16 bit patterns (uint16 arrays), hashed into a new store."""
+    from buildkit.tensors import header_bytes
+
+    path = tmp_path / "src.safetensors"
+    with open(path, "wb") as f:
+        f.write(header_bytes([(k, "BF16", v.shape) for k, v in tensors.items()], {}))
+        for v in tensors.values():
+            f.write(v.tobytes())
+    store = Store(tmp_path / "cache")
+    return store, store.digest_file(path)
+
+
+def _bf16(rng, shape) -> np.ndarray:
+    return ((rng.standard_normal(shape, dtype=np.float32) * 0.02).view(np.uint32) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("block_rows", [1, 3, 1000])
+def test_quantizing_in_blocks_of_rows_gives_the_whole_tensors_bytes(tmp_path, block_rows):
+    """mx.quantize's groups run along the last axis, so quantize may stream a tensor in blocks of
+    rows: the stored entries (and so their digests) are those of quantizing it whole, for a
+    plain view, the gate and up halves of a fused experts tensor, and a store object."""
+    import mlx.core as mx
+
+    from buildkit.roles import Role
+    from buildkit.steps.quantize import quantize_entry
+    from buildkit.tensors import from_mlx, to_mlx
+
+    rng = np.random.default_rng(block_rows)
+    fused, plain = _bf16(rng, (7, 10, 128)), _bf16(rng, (11, 192))
+    store, digest = _source(tmp_path, {"fused": fused, "plain": plain})
+    obj = store.put_tensor("BF16", _bf16(rng, (9, 3, 64)))
+    cases = {
+        "plain": (plain, {"dtype": "BF16", "shape": [11, 192], "view": {"file": digest, "tensor": "plain"}}),
+        "gate": (fused[:, :5], {"dtype": "BF16", "shape": [7, 5, 128], "view": {"file": digest, "tensor": "fused", "slice": [1, 0, 5]}}),
+        "up": (fused[:, 5:], {"dtype": "BF16", "shape": [7, 5, 128], "view": {"file": digest, "tensor": "fused", "slice": [1, 5, 10]}}),
+        "object": (store.read_tensor(obj), obj),
+    }
+    for bits in (4, 6, 8):
+        role = Role(bits=bits, group_size=64)
+        for name, (raw, entry) in cases.items():
+            row_bytes = raw.nbytes // raw.shape[0]
+            got = quantize_entry(store, f"{name}.weight", entry, role, block_bytes=block_rows * row_bytes)
+            whole = mx.quantize(to_mlx(np.ascontiguousarray(raw), "BF16"), group_size=64, bits=bits)
+            for suffix, arr in zip(("weight", "scales", "biases"), whole):
+                want, dtype = from_mlx(arr)
+                assert got[f"{name}.{suffix}"] == store.put_tensor(dtype, want), (name, bits, suffix)
+                assert store.read_tensor(got[f"{name}.{suffix}"]).tobytes() == want.tobytes()
+    assert not list((tmp_path / "cache" / "tmp").iterdir())  # every block's temp file renamed
+
+
+def test_a_corrupt_object_read_in_blocks_is_removed_and_nothing_is_stored(tmp_path, capsys):
+    """A store object whose bytes changed is found out by its digest as its blocks pass: the
+    quantize fails with a store miss, the object is quarantined and no output is left behind."""
+    from buildkit.roles import Role
+    from buildkit.steps.quantize import quantize_entry
+
+    store = Store(tmp_path / "cache")
+    entry = store.put_tensor("BF16", _bf16(np.random.default_rng(0), (8, 128)))
+    path = store.object_path(entry["digest"])
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # in the last block
+    path.write_bytes(bytes(data))
+    before = {p for p in (tmp_path / "cache" / "objects").rglob("*") if p.is_file()}
+    with pytest.raises(StoreMiss, match="corrupt"):
+        quantize_entry(store, "w.weight", entry, Role(bits=8, group_size=64), block_bytes=2 * 256)
+    after = {p for p in (tmp_path / "cache" / "objects").rglob("*") if p.is_file()}
+    assert after == before - {path}
+    assert not list((tmp_path / "cache" / "tmp").iterdir())
+    assert "content does not match its digest" in capsys.readouterr().err
