@@ -23,7 +23,7 @@ from ..errors import VerifyError
 from ..lazy import lazy
 from ..store import Artifact
 from ..tensors import dequantize as dequantize_np
-from ..tensors import from_mlx, non_finite, read_slice, to_float32, to_mlx
+from ..tensors import from_mlx, nbytes, non_finite, read_slice, to_float32, to_mlx
 from .base import Context, Params, Slot, Step, library_version, register
 
 np = lazy("numpy", __name__)
@@ -95,7 +95,7 @@ class Inspect:
                 got = self.store.read_tensor(self.model[name])
                 same = got.dtype == ref.dtype and got.shape == ref.shape and got.tobytes() == ref.tobytes()
                 (r["norm"] if ckpt.is_offset_norm(hf) else r["pass"]).append((name, same))
-                if slc is not None:
+                if slc is not None and same:  # a slice of a fused tensor: counts in the split check
                     dense.append((name, slc, shape, None))
                 continue
             pack = 32 // q["bits"] if 32 % q["bits"] == 0 else None
@@ -108,18 +108,26 @@ class Inspect:
             return r
         path, _ = self.store.header(digest)
         # Quantized (and sliced) pieces: rel-L1 per piece, and for a fused pair the swapped order
-        stored = {}
+        rows = info.shape[0]
+        step = max(1, BLOCK_BYTES // max(1, info.nbytes // max(rows, 1)))
+
+        def blocks(entry: dict):
+            """The stored tensor's rows, ``step`` at a time, alongside the source's (its digest is
+            checked once the last block has passed)."""
+            return self.store.iter_rows(entry, step * (nbytes(entry["dtype"], entry["shape"]) // max(entry["shape"][0], 1)))
+
+        stored = {}  # name -> (blocks of the stored weight, float32 scales, float32 biases)
         for n, _, _, q in dense:
             base = n.removesuffix(".weight")
-            keys_ = ("weight", "scales", "biases") if q is not None else ()
-            stored[n] = [self.store.read_tensor(self.model[f"{base}.{k}"]) for k in keys_] or [self.store.read_tensor(self.model[n])]
-            if q is not None:  # scales and biases to float32 once
-                stored[n][1:] = [to_float32(x, self.model[f"{base}.{k}"]["dtype"]) for x, k in zip(stored[n][1:], ("scales", "biases"))]
+            if q is None:
+                stored[n] = (blocks(self.model[n]), None, None)
+            else:  # scales and biases (1/32 of the weight at most) whole, to float32 once
+                stored[n] = (blocks(self.model[f"{base}.weight"]), *(
+                    to_float32(self.store.read_tensor(self.model[f"{base}.{k}"]), self.model[f"{base}.{k}"]["dtype"])
+                    for k in ("scales", "biases")))
         num = {n: 0.0 for n, *_ in dense}
         den = dict(num)
         swapped = 0.0
-        rows = info.shape[0]
-        step = max(1, BLOCK_BYTES // max(1, info.nbytes // max(rows, 1)))
         bad_rows = False
         scratch: dict[tuple, np.ndarray] = {}  # float32 buffers, one per block shape, reused
 
@@ -147,11 +155,11 @@ class Inspect:
                     ref = src[tuple(idx)].reshape(b - a, *shape[1:])
                 else:
                     ref = src.reshape(b - a, *shape[1:])
+                it, sc, bi = stored[n]
                 if q is not None:
-                    wq, sc, bi = stored[n]
-                    got = dequantize_np(wq[a:b], sc[a:b], bi[a:b], q["bits"], q["group_size"])
+                    got = dequantize_np(next(it), sc[a:b], bi[a:b], q["bits"], q["group_size"])
                 else:
-                    got = to_float32(stored[n][0][a:b], self.model[n]["dtype"])
+                    got = to_float32(next(it), self.model[n]["dtype"])
                 # A NaN or Inf in the source makes sum |ref| one too, and one in got makes err
                 # one: only then look for it (the source's on its bits), not in every block.
                 d = float(abs_sum(ref))
@@ -167,6 +175,9 @@ class Inspect:
                 outs.append(got)
             if len(dense) == 2:  # gate|up against up|gate
                 swapped += float(abs_sum(refs[0], outs[1]) + abs_sum(refs[1], outs[0]))
+        for it, _, _ in stored.values():
+            if next(it, None) is not None:  # runs the reader to its end, where it checks the digest
+                raise VerifyError(f"{hf}: a stored tensor has more rows than its source")
         for n, _, _, q in dense:
             if q is not None:
                 r["err"][n] = (str(q["bits"]), num[n] / max(den[n], 1e-30))
