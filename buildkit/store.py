@@ -322,7 +322,11 @@ class Store:
             if slc is not None and sliced:
                 sliced[slc[0]] = slc[2] - slc[1]
             if info is None or info.dtype != dtype or tuple(sliced) != shape or (slc is not None and slc[0] == 0):
-                yield self.read_tensor(entry)  # not a plain row range of its source (or missing: read_tensor says so)
+                # Not rows of its source as they lie (a reshaped view, say; or gone, which
+                # read_tensor reports): read whole, still handed out in blocks.
+                whole = self.read_tensor(entry)
+                for a in range(0, n, step):
+                    yield whole[a : a + step]
                 return
             stride = info.nbytes // info.shape[0]
             for a in range(0, n, step):

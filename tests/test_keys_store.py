@@ -361,7 +361,8 @@ def _bf16(rng, shape) -> np.ndarray:
 def test_quantizing_in_blocks_of_rows_gives_the_whole_tensors_bytes(tmp_path, block_rows):
     """mx.quantize's groups run along the last axis, so quantize may stream a tensor in blocks of
     rows: the stored entries (and so their digests) are those of quantizing it whole, for a
-    plain view, the gate and up halves of a fused experts tensor, and a store object."""
+    plain view, the gate and up halves of a fused experts tensor, a store object, and a view
+    whose rows are not its source's (read whole, handed out in blocks)."""
     import mlx.core as mx
 
     from buildkit.roles import Role
@@ -377,6 +378,7 @@ def test_quantizing_in_blocks_of_rows_gives_the_whole_tensors_bytes(tmp_path, bl
         "gate": (fused[:, :5], {"dtype": "BF16", "shape": [7, 5, 128], "view": {"file": digest, "tensor": "fused", "slice": [1, 0, 5]}}),
         "up": (fused[:, 5:], {"dtype": "BF16", "shape": [7, 5, 128], "view": {"file": digest, "tensor": "fused", "slice": [1, 5, 10]}}),
         "object": (store.read_tensor(obj), obj),
+        "reshaped": (plain.reshape(33, 64), {"dtype": "BF16", "shape": [33, 64], "view": {"file": digest, "tensor": "plain"}}),
     }
     for bits in (4, 6, 8):
         role = Role(bits=bits, group_size=64)
