@@ -31,6 +31,7 @@ from . import calibration as cal
 from .errors import StepError
 from .lazy import lazy
 from .roles import Role
+from .store import ROW_BLOCK_BYTES
 from .tensors import bf16_to_f32, f32_to_bf16, from_mlx, to_float32, to_mlx, unpack
 
 np = lazy("numpy", __name__)
@@ -181,9 +182,10 @@ def check_calibration(recipe, roles: dict[str, str], calibration) -> Tally:
     return Tally()
 
 
-def quantize_entry(store, name: str, entry: dict, role: Role, calibration, tally: Tally) -> dict[str, dict]:
+def quantize_entry(store, name: str, entry: dict, role: Role, calibration, tally: Tally, block_bytes: int = ROW_BLOCK_BYTES) -> dict[str, dict]:
     """One routed-expert weight [E, out, in] -> weight/scales/biases, each expert reached by
-    calibration searched with its own importance, the rest as mx.quantize does."""
+    calibration searched with its own importance, the rest as mx.quantize does; a few experts
+    at a time (``block_bytes``), so memory is a block, not the tensor."""
     import mlx.core as mx
 
     module, shape, g = name.removesuffix(".weight"), entry["shape"], role.group_size
@@ -195,9 +197,7 @@ def quantize_entry(store, name: str, entry: dict, role: Role, calibration, tally
         )
     if shape[-1] % g:
         raise StepError(f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {g}")
-    raw, dtype = store.read_tensor(entry), entry["dtype"]
-    wq, scales, biases = mx.quantize(to_mlx(raw, dtype), group_size=g, bits=role.bits, mode=role.mode)
-    (packed, _), (s_np, s_dtype), (b_np, _) = (from_mlx(a) for a in (wq, scales, biases))
+    dtype = entry["dtype"]
     stats = cal.stats_for(store, calibration, module)
     E, O, C = shape
     reached = np.zeros(E, bool)
@@ -210,18 +210,31 @@ def quantize_entry(store, name: str, entry: dict, role: Role, calibration, tally
                 "input at this trunk's sanitize"
             )
         reached = tokens > 0
-        codes = unpack(packed, role.bits).copy()
-        s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
-        won = 0
-        for e in np.flatnonzero(reached):
-            d = importance[e] + IMPORTANCE_FLOOR * max(float(importance[e].mean()), 1e-30)
-            base = (codes[e].reshape(O, C // g, g), s32[e], b32[e])
-            w = to_float32(raw[e], dtype).reshape(O, C // g, g)  # one expert in float32 at a time
-            q, s, b, better = search(w, d.reshape(1, C // g, g), role.bits, s_dtype, base)
-            codes[e], s32[e], b32[e] = q.reshape(O, C), s, b
-            won += int(better.sum())
-        packed = pack(codes, role.bits)
-        s_np, b_np = (f32_to_bf16(x) if s_dtype == "BF16" else x.astype(s_np.dtype) for x in (s32, b32))
+    won = 0
+
+    def blocks():
+        nonlocal won
+        e0 = 0
+        for raw in store.iter_rows(entry, block_bytes):
+            wq, scales, biases = mx.quantize(to_mlx(raw, dtype), group_size=g, bits=role.bits, mode=role.mode)
+            (packed, _), (s_np, s_dtype), (b_np, _) = (from_mlx(a) for a in (wq, scales, biases))
+            if stats is not None:
+                codes = unpack(packed, role.bits).copy()
+                s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
+                for j in np.flatnonzero(reached[e0 : e0 + len(raw)]):
+                    e = e0 + j
+                    d = importance[e] + IMPORTANCE_FLOOR * max(float(importance[e].mean()), 1e-30)
+                    base = (codes[j].reshape(O, C // g, g), s32[j], b32[j])
+                    w = to_float32(raw[j], dtype).reshape(O, C // g, g)  # one expert in float32 at a time
+                    q, s, b, better = search(w, d.reshape(1, C // g, g), role.bits, s_dtype, base)
+                    codes[j], s32[j], b32[j] = q.reshape(O, C), s, b
+                    won += int(better.sum())
+                packed = pack(codes, role.bits)
+                s_np, b_np = (f32_to_bf16(x) if s_dtype == "BF16" else x.astype(s_np.dtype) for x in (s32, b32))
+            e0 += len(raw)
+            yield {f"{module}.weight": (packed, "U32"), f"{module}.scales": (s_np, s_dtype), f"{module}.biases": (b_np, s_dtype)}
+
+    out = store.put_row_blocks(E, blocks(), f"{module}.weight")
     with tally.lock:
         tally.tensors += 1
         tally.expert_slices += int(reached.sum())
@@ -231,8 +244,4 @@ def quantize_entry(store, name: str, entry: dict, role: Role, calibration, tally
             tally.groups += int(reached.sum()) * O * (C // g)
             tally.groups_won += won
             tally.fallback.setdefault(module.partition(cal.SWITCH)[0], set()).update(np.flatnonzero(~reached).tolist())
-    return {
-        f"{module}.weight": store.put_tensor("U32", packed),
-        f"{module}.scales": store.put_tensor(s_dtype, s_np),
-        f"{module}.biases": store.put_tensor(s_dtype, b_np),
-    }
+    return out

@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import fcntl
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -50,6 +51,12 @@ def _ident(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
+# Blocks of rows a step reads, makes and writes at a time (``Store.iter_rows``): memory is a
+# block, not the largest tensor, and blocks this size stay below glibc's largest mmap threshold
+# (32 MiB), so their buffers are reused instead of mapped fresh: one real-size 512 MiB expert
+# tensor quantized in 1.3-1.4 s (0.2 s system) in 8 MiB blocks against 2.4-3.2 s (1.0-1.6 s
+# system, 1 GB peak) whole.
+ROW_BLOCK_BYTES = 8 << 20
 HASH_CHUNK = 4 << 20  # source files are hashed through a buffer of this size
 HASH_READERS = 4  # source files hashed at once
 
@@ -262,6 +269,27 @@ class Store:
             raise
         return {"dtype": dtype, "shape": list(shape), "digest": digest}
 
+    def put_row_blocks(self, rows: int, blocks: Iterable[dict[str, tuple[np.ndarray, str]]], stream: str) -> dict[str, dict]:
+        """Tensors made together block by block along their first axis (``rows`` rows in all),
+        each block a dict name -> (array, dtype): tensor ``stream`` is written as its blocks
+        come, the others (small: a quantized weight's scales and biases) are joined at the end."""
+        blocks = iter(blocks)
+        first = next(blocks)  # dtypes and trailing dims are known once one block is made
+        rest: dict[str, list] = {k: [] for k in first if k != stream}
+
+        def streamed():
+            for block in itertools.chain([first], blocks):
+                for k, (arr, _) in block.items():
+                    if k != stream:
+                        rest[k].append(arr)
+                yield block[stream][0]
+
+        arr, dtype = first[stream]
+        out = {stream: self.put_tensor_chunks(dtype, [rows, *arr.shape[1:]], streamed())}
+        for k, parts in rest.items():
+            out[k] = self.put_tensor(first[k][1], np.concatenate(parts))
+        return out
+
     def put_blob(self, data: bytes) -> str:
         return self._put_object(keys.blob_digest(data), [data])
 
@@ -300,7 +328,7 @@ class Store:
             raise self._corrupt(entry["digest"])
         return np.frombuffer(data, dtype=DTYPES[dtype]).reshape(shape)
 
-    def iter_rows(self, entry: dict, max_bytes: int) -> Iterator[np.ndarray]:
+    def iter_rows(self, entry: dict, max_bytes: int = ROW_BLOCK_BYTES) -> Iterator[np.ndarray]:
         """A tensor entry as consecutive blocks along its first axis, each at most ``max_bytes``
         (but at least one row), read one at a time: memory is a block, not the tensor.
 

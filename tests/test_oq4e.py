@@ -14,10 +14,10 @@ from conftest import Project, cached, ran
 from buildkit import calibration as cal
 from buildkit import dataaware
 from buildkit.errors import StepError
-from buildkit.roles import Recipe
+from buildkit.roles import Recipe, Role
 from buildkit.steps.calibrate import Calibrate, CalibrateParams
 from buildkit.store import Store
-from buildkit.tensors import from_mlx, to_float32, to_mlx
+from buildkit.tensors import from_mlx, nbytes, to_float32, to_mlx
 
 VARIANT = "oq4e-mtp-xl"
 BUILTIN_TEXT = cal.text_path("builtin:calibration.txt", Path("."))
@@ -141,6 +141,15 @@ def test_unreached_experts_fall_back_and_are_counted(built):
     on = sorted(set(range(8)) - set(off))
     assert np.array_equal(got[off], agnostic[off])
     assert not np.array_equal(got[on], agnostic[on])
+
+    # one expert at a time (as the real model's 2 MB experts go, four to a block) gives the
+    # same bytes as the whole tensor in one block (this fixture's experts are 16 kB)
+    entry = sanitized.tensors[f"{layer}.mlp.switch_mlp.up_proj.weight"]
+    one_expert = nbytes(entry["dtype"], entry["shape"]) // entry["shape"][0]
+    role = Role(bits=4, group_size=64, calibrated=True)
+    for block in (one_expert, 3 * one_expert):
+        entries = dataaware.quantize_entry(store, f"{layer}.mlp.switch_mlp.up_proj.weight", entry, role, stats, dataaware.Tally(), block)
+        assert entries == {k: quant.tensors[k] for k in entries}, block
 
 
 def test_incompatible_donor_is_refused_with_each_field(built):

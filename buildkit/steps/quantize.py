@@ -11,19 +11,14 @@ writing overlap.
 
 from __future__ import annotations
 
-import itertools
-
 from pydantic import Field, model_validator
 
 from .. import dataaware, workers
 from ..errors import StepError
-from ..lazy import lazy
 from ..roles import Recipe, Role
-from ..store import Artifact
+from ..store import ROW_BLOCK_BYTES, Artifact
 from ..tensors import ITEMSIZE, from_mlx, nbytes, to_mlx
 from .base import Context, Params, Slot, Step, library_version, register
-
-np = lazy("numpy", __name__)
 
 
 class QuantizeParams(Params):
@@ -43,16 +38,9 @@ def module_path(name: str) -> str:
     return name.removesuffix(".weight")
 
 
-# Rows of a tensor quantized at a time. mx.quantize's groups run along the last axis, so blocks
-# of rows give the same bytes as the whole tensor. Memory is then a block, not the largest
-# tensor, and blocks this size stay below glibc's largest mmap threshold (32 MiB), so their
-# buffers are reused instead of mapped fresh: one real-size 512 MiB expert tensor took 1.3-1.4 s
-# (0.2 s system) in 8 MiB blocks against 2.4-3.2 s (1.0-1.6 s system, 1 GB peak) whole.
-BLOCK_BYTES = 8 << 20
-
-
-def quantize_entry(store, name: str, entry: dict, role: Role, block_bytes: int = BLOCK_BYTES) -> dict[str, dict]:
-    """One tensor -> its stored entries under ``role``, streamed block by block."""
+def quantize_entry(store, name: str, entry: dict, role: Role, block_bytes: int = ROW_BLOCK_BYTES) -> dict[str, dict]:
+    """One tensor -> its stored entries under ``role``, in blocks of rows: mx.quantize's groups
+    run along the last axis, so the blocks give the bytes of quantizing the tensor whole."""
     if role.passthrough:
         return {name: entry}
     import mlx.core as mx
@@ -64,28 +52,14 @@ def quantize_entry(store, name: str, entry: dict, role: Role, block_bytes: int =
         raise StepError(
             f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {role.group_size}"
         )
-    parts: dict[str, list] = {"scales": [], "biases": []}
-    kinds: dict[str, tuple[str, list[int]]] = {}
+    base = module_path(name)
 
-    def packed():
+    def blocks():
         for block in store.iter_rows(entry, block_bytes):
             q = mx.quantize(to_mlx(block, entry["dtype"]), group_size=role.group_size, bits=role.bits, mode=role.mode)
-            for suffix, arr in zip(("weight", "scales", "biases"), q):
-                np_arr, dtype = from_mlx(arr)
-                kinds[suffix] = (dtype, [shape[0], *np_arr.shape[1:]])
-                if suffix == "weight":
-                    yield np_arr
-                else:
-                    parts[suffix].append(np_arr)
+            yield {f"{base}.{suffix}": from_mlx(arr) for suffix, arr in zip(("weight", "scales", "biases"), q)}
 
-    blocks = packed()
-    first = next(blocks)  # the packed dtype and shape are known once one block is quantized
-    base = module_path(name)
-    out = {f"{base}.weight": store.put_tensor_chunks(*kinds["weight"], itertools.chain([first], blocks))}
-    for suffix in ("scales", "biases"):
-        dtype, _ = kinds[suffix]
-        out[f"{base}.{suffix}"] = store.put_tensor(dtype, np.concatenate(parts[suffix]))
-    return out
+    return store.put_row_blocks(shape[0], blocks(), f"{base}.weight")
 
 
 def stored_bits(entries: dict[str, dict]) -> int:
