@@ -320,7 +320,11 @@ class Publish(Step):
                     h.update(chunk)
 
                 for k in names:
-                    n_bytes = store.copy_tensor(tensors[k], sink, buf)
+                    # Once in the shard, a store object's cached pages are a second copy of the
+                    # same bytes: let the shard's pages reuse them. On this project's VMs, taking
+                    # fresh pages cost 5-7 s of system time per GB; cold xl took 8.1-9.1 s with
+                    # this against 11.6-13.3 s without (3 alternating rounds).
+                    n_bytes = store.copy_tensor(tensors[k], sink, buf, drop_cache=True)
                     total += n_bytes
                     weight_map[k] = fname
                     ctx.progress.advance(1, n_bytes)
