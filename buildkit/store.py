@@ -35,7 +35,7 @@ from pathlib import Path
 from . import keys
 from .errors import SourceError, StoreError, StoreMiss
 from .lazy import lazy
-from .tensors import DTYPES, Header, nbytes, read_header, read_slice, read_tensor
+from .tensors import DTYPES, Header, byte_view, nbytes, read_header, read_slice, read_tensor
 
 np = lazy("numpy", __name__)
 
@@ -374,7 +374,7 @@ class Store:
             for a in range(0, n, step):
                 b = min(n, a + step)
                 arr = np.empty((b - a, *shape[1:]), DTYPES[dtype])
-                view = memoryview(arr.reshape(-1).view(np.uint8))
+                view = byte_view(arr)
                 got = 0
                 while got < len(view) and (k := f.readinto(view[got:])):
                     got += k

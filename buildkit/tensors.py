@@ -145,7 +145,7 @@ def read_header(path: str | Path) -> Header:
 def read_tensor(info: TensorInfo, path: str | Path | None = None, fd: int | None = None) -> np.ndarray:
     """Read one tensor as a numpy array of its storage dtype."""
     out = np.empty(info.shape, DTYPES[info.dtype])
-    _pread_into(_bytes(out), info.start, path, fd)
+    _pread_into(byte_view(out), info.start, path, fd)
     return out
 
 
@@ -163,7 +163,7 @@ def read_slice(info: TensorInfo, path: str | Path, axis: int, start: int, stop: 
     row, run = shape[axis] * inner, (stop - start) * inner
     shape[axis] = stop - start
     out = np.empty(shape, DTYPES[info.dtype])
-    view = _bytes(out)
+    view = byte_view(out)
     fd = os.open(path, os.O_RDONLY)
     try:
         for o in range(outer):
@@ -173,7 +173,7 @@ def read_slice(info: TensorInfo, path: str | Path, axis: int, start: int, stop: 
     return out
 
 
-def _bytes(arr: np.ndarray) -> memoryview:
+def byte_view(arr: np.ndarray) -> memoryview:
     """A C-contiguous array's memory as bytes, to read into (no zero-filling, no copy)."""
     return memoryview(arr.reshape(-1).view(np.uint8))
 
