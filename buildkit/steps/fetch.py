@@ -130,11 +130,14 @@ class Fetch(Step):
             raise SourceError(f"{root}: config.json is missing")
         return files
 
+    @staticmethod
+    def _digests(ctx: Context, root: Path, files: list[Path], rehash: bool = False) -> dict[str, str]:
+        """Content digest of each file, by its path relative to ``root``."""
+        return {str(p.relative_to(root)): d for p, d in zip(files, ctx.store.digest_files(files, rehash=rehash))}
+
     def fingerprint(self, params: FetchParams, ctx: Context) -> dict:
         root, _ = self.resolve(params, ctx)
-        files = self._files(root)
-        digests = ctx.store.digest_files(files, rehash=ctx.options.rehash)
-        return {str(p.relative_to(root)): d for p, d in zip(files, digests)}
+        return self._digests(ctx, root, self._files(root), rehash=ctx.options.rehash)
 
     def describe_fingerprint_change(self, old, new) -> str:
         old, new = old or {}, new or {}
@@ -145,7 +148,7 @@ class Fetch(Step):
         root, meta = self.resolve(params, ctx)
         art = Artifact(meta={"source": meta})
         files = self._files(root)
-        digests = dict(zip((str(p.relative_to(root)) for p in files), ctx.store.digest_files(files)))
+        digests = self._digests(ctx, root, files)
         if ctx.fingerprint is not None and digests != ctx.fingerprint:  # the key was made from those
             changed = self.describe_fingerprint_change(ctx.fingerprint, digests)
             raise SourceError(f"{root}: source files changed after this build hashed them ({changed}); run again")
