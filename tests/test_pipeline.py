@@ -42,6 +42,13 @@ def test_xl_mtp_after_xl_reruns_only_the_head_and_publish(built):
     assert sorted(cached(mtp)) == ["fetch", "quantize", "sanitize", "verify"]
 
 
+def test_xl_mtp_after_xl_does_not_repeat_xls_load_check(built):
+    """mlx_lm drops the MTP head, so it would read xl-mtp exactly as it read xl."""
+    p, xl, mtp = built
+    assert "load check: mlx_lm loaded the model and ran a token" in xl.stderr
+    assert "load check: not run again" in mtp.stderr
+
+
 def test_both_load_and_generate_with_mlx_lm(built):
     from mlx_lm import generate, load
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -90,9 +91,14 @@ def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):
     assert "pydantic" in mods  # the check sees the imports at all
     _, mods = imported(project, "plan", "xl-mtp")
     assert not mods & heavy, sorted(mods & heavy)
-    (project.out / "xl-mtp" / "config.json").unlink()  # publish alone runs, and imports mlx_lm
+    (project.out / "xl-mtp" / "config.json").unlink()  # publish alone runs; its load check is
     p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))
-    assert ran(p) == ["publish"] and {"numpy", "mlx", "mlx_lm"} <= mods
+    assert ran(p) == ["publish"] and "numpy" in mods  # remembered: mlx_lm is not imported
+    assert "load check: not run again" in p.stderr and not mods & {"mlx_lm", "transformers"}
+    (project.out / "xl-mtp" / "config.json").unlink()  # a store that forgot the check: it runs
+    shutil.rmtree(project.store / "actions")
+    p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))
+    assert "load check: mlx_lm loaded the model" in p.stderr and {"numpy", "mlx", "mlx_lm"} <= mods
 
 
 def test_a_graph_edited_after_a_build_is_worked_out_again(project, seed):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from .. import keys
+from .. import keys, loadcheck
 from ..errors import StepError, UsageError
 from ..store import Artifact, fsync_dir
 from ..tensors import header_bytes, nbytes, read_header
@@ -194,10 +194,14 @@ class Staged:
 class Publish(Step):
     kind = "publish"
     version = 1
-    imports = ("numpy", "mlx.core", "mlx_lm.utils")  # the load check
+    imports = ("numpy",)  # mlx_lm only if the load check will run (``prepare``)
     Params = PublishParams
     # The model is written and load-checked while verify runs; the reports gate the swap.
     inputs = {"model": Slot(many=True), "source": Slot(), "report": Slot(required=False, many=True, gate=True)}
+
+    @property
+    def writer(self) -> dict:
+        return {self.kind: self.version}
 
     def key_params(self, params: PublishParams) -> dict:
         return params.model_dump(mode="json", exclude={"out"})
@@ -249,9 +253,11 @@ class Publish(Step):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         staged = Staged(dest, tmp, parts, tensors, config, made)
+        if params.load_check and not loadcheck.passed(store, config, tensors, self.writer):
+            loadcheck.warm()  # while the shards are written
         try:
             staged.art = self._write(ctx, params, staged, src)
-            self._check(tmp, tensors, params)
+            self._check(ctx, staged, params)
         except BaseException:
             self.discard(staged)
             raise
@@ -355,7 +361,8 @@ class Publish(Step):
             art.files[name] = store.put_blob(data)
             art.meta["sizes"][name] = len(data)
 
-    def _check(self, tmp: Path, tensors: dict, params: PublishParams) -> None:
+    def _check(self, ctx: Context, staged: Staged, params: PublishParams) -> None:
+        tmp, tensors = staged.tmp, staged.tensors
         idx = json.loads((tmp / "model.safetensors.index.json").read_text())
         seen: dict[str, str] = {}
         total = 0
@@ -373,49 +380,7 @@ class Publish(Step):
         if total != idx["metadata"]["total_size"]:
             raise StepError(f"index total_size {idx['metadata']['total_size']} != {total} bytes in shards")
         if params.load_check:
-            check_loads(tmp)
-
-
-class _Streamed:
-    """A decoder layer that runs once, evaluates its output and lets its weights go."""
-
-    def __init__(self, layer):
-        self.__dict__["layer"] = layer
-
-    def __getattr__(self, name):
-        return getattr(self.__dict__["layer"], name)
-
-    def __call__(self, *args, **kwargs):
-        import mlx.core as mx
-
-        out = self.__dict__.pop("layer")(*args, **kwargs)
-        mx.eval(out)
-        return out
-
-
-def check_loads(path: Path) -> dict:
-    """Load with mlx_lm (the real client) and run a forward pass; logits must be finite.
-
-    The model is loaded lazily (mlx_lm's strict load still checks every key and shape) and
-    the pass is evaluated layer by layer, each layer's weights read just before it runs and
-    freed just after: memory is one layer plus embeddings and head, not the model.
-    """
-    import mlx.core as mx
-    from mlx_lm.utils import load_model
-
-    try:
-        model, _ = load_model(path, lazy=True)
-        for m in model.modules():
-            if isinstance(m.get("layers"), list):
-                m["layers"][:] = [_Streamed(layer) for layer in m["layers"]]
-        logits = model(mx.array([[1]]))  # one token: mlx on CPU costs ~2 s a token on a 2 GB model
-        mx.eval(logits)
-    except Exception as e:  # any failure to load is a failed publish, with mlx_lm's words
-        raise StepError(f"mlx_lm cannot load the published model: {type(e).__name__}: {e}") from e
-    finite = bool(mx.isfinite(logits).all().item())
-    if not finite:
-        raise StepError("mlx_lm loads the published model but its logits are not finite")
-    return {"logits_shape": list(logits.shape), "finite": finite}
+            loadcheck.check(ctx.store, tmp, staged.config, tensors, self.writer, ctx.log)
 
 
 def _safe_name(name: str) -> None:

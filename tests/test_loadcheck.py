@@ -1,0 +1,103 @@
+"""publish's load check is remembered by what mlx_lm reads: run again only when that changes."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from conftest import Project, ran
+
+from buildkit import loadcheck
+from buildkit.steps.publish import Publish
+from buildkit.store import Store
+
+RAN = "load check: mlx_lm loaded the model and ran a token"
+SKIPPED = "load check: not run again"
+HEAD5 = 'extends = "xl-mtp"\n[steps.requantize.params.recipe.roles]\nrouted_expert = { bits = 5, group_size = 64 }\n'
+ATTN4 = 'extends = "xl-mtp"\n[recipe.roles]\nattention = { bits = 4, group_size = 64 }\n'
+
+
+@pytest.fixture
+def adopted(project: Project, seed: Project) -> Project:
+    return project.adopt(seed)
+
+
+def published(p: Project, variant: str) -> tuple[dict, dict[str, dict]]:
+    """config.json and name -> store entry of a variant's published model, from the store."""
+    store = Store(p.store)
+    nodes = store.get_ref(variant)["nodes"]
+    tensors: dict[str, dict] = {}
+    for node in ("quantize", "requantize"):
+        if node in nodes:
+            tensors.update(store.get_artifact(nodes[node]["outputs"]["out"]).tensors)
+    return json.loads((p.out / variant / "config.json").read_text()), tensors
+
+
+def test_new_mtp_bits_reuse_the_check_and_new_trunk_bits_run_it(adopted: Project):
+    p = adopted
+    p.write_manifest("head5", HEAD5)
+    head5 = p.build("head5")
+    assert "publish" in ran(head5)
+    assert SKIPPED in head5.stderr and RAN not in head5.stderr
+    assert "the 182 of 259 tensors mlx_lm reads" in head5.stderr
+
+    p.write_manifest("attn4", ATTN4)
+    attn4 = p.build("attn4")
+    assert RAN in attn4.stderr and SKIPPED not in attn4.stderr
+
+    from mlx_lm import generate, load  # the model whose check was reused loads and generates
+
+    model, tok = load(str(p.out / "head5"))
+    assert len(generate(model, tok, prompt="hello", max_tokens=4)) > 0
+    cfg = json.loads((p.out / "head5" / "config.json").read_text())
+    assert cfg["quantization"]["language_model.mtp.layers.0.mlp.switch_mlp.gate_proj"]["bits"] == 5
+
+
+def test_the_key_covers_what_mlx_lm_reads_and_nothing_else(adopted: Project):
+    p = adopted
+    store = Store(p.store)
+    config, tensors = published(p, "xl-mtp")
+    writer = Publish().writer
+    key, n_read = loadcheck.memo_key(store, config, tensors, writer)
+    assert store.get_action(key) is not None  # the key publish recorded for this very model
+    assert n_read == 182 and len(tensors) == 259
+
+    def changed(config=config, tensors=tensors, writer=writer) -> bool:
+        return loadcheck.memo_key(store, config, tensors, writer)[0] != key
+
+    mtp_w = "language_model.mtp.layers.0.mlp.switch_mlp.up_proj.weight"
+    vision_w = next(k for k in tensors if k.startswith("vision_tower."))
+    trunk_w = "language_model.model.layers.0.mlp.switch_mlp.up_proj.weight"
+    for name, read in ((mtp_w, False), (vision_w, False), (trunk_w, True)):
+        t = copy.deepcopy(tensors)
+        t[name] = tensors["language_model.model.norm.weight"]  # another tensor's bytes
+        assert changed(tensors=t) is read, name
+        t = dict(tensors)
+        del t[name]
+        assert changed(tensors=t) is read, name
+
+    c = copy.deepcopy(config)
+    c["quantization"]["language_model.mtp.layers.0.mlp.switch_mlp.up_proj"] = {"bits": 3, "group_size": 32}
+    assert not changed(config=c)
+    c = copy.deepcopy(config)
+    c["quantization"]["language_model.model.layers.0.mlp.switch_mlp.up_proj"] = {"bits": 3, "group_size": 32}
+    assert changed(config=c)
+    c = copy.deepcopy(config)
+    c["quantization"]["bits"] = 3  # the default every unlisted module is read with
+    assert changed(config=c)
+    c = copy.deepcopy(config)
+    c["text_config"]["rms_norm_eps"] = 1e-5
+    assert changed(config=c)
+    assert changed(writer={"publish": writer["publish"] + 1})
+
+
+def test_a_store_that_has_not_seen_the_architecture_checks_everything(tmp_path, adopted: Project):
+    """Without mlx_lm's module list for this config, every tensor and the whole config count."""
+    config, tensors = published(adopted, "xl-mtp")
+    fresh = Store(tmp_path / "fresh")
+    key, n_read = loadcheck.memo_key(fresh, config, tensors, Publish().writer)
+    assert n_read == len(tensors) == 259
+    t = dict(tensors)
+    t["language_model.mtp.fc.weight"] = tensors["language_model.model.norm.weight"]
+    assert loadcheck.memo_key(fresh, config, t, Publish().writer)[0] != key
