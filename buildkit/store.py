@@ -386,13 +386,11 @@ class Store:
             if f.read(1) or keys.finish(h) != digest:
                 raise self._corrupt(digest)
 
-    def copy_tensor(self, entry: dict, sink, buf: bytearray, drop_cache: bool = False) -> int:
+    def copy_tensor(self, entry: dict, sink, buf: bytearray) -> int:
         """Stream a tensor entry's bytes to ``sink(memoryview)`` through ``buf``; returns the count.
 
         Store objects are checked against their digest as they pass; a mismatch quarantines the
         object and raises StoreMiss after the bytes went to ``sink`` (the caller discards them).
-        ``drop_cache``: then tell the kernel the object's cached pages are not needed (Linux),
-        so the pages the copy writes can reuse them instead of growing the page cache.
         """
         if "view" in entry:
             data = memoryview(self.read_tensor(entry)).cast("B")
@@ -410,8 +408,6 @@ class Store:
                 h.update(view[:n])
                 sink(view[:n])
                 done += n
-            if drop_cache and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         self.stats.add(read=done)
         if done != want or keys.finish(h) != digest:
             raise self._corrupt(digest)
