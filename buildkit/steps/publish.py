@@ -134,10 +134,11 @@ class ShardFile:
 
     Writing a new file through the page cache takes a fresh page per 4 KiB; on this project's
     VMs that costs 5-7 s of system time per GB (720 MB of zeros: 7.6 s buffered, 0.3 s
-    direct), and nothing needs the shards' pages: a reader maps them from the disk. Bytes are
-    gathered in a page-aligned buffer and written in whole blocks; the last block is padded
-    and the file truncated to its length, then synced. If the file system refuses direct I/O,
-    the rest goes through the page cache; without ``O_DIRECT`` (macOS) it all does.
+    direct), and nothing needs the shards' pages: the load check, if it runs, and later
+    readers read them from the disk. Bytes are gathered in a page-aligned buffer and written
+    in whole blocks; the last block is padded and the file truncated to its length, then
+    synced. If the file system refuses direct I/O, the rest goes through the page cache;
+    without ``O_DIRECT`` (macOS) it all does.
     """
 
     BLOCK = 4096
@@ -196,11 +197,6 @@ class ShardFile:
             os.close(self.fd)
             with contextlib.suppress(BufferError):  # a failed write's traceback holds a view of it
                 self.buf.close()
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data) :]
 
 
 def write_synced(path: Path, data: bytes) -> None:
@@ -329,9 +325,9 @@ class Publish(Step):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         staged = Staged(dest, tmp, parts, tensors, config, made)
-        if params.load_check and not loadcheck.passed(store, config, tensors, self.writer):
-            loadcheck.warm()  # while the shards are written
         try:
+            if params.load_check and not loadcheck.passed(store, config, tensors, self.writer):
+                loadcheck.warm()  # while the shards are written
             staged.art = self._write(ctx, params, staged, src)
             self._check(ctx, staged, params)
         except BaseException:
