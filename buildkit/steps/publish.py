@@ -436,6 +436,9 @@ class Publish(Step):
             h = read_header(tmp / shard)
             if h.metadata.get("format") != "mlx":
                 raise StepError(f"{shard}: metadata format is {h.metadata.get('format')!r}, expected 'mlx'")
+            end = max((t.end for t in h.tensors.values()), default=0)
+            if (size := (tmp / shard).stat().st_size) != end:  # e.g. padding left by a direct write
+                raise StepError(f"{shard}: {size} bytes where its header accounts for {end}")
             for k, info in h.tensors.items():
                 if k in seen:
                     raise StepError(f"tensor {k!r} is in both {seen[k]} and {shard}")
