@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import functools
 import itertools
 import json
+import mmap
 import os
 import shutil
 import sys
@@ -84,23 +86,103 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _write_temp(data: bytes | Iterable[bytes | memoryview], tmp_dir: Path, name: str, sync: bool, on_chunk=None) -> tuple[Path, int]:
+class DirectFile:
+    """A new file written past the page cache where the OS allows it (Linux ``O_DIRECT``).
+
+    Writing a new file through the page cache takes a fresh page per 4 KiB; on this project's
+    VMs that costs 5-7 s of system time per GB (720 MB of zeros: 7.6 s buffered, 0.3 s
+    direct). Store objects and published shards are written this way: nothing reads them back
+    soon enough to use their pages. Bytes are gathered in a page-aligned buffer and written in
+    whole blocks; the last block is padded and the file truncated to its length, then
+    fsynced if ``sync`` (else a later syncfs makes it durable, as ``Store.sync_objects``
+    does). If the file system refuses direct I/O, the rest goes through the page cache, as
+    all of it does with ``direct=False`` or without ``O_DIRECT`` (macOS).
+    """
+
+    BLOCK = 4096
+    FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+
+    def __init__(self, path: Path, size: int = 8 << 20, direct: bool = True, sync: bool = True):
+        assert size % self.BLOCK == 0
+        self.path, self.sync, self.length, self.pos, self.flushed = path, sync, 0, 0, 0
+        self.fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            with contextlib.suppress(OSError):
+                self.fd = os.open(path, self.FLAGS | os.O_DIRECT, 0o644)
+        self.direct = self.fd >= 0
+        if not self.direct:
+            self.fd = os.open(path, self.FLAGS, 0o644)
+        self.buf = mmap.mmap(-1, size) if self.direct else None  # page-aligned, as direct I/O needs
+
+    def __enter__(self) -> DirectFile:
+        return self
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        n_in = len(data)
+        self.length += n_in
+        while data and self.direct:
+            n = min(len(data), len(self.buf) - self.pos)
+            self.buf[self.pos : self.pos + n] = data[:n]
+            self.pos += n
+            data = data[n:]
+            if self.pos == len(self.buf):
+                self._flush()
+        self._write_out(data)  # what is left once direct I/O was refused; or all, buffered
+        return n_in
+
+    def _flush(self) -> None:
+        end = self.pos + (-self.pos % self.BLOCK)  # only the last block is ever short
+        self.buf[self.pos : end] = bytes(end - self.pos)
+        self.pos = 0
+        self._write_out(memoryview(self.buf)[:end])
+
+    def _write_out(self, chunk: memoryview) -> None:
+        while chunk:
+            try:
+                n = os.write(self.fd, chunk)
+            except OSError as e:
+                if not (self.direct and e.errno == errno.EINVAL):
+                    raise
+                os.close(self.fd)  # direct I/O refused: go on through the page cache
+                self.fd, self.direct = os.open(self.path, os.O_WRONLY), False
+                os.lseek(self.fd, self.flushed, os.SEEK_SET)
+                continue
+            chunk, self.flushed = chunk[n:], self.flushed + n
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                if self.pos:
+                    self._flush()
+                if self.flushed > self.length:
+                    os.ftruncate(self.fd, self.length)  # drop the last block's padding
+                if self.sync:
+                    os.fsync(self.fd)
+                elif not self.direct:
+                    start_writeback(self.fd)
+        finally:
+            os.close(self.fd)
+            if self.buf is not None:
+                with contextlib.suppress(BufferError):  # a failed write's traceback holds a view
+                    self.buf.close()
+
+
+def _write_temp(
+    data: bytes | Iterable[bytes | memoryview], tmp_dir: Path, name: str, sync: bool, on_chunk=None, direct: bool = False
+) -> tuple[Path, int]:
     """Write bytes (or chunks) to a new temp file in ``tmp_dir``: (its path, its size). On any
-    failure, the chunks' producer's included, the temp file is gone."""
+    failure, the chunks' producer's included, the temp file is gone. ``direct``: past the page
+    cache (``DirectFile``)."""
     tmp_dir.mkdir(parents=True, exist_ok=True)
     tmp = tmp_dir / f".{name}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}.tmp"
     size = 0
     try:
-        with open(tmp, "wb") as f:
+        with DirectFile(tmp, direct=direct, sync=sync) as f:
             for chunk in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
                 if on_chunk is not None:
                     on_chunk(chunk)
                 size += f.write(chunk)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-            else:
-                start_writeback(f.fileno())
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -249,7 +331,7 @@ class Store:
         h = keys.tensor_hasher(dtype, shape)
         tmp, size = _write_temp(
             (memoryview(np.ascontiguousarray(c, dtype=DTYPES[dtype])).cast("B") for c in chunks),
-            self.root / "tmp", "tensor", sync=False, on_chunk=h.update,
+            self.root / "tmp", "tensor", sync=False, on_chunk=h.update, direct=True,
         )
         try:
             if size != nbytes(dtype, shape):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -14,7 +15,7 @@ from conftest import cached, ran
 
 from buildkit import keys
 from buildkit.errors import StoreMiss
-from buildkit.store import Artifact, Store, atomic_write
+from buildkit.store import Artifact, DirectFile, Store, atomic_write
 
 # ---- keys ----------------------------------------------------------------------------------
 
@@ -412,3 +413,36 @@ def test_a_corrupt_object_read_in_blocks_is_removed_and_nothing_is_stored(tmp_pa
     assert after == before - {path}
     assert not list((tmp_path / "cache" / "tmp").iterdir())
     assert "content does not match its digest" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_direct_file_holds_exactly_the_bytes_written(tmp_path, direct):
+    """Direct I/O writes whole blocks from an aligned buffer: the padding must not survive."""
+    rnd = np.random.default_rng(0)
+    for sizes in ([], [1], [4095], [4096, 1], [8 << 20], [100, (8 << 20) + 3, 5, 70000]):
+        parts = [rnd.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+        with DirectFile(tmp_path / "shard", direct=direct) as f:
+            assert f.direct == (direct and hasattr(os, "O_DIRECT"))
+            for b in parts:
+                f.write(b)
+        assert (tmp_path / "shard").read_bytes() == b"".join(parts), sizes
+
+
+def test_direct_file_goes_on_through_the_page_cache_if_direct_writes_are_refused(tmp_path, monkeypatch):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT here")
+    real_write, calls = os.write, []
+
+    def write(fd, data):  # the second block is refused, as by a file system without direct I/O
+        calls.append(len(data))
+        if len(calls) == 2:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    data = np.random.default_rng(1).integers(0, 256, (8 << 20) * 2 + 12345, dtype=np.uint8).tobytes()
+    with DirectFile(tmp_path / "shard") as f:
+        monkeypatch.setattr(os, "write", write)
+        f.write(data)
+        assert not f.direct
+    monkeypatch.undo()
+    assert len(calls) >= 3 and (tmp_path / "shard").read_bytes() == data

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from pathlib import Path
@@ -14,7 +13,6 @@ from conftest import Project, cached, ran
 from safetensors import safe_open
 
 from buildkit.fixture import FixtureSpec, generate
-from buildkit.steps.publish import ShardFile
 from buildkit.tensors import bf16_to_f32, f32_to_bf16, read_header, read_tensor
 
 
@@ -195,39 +193,6 @@ def test_shards_have_mlx_metadata_and_index_parity(built):
     assert list(idx["weight_map"]) == sorted(idx["weight_map"])
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_shard_file_holds_exactly_the_bytes_written(tmp_path, direct):
-    """Direct I/O writes whole blocks from an aligned buffer: the padding must not survive."""
-    rnd = np.random.default_rng(0)
-    for sizes in ([], [1], [4095], [4096, 1], [8 << 20], [100, (8 << 20) + 3, 5, 70000]):
-        parts = [rnd.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
-        with ShardFile(tmp_path / "shard", direct=direct) as f:
-            assert f.direct == (direct and hasattr(os, "O_DIRECT"))
-            for b in parts:
-                f.write(b)
-        assert (tmp_path / "shard").read_bytes() == b"".join(parts), sizes
-
-
-def test_shard_file_goes_on_through_the_page_cache_if_direct_writes_are_refused(tmp_path, monkeypatch):
-    if not hasattr(os, "O_DIRECT"):
-        pytest.skip("no O_DIRECT here")
-    real_write, calls = os.write, []
-
-    def write(fd, data):  # the second block is refused, as by a file system without direct I/O
-        calls.append(len(data))
-        if len(calls) == 2:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
-
-    data = np.random.default_rng(1).integers(0, 256, (8 << 20) * 2 + 12345, dtype=np.uint8).tobytes()
-    with ShardFile(tmp_path / "shard") as f:
-        monkeypatch.setattr(os, "write", write)
-        f.write(data)
-        assert not f.direct
-    monkeypatch.undo()
-    assert len(calls) >= 3 and (tmp_path / "shard").read_bytes() == data
-
-
 def test_published_bytes_identical_across_clean_builds(tmp_path, built):
     """With two jobs publish writes the model while verify runs; with one it waits: same bytes."""
     p, xl, mtp = built
@@ -283,7 +248,6 @@ def test_hf_source_from_offline_cache(tmp_path, monkeypatch):
     (cache / "models--Qwen--Tiny" / "refs" / "main").write_text(sha)
     p = Project(tmp_path / "proj")
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
-    import os
 
     full_env = {**os.environ, **env}
     r = p.run("build", "xl", "--source", f"hf://Qwen/Tiny@{sha}", "--out", str(p.out / "xl"), env=full_env)
