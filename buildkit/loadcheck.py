@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -69,9 +70,19 @@ def memo_key(store: Store, config: dict, tensors: dict[str, dict], writer: dict)
     return keys.digest_json("loadcheck", [VERSION, _versions(), writer, cfg, read]), len(read)
 
 
-def passed(store: Store, config: dict, tensors: dict[str, dict], writer: dict) -> dict | None:
-    """The record of a passed check mlx_lm would repeat for this model, or None."""
-    return store.get_action(memo_key(store, config, tensors, writer)[0])
+@dataclass
+class Lookup:
+    """What the store knows of this model's check: its key, how many tensors mlx_lm reads, and
+    the record of a passed check mlx_lm would repeat (None: the check has to run)."""
+
+    key: str
+    n_read: int
+    record: dict | None
+
+
+def lookup(store: Store, config: dict, tensors: dict[str, dict], writer: dict) -> Lookup:
+    key, n_read = memo_key(store, config, tensors, writer)
+    return Lookup(key, n_read, store.get_action(key))
 
 
 def warm() -> None:
@@ -79,17 +90,20 @@ def warm() -> None:
     workers.pool("imports").submit(importlib.import_module, "mlx_lm.utils", workers=1)
 
 
-def check(store: Store, path: Path, config: dict, tensors: dict[str, dict], writer: dict, log: Callable[[str], None]) -> bool:
+def check(
+    store: Store, path: Path, config: dict, tensors: dict[str, dict], writer: dict, found: Lookup, log: Callable[[str], None]
+) -> bool:
     """Check the model at ``path`` unless mlx_lm has loaded the same bytes before; True if run.
 
     ``config`` and ``tensors`` (name -> store entry) describe what ``path`` holds; ``writer``
-    names the code that wrote it (a step kind and version)."""
-    key, n_read = memo_key(store, config, tensors, writer)
-    rec = store.get_action(key)
-    if rec is not None:
-        log(f"load check: not run again: the {n_read} of {len(tensors)} tensors mlx_lm reads (its model has no module for "
-            f"the rest) and the config it reads are those of a model it loaded before ({rec.get('shape')} logits, finite)")
+    names the code that wrote it (a step kind and version); ``found`` is ``lookup``'s answer
+    for them, asked before the files were written (to import mlx_lm meanwhile, or not)."""
+    if found.record is not None:
+        log(f"load check: not run again: the {found.n_read} of {len(tensors)} tensors mlx_lm reads (its model has no "
+            f"module for the rest) and the config it reads are those of a model it loaded before "
+            f"({found.record.get('shape')} logits, finite)")
         return False
+    key = found.key
     res = check_loads(path)
     names = res["parameters"]
     if names <= set(tensors):  # loaded as published: no tensor renamed or merged

@@ -188,6 +188,7 @@ class Staged:
     config: dict
     made: Path | None = None  # the outermost directory prepare created
     art: Artifact | None = None
+    load_check: loadcheck.Lookup | None = None
 
 
 @register
@@ -254,8 +255,10 @@ class Publish(Step):
         tmp.mkdir()
         staged = Staged(dest, tmp, parts, tensors, config, made)
         try:
-            if params.load_check and not loadcheck.passed(store, config, tensors, self.writer):
-                loadcheck.warm()  # while the shards are written
+            if params.load_check:
+                staged.load_check = loadcheck.lookup(store, config, tensors, self.writer)
+                if staged.load_check.record is None:
+                    loadcheck.warm()  # while the shards are written
             staged.art = self._write(ctx, params, staged, src)
             self._check(ctx, staged, params)
         except BaseException:
@@ -377,7 +380,7 @@ class Publish(Step):
         if total != idx["metadata"]["total_size"]:
             raise StepError(f"index total_size {idx['metadata']['total_size']} != {total} bytes in shards")
         if params.load_check:
-            loadcheck.check(ctx.store, tmp, staged.config, tensors, self.writer, ctx.log)
+            loadcheck.check(ctx.store, tmp, staged.config, tensors, self.writer, staged.load_check, ctx.log)
 
 
 def _safe_name(name: str) -> None:
