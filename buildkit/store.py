@@ -5,7 +5,8 @@ Layout under the root (default ``cache/``)::
     objects/ab/<hex>      tensor bytes or file bytes, named by their digest
     artifacts/ab/<hex>    artifact listings (canonical JSON), named by their digest
     actions/ab/<hex>      action records: cache key -> named output artifacts
-    sources/ab/<hex>      stat cache for external (source) files: path -> digest
+    sources/ab/<hex>      stat cache for files outside the store (sources, published
+                          shards): path -> digest, and digest -> paths
     refs/<name>.json      keys of the last build of a variant (roots for gc), its graph's topology
     locks/, tmp/
 
@@ -51,6 +52,19 @@ def _fan(root: Path, digest: str) -> Path:
 
 def _ident(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def file_ident(path: str | Path) -> list[int]:
+    """What a stat record of a file is checked against: device, inode, size, mtime, ctime."""
+    return _ident(os.stat(path))
+
+
+def settle(path: str | Path) -> None:
+    """Move the mtime of a file its writer has just closed, and that nobody else can see yet,
+    two timestamp ticks into the past. A stat record of it taken now is then not racy (see
+    ``digest_file``): any later write sets the mtime to the present, which tells it apart."""
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, min(st.st_mtime_ns, time.time_ns() - 2 * RACY_TICK_NS)))
 
 
 # Blocks of rows a step reads, makes and writes at a time (``Store.iter_rows``): memory is a
@@ -568,6 +582,18 @@ class Store:
                 h.update(view[:n])
                 self.stats.add(read=n)
         digest = keys.finish(h)
+        self._remember(path, ident, digest)
+        return digest
+
+    def remember_file(self, path: str | Path, digest: str, ident: list[int]) -> None:
+        """Remember the digest of a file the caller wrote and hashed as it wrote it, under the
+        stat it took then (``file_ident``), so ``find_local`` can hand it out without reading
+        it. Files that share its inode (hard links) share its bytes: their records are moved
+        to its new stat too, since linking and unlinking change the inode's ctime."""
+        path = Path(path).absolute()
+        self._remember(path, ident, digest, same_inode=True)
+
+    def _remember(self, path: Path, ident: list[int], digest: str, same_inode: bool = False) -> None:
         rec = {"path": str(path), "stat": ident, "digest": digest, "recorded_ns": time.time_ns()}
         atomic_write(self._source_entry(path), keys.canonical_json(rec), self.root / "tmp")
         by_digest = _fan(self.root / "sources", digest)
@@ -577,10 +603,16 @@ class Store:
                 paths = set(json.loads(by_digest.read_text()))
             if str(path) not in paths:
                 atomic_write(by_digest, keys.canonical_json(sorted(paths | {str(path)})), self.root / "tmp")
-        return digest
+            for other in sorted(paths - {str(path)}) if same_inode else ():
+                with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+                    e = json.loads(self._source_entry(Path(other)).read_text())
+                    if e["digest"] == digest and e["stat"][:2] == ident[:2]:
+                        e["stat"] = ident
+                        atomic_write(self._source_entry(Path(other)), keys.canonical_json(e), self.root / "tmp")
 
-    def resolve_external(self, digest: str) -> Path:
-        """A local path whose current content has this digest (checked by stat on every call)."""
+    def find_local(self, digest: str) -> Path | None:
+        """A local path whose current content has this digest, if the store knows one (its
+        stat checked on every call; a file whose stat changed is hashed again)."""
         known = self._resolved.get(digest)
         if known is not None:
             path, ident = known
@@ -593,6 +625,13 @@ class Store:
                     if self.digest_file(p) == digest:
                         self._resolved[digest] = (Path(p), _ident(Path(p).stat()))
                         return Path(p)
+        return None
+
+    def resolve_external(self, digest: str) -> Path:
+        """A local path whose current content has this digest (checked by stat on every call)."""
+        path = self.find_local(digest)
+        if path is not None:
+            return path
         raise SourceError(
             f"no local file has content {keys.short(digest)} any more (the source changed "
             "or moved since it was fetched); run the build again to re-fetch"
