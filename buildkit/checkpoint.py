@@ -155,6 +155,15 @@ def mlx_name(hf: str) -> str:
     raise SourceError(f"tensor {hf!r} is not part of the qwen3_5_moe layout (unknown prefix)")
 
 
+def model_part(mlx: str) -> str:
+    """The part of the model an MLX tensor belongs to: "language_model" (the trunk mlx_lm
+    runs), "mtp" (the head grafted onto it) or "vision_tower". Variants differ by part (xl-mtp
+    is xl plus a head), so publish never puts two parts in one shard."""
+    if mlx.startswith("language_model.mtp."):
+        return "mtp"
+    return mlx.split(".", 1)[0]
+
+
 def split_experts(hf: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], tuple[int, int, int] | None]]:
     """MLX (name, shape, slice) pieces for a tensor: fused gate_up becomes gate then up."""
     m = _LAYER_EXPERTS.match(mlx_name(hf))

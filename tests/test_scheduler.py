@@ -91,10 +91,10 @@ def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):
     assert "pydantic" in mods  # the check sees the imports at all
     _, mods = imported(project, "plan", "xl-mtp")
     assert not mods & heavy, sorted(mods & heavy)
-    (project.out / "xl-mtp" / "config.json").unlink()  # publish alone runs; its load check is
+    (project.out / "xl-mtp" / "config.json").unlink()  # publish alone runs; its shards are
     p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))
-    assert ran(p) == ["publish"] and "numpy" in mods  # remembered: mlx_lm is not imported
-    assert "load check: not run again" in p.stderr and not mods & {"mlx_lm", "transformers"}
+    assert ran(p) == ["publish"] and "3 of 3 shards linked" in p.stderr  # linked, not copied,
+    assert "load check: not run again" in p.stderr and not mods & heavy  # and the check remembered
     (project.out / "xl-mtp" / "config.json").unlink()  # a store that forgot the check: it runs
     shutil.rmtree(project.store / "actions")
     p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))

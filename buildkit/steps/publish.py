@@ -1,13 +1,20 @@
 """publish: materialize an MLX model directory from artifacts, checked, then swapped in atomically.
 
 Writes shards ``model-0000K-of-0000N.safetensors`` (metadata format=mlx) by
-size, tensors sorted by name and streamed one at a time from the store;
+size, one part of the model (language model, MTP head, vision tower) at a time,
+tensors sorted by name and streamed one at a time from the store;
 ``model.safetensors.index.json``; ``config.json`` with the ``quantization``
 (and ``quantization_config``) defaults plus per-path overrides as mlx_lm reads
 them; the tokenizer and other side files of the source; ``verify.json``; and a
 model card. The directory is built beside the target, checked (index parity,
 metadata, mlx_lm load with finite logits), then exchanged with the old one in
 one rename, so a reader never sees a mix of old and new shards.
+
+Shards are content-addressed too: a shard whose bytes an earlier publish wrote
+(the same header and the same store entries, in order) is hard-linked from that
+file when its stat shows it unchanged, instead of being copied again. Since parts
+never share a shard, xl-mtp links xl's shards and writes only the head's, and a
+change to the head's bits rewrites only the head's shard.
 """
 
 from __future__ import annotations
@@ -20,14 +27,15 @@ import os
 import re
 import shutil
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import Field
 
+from .. import checkpoint as ckpt
 from .. import keys, loadcheck
 from ..errors import StepError, UsageError
-from ..store import Artifact, DirectFile, fsync_dir
+from ..store import Artifact, DirectFile, Store, file_ident, fsync_dir, settle
 from ..tensors import header_bytes, nbytes, read_header
 from .base import Context, Params, Slot, Step, register
 
@@ -51,13 +59,17 @@ def out_dir(params: PublishParams, ctx: Context) -> Path:
 
 
 def plan_shards(tensors: dict[str, dict], limit: int) -> list[list[str]]:
+    """Tensor names per shard: each part of the model (``checkpoint.model_part``) in shards of
+    its own, in order of part, then name; a shard holds at most ``limit`` bytes (or one tensor)."""
     shards, cur, size = [], [], 0
-    for name in sorted(tensors):
+    part = None
+    for name in sorted(tensors, key=lambda k: (ckpt.model_part(k), k)):
         n = nbytes(tensors[name]["dtype"], tensors[name]["shape"])
-        if cur and size + n > limit:
+        if cur and (size + n > limit or ckpt.model_part(name) != part):
             shards.append(cur)
             cur, size = [], 0
         cur.append(name)
+        part = ckpt.model_part(name)
         size += n
     return shards + ([cur] if cur else [])
 
@@ -189,12 +201,14 @@ class Staged:
     made: Path | None = None  # the outermost directory prepare created
     art: Artifact | None = None
     load_check: loadcheck.Lookup | None = None
+    shards: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # name -> (digest, stat)
+    linked: int = 0  # shards hard-linked from an earlier publish rather than written
 
 
 @register
 class Publish(Step):
     kind = "publish"
-    version = 1
+    version = 2
     imports = ("numpy",)  # mlx_lm only if the load check will run (``prepare``)
     Params = PublishParams
     # The model is written and load-checked while verify runs; the reports gate the swap.
@@ -304,7 +318,9 @@ class Publish(Step):
                 fsync_dir(dest.parent)
         finally:
             self.discard(staged)
-        ctx.log(f"published {len(staged.tensors)} tensors to {dest}")
+        remember_shards(ctx.store, dest, staged.shards)
+        linked = f" ({staged.linked} of {len(staged.shards)} shards linked from an earlier publish)" if staged.linked else ""
+        ctx.log(f"published {len(staged.tensors)} tensors to {dest}{linked}")
         return {"out": art}
 
     def _write(self, ctx, params, staged: Staged, src) -> Artifact:
@@ -318,9 +334,21 @@ class Publish(Step):
         for i, names in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{n:05d}.safetensors"
             entries = [(k, tensors[k]["dtype"], tuple(tensors[k]["shape"])) for k in names]
+            head = header_bytes(entries, {"format": "mlx"})
+            for k in names:
+                weight_map[k] = fname
+                total += nbytes(tensors[k]["dtype"], tensors[k]["shape"])
+            plan = keys.digest_json("shard", [keys.blob_digest(head), [tensors[k] for k in names]])
+            digest = link_shard(store, plan, tmp / fname)
+            if digest is not None:
+                staged.linked += 1
+                meta_shards[fname] = digest
+                sizes[fname] = (tmp / fname).stat().st_size
+                staged.shards[fname] = (digest, file_ident(tmp / fname))
+                ctx.progress.advance(len(names), sizes[fname])
+                continue
             h = keys.blob_hasher()
             with DirectFile(tmp / fname) as f:  # past the page cache: see DirectFile
-                head = header_bytes(entries, {"format": "mlx"})
                 f.write(head)
                 h.update(head)
 
@@ -329,12 +357,12 @@ class Publish(Step):
                     h.update(chunk)
 
                 for k in names:
-                    n_bytes = store.copy_tensor(tensors[k], sink, buf)
-                    total += n_bytes
-                    weight_map[k] = fname
-                    ctx.progress.advance(1, n_bytes)
+                    ctx.progress.advance(1, store.copy_tensor(tensors[k], sink, buf))
             meta_shards[fname] = keys.finish(h)
             sizes[fname] = (tmp / fname).stat().st_size
+            settle(tmp / fname)
+            staged.shards[fname] = (meta_shards[fname], file_ident(tmp / fname))
+            store.put_action(plan, {"key": plan, "outputs": {}, "digest": meta_shards[fname], "size": sizes[fname]})
         files: dict[str, bytes] = {
             "model.safetensors.index.json": json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
@@ -381,6 +409,36 @@ class Publish(Step):
             raise StepError(f"index total_size {idx['metadata']['total_size']} != {total} bytes in shards")
         if params.load_check:
             loadcheck.check(ctx.store, tmp, staged.config, tensors, self.writer, staged.load_check, ctx.log)
+
+
+def link_shard(store: Store, plan: str, path: Path) -> str | None:
+    """Hard-link, at ``path``, a file an earlier publish wrote from the same ``plan`` (header and
+    store entries) and that is unchanged since (by stat, else by its hash); its digest, or None
+    (never written, gone, changed, or on another file system: the shard is written instead)."""
+    rec = store.get_action(plan)
+    if rec is None:
+        return None
+    old = store.find_local(rec["digest"])
+    if old is None or old.stat().st_size != rec["size"]:
+        return None
+    try:
+        os.link(old, path)
+    except OSError:  # EXDEV, EPERM, EMLINK, ... or the file went meanwhile
+        return None
+    return rec["digest"]
+
+
+def remember_shards(store: Store, dest: Path, shards: dict[str, tuple[str, list[int]]]) -> None:
+    """Record the published shards for ``link_shard``. Each one's stat was taken in the private
+    temp directory; since then the swap has made it public and removing the old directory may
+    have unlinked a hard link to it, which changes only its ctime. A write by anyone else would
+    have moved its mtime (which ``settle`` put in the past) to the present, and such a shard is
+    not recorded."""
+    for fname, (digest, ident) in shards.items():
+        with contextlib.suppress(OSError):
+            now = file_ident(dest / fname)
+            if now[:4] == ident[:4]:  # device, inode, size, mtime
+                store.remember_file(dest / fname, digest, now)
 
 
 def _safe_name(name: str) -> None:
