@@ -338,7 +338,8 @@ class Publish(Step):
             for k in names:
                 weight_map[k] = fname
                 total += nbytes(tensors[k]["dtype"], tensors[k]["shape"])
-            plan = keys.digest_json("shard", [keys.blob_digest(head), [tensors[k] for k in names]])
+            # what the shard's bytes follow from: the code writing them, its header, its tensors
+            plan = keys.digest_json("shard", [self.writer, keys.blob_digest(head), [tensors[k] for k in names]])
             digest = link_shard(store, plan, tmp / fname)
             if digest is not None:
                 staged.linked += 1
