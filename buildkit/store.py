@@ -612,19 +612,23 @@ class Store:
 
     def find_local(self, digest: str) -> Path | None:
         """A local path whose current content has this digest, if the store knows one (its
-        stat checked on every call; a file whose stat changed is hashed again)."""
+        stat checked on every call). Files whose stat vouches for the digest come first; one
+        whose stat changed is hashed again only if none does."""
         known = self._resolved.get(digest)
         if known is not None:
             path, ident = known
             with contextlib.suppress(OSError):
                 if _ident(path.stat()) == ident:
                     return path
+        paths: list[Path] = []
         with contextlib.suppress(FileNotFoundError, ValueError):
-            for p in json.loads(_fan(self.root / "sources", digest).read_text()):
+            paths = [Path(p) for p in json.loads(_fan(self.root / "sources", digest).read_text())]
+        for check in (self._remembered, self.digest_file):
+            for p in paths:
                 with contextlib.suppress(OSError):
-                    if self.digest_file(p) == digest:
-                        self._resolved[digest] = (Path(p), _ident(Path(p).stat()))
-                        return Path(p)
+                    if check(p) == digest:
+                        self._resolved[digest] = (p, _ident(p.stat()))
+                        return p
         return None
 
     def resolve_external(self, digest: str) -> Path:

@@ -172,6 +172,11 @@ def test_source_files_hashed_together_are_remembered_and_resolvable(tmp_path):
     assert store.stats.bytes_read == 2 * hashed
     files[2].unlink()  # one of the two same-content files goes: the other still resolves
     assert Store(tmp_path / "cache").resolve_external(want[2]) == files[4]
+    files[2].write_bytes(blobs[3][:1] + blobs[2][1:])  # back, changed: the other is found unread
+    fresh = Store(tmp_path / "cache")
+    assert fresh.resolve_external(want[2]) == files[4] and fresh.stats.bytes_read == 0
+    files[4].write_bytes(b"")  # both changed: each is hashed again, and neither has the bytes
+    assert fresh.find_local(want[2]) is None and fresh.stats.bytes_read == len(blobs[2])
 
 
 def test_lock_excludes_other_holders(tmp_path):
