@@ -289,6 +289,17 @@ def tree_bytes(root: Path, subdirs=None) -> int:
     return sum(p.stat().st_size for d in dirs if d.exists() for p in d.rglob("*") if p.is_file())
 
 
+def disk_bytes(*roots: Path) -> int:
+    """Bytes of the files under ``roots``, a hard-linked file counted once (as ``du`` does)."""
+    seen: dict[tuple[int, int], int] = {}
+    for root in roots:
+        for p in root.rglob("*"):
+            if p.is_file():
+                st = p.stat()
+                seen[st.st_dev, st.st_ino] = st.st_size
+    return sum(seen.values())
+
+
 def written_bytes(root: Path) -> int:
     """Bytes of the files under ``root`` no other path links to: those a publish wrote, not the
     shards it hard-linked from an earlier one."""
@@ -491,6 +502,7 @@ def run_bench(args) -> dict:
     mtp = build("xl-mtp-after-xl", "xl-mtp", store, src, out, ctx)
     R["xl_mtp_after_xl"] = asdict(mtp)
     R["store_xl_mtp"] = store_bytes(store)
+    R["out_disk"] = {"xl": disk_bytes(out / "xl"), "xl+xl-mtp": disk_bytes(out / "xl", out / "xl-mtp")}
     for v in variants[2:]:
         R[f"build_{v}"] = asdict(build(f"{v}-after-xl-mtp", v, store, src, out, ctx))
 
@@ -628,6 +640,9 @@ def report(R: dict, M: dict) -> str:
         f"{inc['wall'] / cold_inc['wall']:.2f} | | |",
         f"| 4 | store footprint, xl + xl-mtp vs xl | {R['store_xl_mtp'] / MB:.0f} MB | {R['store_xl'] / MB:.0f} MB | "
         f"{footprint:.3f} | ≤ 1.05 | {verdict(footprint <= 1.05)} |",
+        *([f"| 4 | published directories on disk, xl + xl-mtp vs xl (hard links once) | "
+           f"{R['out_disk']['xl+xl-mtp'] / MB:.0f} MB | {R['out_disk']['xl'] / MB:.0f} MB | "
+           f"{R['out_disk']['xl+xl-mtp'] / R['out_disk']['xl']:.3f} | | |"] if "out_disk" in R else []),
         f"| 5 | source hashing, cold (disk) | {h.get('buildkit_cold_gbps', float('nan')):.2f} GB/s | "
         f"{h.get('plain_cold_gbps', float('nan')):.2f} GB/s plain xxh3 | "
         f"{h.get('buildkit_cold_gbps', float('nan')) / h.get('plain_cold_gbps', float('nan')):.2f} | ≈ 1 | "
