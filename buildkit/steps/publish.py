@@ -417,10 +417,8 @@ def link_shard(store: Store, plan: str, path: Path) -> str | None:
     """Hard-link, at ``path``, a file an earlier publish wrote from the same ``plan`` (header and
     store entries) and that is unchanged since (by stat, else by its hash); its digest, or None
     (never written, gone, changed, or on another file system: the shard is written instead)."""
-    rec = store.get_action(plan)
-    if rec is None:
-        return None
-    old = store.find_local(rec["digest"])  # its bytes are the digest's: by stat, else hashed
+    rec = store.get_action(plan) or {}
+    old = store.find_local(rec["digest"]) if "digest" in rec else None  # by stat, else hashed
     if old is None:
         return None
     try:
