@@ -588,12 +588,13 @@ class Store:
     def remember_file(self, path: str | Path, digest: str, ident: list[int]) -> None:
         """Remember the digest of a file the caller wrote and hashed as it wrote it, under the
         stat it took then (``file_ident``), so ``find_local`` can hand it out without reading
-        it. Files that share its inode (hard links) share its bytes: their records are moved
-        to its new stat too, since linking and unlinking change the inode's ctime."""
-        path = Path(path).absolute()
-        self._remember(path, ident, digest, same_inode=True)
+        it."""
+        self._remember(Path(path).absolute(), ident, digest)
 
-    def _remember(self, path: Path, ident: list[int], digest: str, same_inode: bool = False) -> None:
+    def _remember(self, path: Path, ident: list[int], digest: str) -> None:
+        """Record ``path``'s digest under its stat. Files that share its inode (hard links) share
+        its bytes: their records move to the new stat too, since linking and unlinking change
+        the inode's ctime."""
         rec = {"path": str(path), "stat": ident, "digest": digest, "recorded_ns": time.time_ns()}
         atomic_write(self._source_entry(path), keys.canonical_json(rec), self.root / "tmp")
         by_digest = _fan(self.root / "sources", digest)
@@ -603,7 +604,7 @@ class Store:
                 paths = set(json.loads(by_digest.read_text()))
             if str(path) not in paths:
                 atomic_write(by_digest, keys.canonical_json(sorted(paths | {str(path)})), self.root / "tmp")
-            for other in sorted(paths - {str(path)}) if same_inode else ():
+            for other in sorted(paths - {str(path)}):
                 with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
                     e = json.loads(self._source_entry(Path(other)).read_text())
                     if e["digest"] == digest and e["stat"][:2] == ident[:2]:
