@@ -62,14 +62,14 @@ def plan_shards(tensors: dict[str, dict], limit: int) -> list[list[str]]:
     """Tensor names per shard: each part of the model (``checkpoint.model_part``) in shards of
     its own, in order of part, then name; a shard holds at most ``limit`` bytes (or one tensor)."""
     shards, cur, size = [], [], 0
-    part = None
-    for name in sorted(tensors, key=lambda k: (ckpt.model_part(k), k)):
+    last = None
+    for part, name in sorted((ckpt.model_part(k), k) for k in tensors):
         n = nbytes(tensors[name]["dtype"], tensors[name]["shape"])
-        if cur and (size + n > limit or ckpt.model_part(name) != part):
+        if cur and (size + n > limit or part != last):
             shards.append(cur)
             cur, size = [], 0
         cur.append(name)
-        part = ckpt.model_part(name)
+        last = part
         size += n
     return shards + ([cur] if cur else [])
 
@@ -335,36 +335,34 @@ class Publish(Step):
             fname = f"model-{i:05d}-of-{n:05d}.safetensors"
             entries = [(k, tensors[k]["dtype"], tuple(tensors[k]["shape"])) for k in names]
             head = header_bytes(entries, {"format": "mlx"})
-            for k in names:
-                weight_map[k] = fname
-                total += nbytes(tensors[k]["dtype"], tensors[k]["shape"])
+            body = sum(nbytes(tensors[k]["dtype"], tensors[k]["shape"]) for k in names)
+            weight_map.update(dict.fromkeys(names, fname))
+            total += body
             # what the shard's bytes follow from: the code writing them, its header, its tensors
             plan = keys.digest_json("shard", [self.writer, keys.blob_digest(head), [tensors[k] for k in names]])
             digest = link_shard(store, plan, tmp / fname)
             if digest is not None:
                 staged.linked += 1
-                meta_shards[fname] = digest
-                sizes[fname] = (tmp / fname).stat().st_size
-                staged.shards[fname] = (digest, file_ident(tmp / fname))
-                ctx.progress.advance(len(names), sizes[fname])
-                continue
-            h = keys.blob_hasher()
-            with DirectFile(tmp / fname) as f:  # past the page cache: see DirectFile
-                f.write(head)
-                h.update(head)
+                ctx.progress.advance(len(names), len(head) + body)
+            else:
+                h = keys.blob_hasher()
+                with DirectFile(tmp / fname) as f:  # past the page cache: see DirectFile
+                    f.write(head)
+                    h.update(head)
 
-                def sink(chunk, f=f, h=h):
-                    f.write(chunk)
-                    h.update(chunk)
+                    def sink(chunk, f=f, h=h):
+                        f.write(chunk)
+                        h.update(chunk)
 
-                for k in names:
-                    ctx.progress.advance(1, store.copy_tensor(tensors[k], sink, buf))
-            meta_shards[fname] = keys.finish(h)
-            sizes[fname] = (tmp / fname).stat().st_size
-            with contextlib.suppress(OSError):  # refused (some network file systems): the
-                settle(tmp / fname)  # record is racy, and the next link hashes the file first
-            staged.shards[fname] = (meta_shards[fname], file_ident(tmp / fname))
-            store.put_action(plan, {"key": plan, "outputs": {}, "digest": meta_shards[fname], "size": sizes[fname]})
+                    for k in names:
+                        ctx.progress.advance(1, store.copy_tensor(tensors[k], sink, buf))
+                digest = keys.finish(h)
+                with contextlib.suppress(OSError):  # refused (some network file systems): the
+                    settle(tmp / fname)  # record is racy, and the next link hashes the file first
+                store.put_action(plan, {"key": plan, "outputs": {}, "digest": digest})
+            ident = file_ident(tmp / fname)
+            meta_shards[fname], sizes[fname] = digest, ident[2]
+            staged.shards[fname] = (digest, ident)
         files: dict[str, bytes] = {
             "model.safetensors.index.json": json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
