@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 from conftest import Project, ran
 
 from buildkit import loadcheck
+from buildkit.errors import StepError
 from buildkit.steps.publish import Publish
 from buildkit.store import Store
 
@@ -101,3 +103,35 @@ def test_a_store_that_has_not_seen_the_architecture_checks_everything(tmp_path, 
     t = dict(tensors)
     t["language_model.mtp.fc.weight"] = tensors["language_model.model.norm.weight"]
     assert loadcheck.memo_key(fresh, config, t, Publish().writer)[0] != key
+
+
+def test_the_check_runs_the_published_model_and_fails_when_it_cannot(tmp_path, seed: Project):
+    """check_loads on real files: the published model passes (in float32 on the CPU, where mlx
+    emulates bfloat16); the same files with a missing tensor, or with a norm that makes the
+    logits infinite, fail with mlx_lm's reason."""
+    import mlx.core as mx
+
+    good = shutil.copytree(seed.out / "xl", tmp_path / "good")
+    res = loadcheck.check_loads(good)
+    vocab = json.loads((good / "config.json").read_text())["text_config"]["vocab_size"]
+    assert res["logits_shape"] == [1, 1, vocab]
+    assert res["dtype"] == ("float32" if mx.default_device() == mx.cpu else "bfloat16")
+    assert "language_model.model.norm.weight" in res["parameters"]
+
+    def edited(name: str, change) -> object:
+        d = shutil.copytree(seed.out / "xl", tmp_path / f"edit-{len(list(tmp_path.iterdir()))}")
+        shard = d / json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
+        weights = mx.load(str(shard))
+        change(weights)
+        mx.save_safetensors(str(shard), weights, metadata={"format": "mlx"})
+        return d
+
+    norm = "language_model.model.norm.weight"
+    inf = edited(norm, lambda w: w.update({norm: mx.full(w[norm].shape, float("inf"), w[norm].dtype)}))
+    with pytest.raises(StepError, match="logits are not finite"):
+        loadcheck.check_loads(inf)
+
+    first = "language_model.model.layers.0.input_layernorm.weight"
+    missing = edited(first, lambda w: w.pop(first))
+    with pytest.raises(StepError, match=f"(?s)mlx_lm cannot load the published model: .*Missing 1 parameters.*{first}"):
+        loadcheck.check_loads(missing)
