@@ -127,7 +127,7 @@ class Inspect:
                     for k in ("scales", "biases")))
         num = {n: 0.0 for n, *_ in dense}
         den = dict(num)
-        swapped = 0.0
+        swapped = swapped_den = 0.0  # gate|up against up|gate, in the first block of rows
         bad_rows = False
         scratch: dict[tuple, np.ndarray] = {}  # float32 buffers, one per block shape, reused
 
@@ -173,8 +173,11 @@ class Inspect:
                 den[n] += d
                 refs.append(ref)
                 outs.append(got)
-            if len(dense) == 2:  # gate|up against up|gate
-                swapped += float(abs_sum(refs[0], outs[1]) + abs_sum(refs[1], outs[0]))
+            # The order figure: the pieces exchanged, in the first block of rows (the first
+            # experts). An exchange anywhere shows in the error of every row, measured above.
+            if len(dense) == 2 and a == 0:
+                swapped = float(abs_sum(refs[0], outs[1]) + abs_sum(refs[1], outs[0]))
+                swapped_den = sum(den.values())
         for it, _, _ in stored.values():
             if next(it, None) is not None:  # runs the reader to its end, where it checks the digest
                 raise VerifyError(f"{hf}: a stored tensor has more rows than its source")
@@ -183,7 +186,7 @@ class Inspect:
                 r["err"][n] = (str(q["bits"]), num[n] / max(den[n], 1e-30))
         if len(dense) == 2:
             tot = max(sum(den.values()), 1e-30)
-            r["split"] = (sum(num.values()) / tot, swapped / tot)
+            r["split"] = (sum(num.values()) / tot, swapped / max(swapped_den, 1e-30))
         return r
 
 
