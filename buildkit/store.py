@@ -124,11 +124,27 @@ class _Buffers:
             if len(self.idle) < self.keep:
                 self.idle.append(buf)
                 return
-        with contextlib.suppress(BufferError):  # a failed write's traceback may hold a view
-            buf.close()
+        self._unmap([buf])
+
+    def drop_idle(self) -> None:
+        with self.lock:
+            idle, self.idle = self.idle, []
+        self._unmap(idle)
+
+    @staticmethod
+    def _unmap(bufs: list[mmap.mmap]) -> None:
+        for buf in bufs:
+            with contextlib.suppress(BufferError):  # a failed write's traceback may hold a view
+                buf.close()
 
 
 _buffers = _Buffers()
+
+
+def drop_idle_write_buffers() -> None:
+    """Unmap the buffers ``DirectFile`` keeps for the next file, before a phase that writes
+    none and needs the memory (publish's load check, a build's peak)."""
+    _buffers.drop_idle()
 
 
 class DirectFile:

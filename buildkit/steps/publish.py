@@ -35,7 +35,15 @@ from pydantic import Field
 from .. import checkpoint as ckpt
 from .. import keys, loadcheck
 from ..errors import StepError, UsageError
-from ..store import Artifact, DirectFile, Store, file_ident, fsync_dir, settle
+from ..store import (
+    Artifact,
+    DirectFile,
+    Store,
+    drop_idle_write_buffers,
+    file_ident,
+    fsync_dir,
+    settle,
+)
 from ..tensors import header_bytes, nbytes, read_header
 from .base import Context, Params, Slot, Step, register
 
@@ -274,6 +282,7 @@ class Publish(Step):
                 if staged.load_check.record is None:
                     loadcheck.warm()  # while the shards are written
             staged.art = self._write(ctx, params, staged, src)
+            drop_idle_write_buffers()  # all written; the load check, a build's memory peak, is next
             self._check(ctx, staged, params)
         except BaseException:
             self.discard(staged)
