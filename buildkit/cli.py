@@ -95,7 +95,7 @@ def cmd_graph(args) -> int:
 def cmd_gc(args) -> int:
     r = _store(args).gc(dry_run=args.dry_run)
     verb = "would free" if args.dry_run else "freed"
-    print(f"{verb} {r['bytes'] / 1e6:.1f} MB ({r['bytes']} bytes): {r['actions']} actions, {r['artifacts']} artifacts, {r['objects']} objects")
+    print(f"{verb} {r['bytes'] / 1e6:.1f} MB ({r['bytes']} bytes): {r['actions']} actions, {r['artifacts']} artifacts, {r['objects']} objects, {r['files']} records of deleted files")
     return 0
 
 
@@ -183,7 +183,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--against", required=True, help="lock file (e.g. manifests/xl.lock)")
     v.add_argument("-j", "--jobs", type=int, default=2)
 
-    gc = sub.add_parser("gc", help="Remove store entries no built variant reaches.", description="Remove actions no ref names, then artifacts and objects no kept action reaches; says how much it freed.")
+    gc = sub.add_parser("gc", help="Remove store entries no built variant reaches.", description="Remove actions no ref names, then artifacts and objects no kept action reaches, and forget the hashes of files that no longer exist; says how much it freed.")
     gc.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     gc.set_defaults(fn=cmd_gc)
 

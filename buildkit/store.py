@@ -801,7 +801,8 @@ class Store:
         return out
 
     def gc(self, dry_run: bool = False) -> dict:
-        """Remove actions no ref names, then artifacts and objects no kept action reaches.
+        """Remove actions no ref names, then artifacts and objects no kept action reaches, and
+        forget the hashes of files that no longer exist.
 
         Refuses (StoreError) while a build holds the store, whose new objects no ref names yet.
         """
@@ -837,10 +838,34 @@ class Store:
                     removed["bytes"] += p.stat().st_size
                     if not dry_run:
                         p.unlink()
+        removed["files"] = self._forget_gone_files(dry_run)
         if not dry_run:
             shutil.rmtree(self.root / "tmp", ignore_errors=True)
             (self.root / "tmp").mkdir(exist_ok=True)
         return removed
+
+    def _forget_gone_files(self, dry_run: bool) -> int:
+        """Drop the stat records of files that no longer exist (a source deleted, a published
+        directory removed or swapped out) from ``sources/``: path -> digest records, and those
+        paths from the digest -> paths lists. Returns how many path records go."""
+        gone = 0
+        with self._sources_lock:
+            for p in sorted((self.root / "sources").glob("*/*")):
+                try:
+                    rec = json.loads(p.read_text())
+                except (OSError, ValueError):
+                    continue
+                if isinstance(rec, dict) and not os.path.lexists(rec.get("path", "")):
+                    gone += 1
+                    if not dry_run:
+                        p.unlink()
+                elif isinstance(rec, list) and not dry_run:
+                    live = [q for q in rec if os.path.lexists(q)]
+                    if not live:
+                        p.unlink()
+                    elif live != rec:
+                        atomic_write(p, keys.canonical_json(live), self.root / "tmp")
+        return gone
 
     def check(self) -> list[str]:
         """Re-hash every object and listing; return a line per corrupt entry (and remove it)."""

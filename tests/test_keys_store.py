@@ -294,7 +294,7 @@ def test_gc_frees_what_only_a_deleted_variant_used(project, seed, capsys):
     assert _objects(store) == xl
 
     assert project.cli("gc") == 0
-    assert capsys.readouterr().out == "freed 0.0 MB (0 bytes): 0 actions, 0 artifacts, 0 objects\n"
+    assert capsys.readouterr().out == "freed 0.0 MB (0 bytes): 0 actions, 0 artifacts, 0 objects, 0 records of deleted files\n"
     assert ran(project.build("xl")) == []
     b = project.build("xl-mtp")
     assert sorted(ran(b)) == ["graft", "publish", "requantize", "verify_head"]
@@ -490,3 +490,25 @@ def test_idle_write_buffers_stay_resident_until_dropped(tmp_path):
     before = rss()
     drop_idle_write_buffers()
     assert before - rss() > 6 << 20, f"RSS {before >> 20} -> {rss() >> 20} MB"
+
+
+def test_gc_forgets_the_records_of_deleted_files(tmp_path):
+    """Hashed files that are gone leave no record: neither their path's nor a place in the
+    list of paths with their content; files still there keep theirs."""
+    store = Store(tmp_path / "store")
+    a, b, c = (tmp_path / n for n in "abc")
+    a.write_bytes(b"same")
+    b.write_bytes(b"same")
+    c.write_bytes(b"other")
+    same, _, other = store.digest_files([a, b, c])
+    a.unlink()
+    c.unlink()
+
+    def mentions(path) -> int:
+        return sum(str(path) in f.read_text() for f in (store.root / "sources").rglob("*") if f.is_file())
+
+    assert store.gc(dry_run=True)["files"] == 2 and mentions(a) == 2 and mentions(c) == 2
+    assert store.gc()["files"] == 2
+    assert mentions(a) == mentions(c) == 0 and mentions(b) == 2
+    assert store.find_local(same) == b and store.find_local(other) is None
+    assert store.gc()["files"] == 0
