@@ -838,34 +838,41 @@ class Store:
                     removed["bytes"] += p.stat().st_size
                     if not dry_run:
                         p.unlink()
-        removed["files"] = self._forget_gone_files(dry_run)
+        removed["files"], freed = self._forget_gone_files(dry_run)
+        removed["bytes"] += freed
         if not dry_run:
             shutil.rmtree(self.root / "tmp", ignore_errors=True)
             (self.root / "tmp").mkdir(exist_ok=True)
         return removed
 
-    def _forget_gone_files(self, dry_run: bool) -> int:
+    def _forget_gone_files(self, dry_run: bool) -> tuple[int, int]:
         """Drop the stat records of files that no longer exist (a source deleted, a published
         directory removed or swapped out) from ``sources/``: path -> digest records, and those
-        paths from the digest -> paths lists. Returns how many path records go."""
-        gone = 0
+        paths from the digest -> paths lists (a list left empty goes). Returns how many path
+        records go and the bytes of the record files removed."""
+        gone = freed = 0
         with self._sources_lock:
             for p in sorted((self.root / "sources").glob("*/*")):
                 try:
                     rec = json.loads(p.read_text())
                 except (OSError, ValueError):
                     continue
-                if isinstance(rec, dict) and not os.path.lexists(rec.get("path", "")):
+                if isinstance(rec, dict):  # path -> digest
+                    if os.path.lexists(rec.get("path", "")):
+                        continue
                     gone += 1
-                    if not dry_run:
-                        p.unlink()
-                elif isinstance(rec, list) and not dry_run:
+                elif isinstance(rec, list):  # digest -> paths
                     live = [q for q in rec if os.path.lexists(q)]
-                    if not live:
-                        p.unlink()
-                    elif live != rec:
-                        atomic_write(p, keys.canonical_json(live), self.root / "tmp")
-        return gone
+                    if live:
+                        if live != rec and not dry_run:
+                            atomic_write(p, keys.canonical_json(live), self.root / "tmp")
+                        continue
+                else:
+                    continue
+                freed += p.stat().st_size
+                if not dry_run:
+                    p.unlink()
+        return gone, freed
 
     def check(self) -> list[str]:
         """Re-hash every object and listing; return a line per corrupt entry (and remove it)."""

@@ -507,8 +507,14 @@ def test_gc_forgets_the_records_of_deleted_files(tmp_path):
     def mentions(path) -> int:
         return sum(str(path) in f.read_text() for f in (store.root / "sources").rglob("*") if f.is_file())
 
-    assert store.gc(dry_run=True)["files"] == 2 and mentions(a) == 2 and mentions(c) == 2
-    assert store.gc()["files"] == 2
+    dry = store.gc(dry_run=True)
+    assert dry["files"] == 2 and mentions(a) == 2 and mentions(c) == 2
+    records = {f: f.stat().st_size for f in (store.root / "sources").rglob("*") if f.is_file()}
+    done = store.gc()
+    assert done == dry and done["files"] == 2
+    # the bytes freed: a's and c's path records and c's emptied list (a's list still names b)
+    assert done["bytes"] == sum(n for f, n in records.items() if not f.exists())
+    assert sum(1 for f in records if not f.exists()) == 3
     assert mentions(a) == mentions(c) == 0 and mentions(b) == 2
     assert store.find_local(same) == b and store.find_local(other) is None
     assert store.gc()["files"] == 0
