@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
-from . import graph as graphs
-from . import keys
+from . import keys, uptodate
 from .errors import BuildkitError, UsageError
 
 EPILOG = """\
@@ -25,10 +26,14 @@ The store defaults to ./cache (override with --store or BUILDKIT_STORE).
 """
 
 
+def _store_root(args) -> Path:
+    return Path(args.store or os.environ.get("BUILDKIT_STORE") or "cache").absolute()
+
+
 def _store(args):
     from .store import Store
 
-    return Store(args.store or os.environ.get("BUILDKIT_STORE") or Path("cache"))
+    return Store(_store_root(args))
 
 
 def _manifest(args):
@@ -52,11 +57,41 @@ def _scheduler(args):
     return Scheduler(_manifest(args), _store(args), opts)
 
 
+def _build_request(args) -> dict | None:
+    """What a plain build's result depends on besides files (``uptodate.py``); None for a
+    build that must plan (a target, a release, a push, a re-hash)."""
+    if args.target or args.release or args.push or args.rehash:
+        return None
+    return {
+        "variant": args.variant,
+        "manifests": os.path.abspath(args.manifests),
+        "source": args.source,
+        "out": os.path.abspath(args.out) if args.out else None,
+        "cwd": os.getcwd(),
+        "python": [sys.prefix, sys.version],
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("BUILDKIT_", "HF_"))},
+    }
+
+
 def cmd_build(args) -> int:
     if args.release and args.target:
         raise UsageError("--release locks the whole variant; drop --target")
+    started = time.time_ns()
+    request = _build_request(args)
+    if request is not None and not args.full_check and (rec := uptodate.check(_store_root(args), request)):
+        if not args.quiet:
+            for name, kind, key in rec["nodes"]:
+                print(f"[cached] {name} ({kind}) {key}", file=sys.stderr)
+            n = len(rec["nodes"])
+            print(f"{rec['variant']}: {n} steps, 0 ran, {n} cached in {(time.time_ns() - started) / 1e9:.2f}s "
+                  f"(up to date: {len(rec['files'])} files as the last build left them)", file=sys.stderr)
+        return 0
     sched = _scheduler(args)
     states = sched.build(args.target or None, jobs=args.jobs, quiet=args.quiet)
+    if request is not None and (files := sched.watched(states)) is not None:
+        report = {"variant": sched.m.name, "nodes": [[s.name, s.kind, keys.short(s.key)] for s in states]}
+        with contextlib.suppress(OSError):  # only a shortcut for the next build; this one is done
+            uptodate.record(sched.store.root, request, *files, report, started)
     if args.release:
         from .release import write_lock
 
@@ -88,6 +123,8 @@ def cmd_explain(args) -> int:
 
 
 def cmd_graph(args) -> int:
+    from . import graph as graphs
+
     print(graphs.render(graphs.build(_manifest(args)), args.format))
     return 0
 
@@ -141,7 +178,9 @@ def cmd_list(args) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
+    """``fixture_options=False`` leaves out the ``fixture`` command's options, which come from
+    FixtureSpec (pydantic): a build with nothing to do imports neither."""
     p = argparse.ArgumentParser(
         prog="buildkit",
         description="Declarative, content-addressed builds of quantized MLX model variants.",
@@ -167,6 +206,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--push", metavar="ORG/NAME", help="upload the published directory with huggingface_hub")
     b.add_argument("--dry-run", action="store_true", help="with --push: list the upload operations instead")
     b.add_argument("--rehash", action="store_true", help="re-hash source files instead of trusting the stat cache")
+    b.add_argument(
+        "--full-check", action="store_true",
+        help="decide every step by its key even if no file it depends on changed since the last successful build",
+    )
     b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
     pl = variant_cmd("plan", cmd_plan, "Show every step as fresh or stale, with the reason.")
@@ -195,22 +238,24 @@ def parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="List the variants in --manifests.")
     ls.set_defaults(fn=cmd_list)
 
-    from .fixture import FixtureSpec
-
     fx = sub.add_parser(
         "fixture",
         help="Write a small deterministic qwen3_5_moe checkpoint in Hugging Face layout.",
         description="Write a small deterministic qwen3_5_moe checkpoint (sharded bf16 safetensors + index, config.json, tokenizer, mtp.* in the last shard).",
     )
     fx.add_argument("out", help="directory to create (must not exist or be empty)")
-    for name, f in FixtureSpec.model_fields.items():
-        fx.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, help=f"(default {f.default})")
+    if fixture_options:
+        from .fixture import FixtureSpec
+
+        for name, f in FixtureSpec.model_fields.items():
+            fx.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, help=f"(default {f.default})")
     fx.set_defaults(fn=cmd_fixture)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser(fixture_options="fixture" in argv).parse_args(argv)
     try:
         return args.fn(args)
     except BuildkitError as e:

@@ -455,6 +455,23 @@ class Scheduler:
                 + (f", {ctx.progress.done} tensors" if ctx.progress.done else "")
             )
 
+    def watched(self, states: list[NodeState]) -> tuple[list[Path], list[Path]] | None:
+        """The files whose stat vouches for this build (``uptodate.py``): inputs (the manifest
+        chain, what steps read outside the store) and outputs (what steps wrote, and the store
+        records and objects of every node), or None if some step cannot say."""
+        inputs, outputs = [Path(f) for f in self.m.chain], []
+        for st in states:
+            node = self.m.nodes[st.name]
+            files = node.step.watch(node.params, self._ctx(st.name))
+            if files is None:
+                return None
+            inputs += files[0]
+            outputs += files[1]
+        outputs += self.store.record_files(
+            [st.key for st in states], [d for st in states for d in st.outputs.values()]
+        )
+        return [p.absolute() for p in inputs], [p.absolute() for p in outputs]
+
     def _warm(self, nodes: set[str], states: dict) -> None:
         """Nodes that will run: import what they need (``Step.imports``) on a spare thread
         meanwhile, so a slow import is not paid on the critical path later."""

@@ -736,6 +736,17 @@ class Store:
                     return False
         return all(self.has_object(d) for d in art.files.values())
 
+    def record_files(self, action_keys: Iterable[str], artifacts: Iterable[str]) -> list[Path]:
+        """The store files a build that finds these keys cached reads: their action records,
+        the artifact listings and the objects those name (a view's source file is not here)."""
+        paths = [_fan(self.root / "actions", k) for k in action_keys]
+        for digest in artifacts:
+            paths.append(_fan(self.root / "artifacts", digest))
+            art = self.get_artifact(digest)
+            paths += [self.object_path(t["digest"]) for t in art.tensors.values() if "digest" in t]
+            paths += [self.object_path(d) for d in art.files.values()]
+        return list(dict.fromkeys(paths))
+
     # ---- actions -------------------------------------------------------------------
 
     def get_action(self, key: str) -> dict | None:

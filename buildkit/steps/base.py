@@ -127,6 +127,16 @@ class Step:
     def run(self, ctx: Context, params: Params, inputs: dict[str, list[Artifact]]) -> dict[str, Artifact]:
         raise NotImplementedError
 
+    def watch(self, params: Params, ctx: Context) -> tuple[list[Path], list[Path]] | None:
+        """Files outside the store this step reads (inputs) and writes (outputs), whose stat
+        vouches that a build that changed none of them would change nothing (``uptodate.py``);
+        None if a stat cannot tell. A step that reads only its inputs watches nothing; one
+        with a fingerprint or an ``outdated`` check looks outside and must say where."""
+        own = type(self)
+        if own.fingerprint is not Step.fingerprint or own.outdated is not Step.outdated:
+            return None
+        return [], []
+
     # Modules ``run`` imports that are slow to import (mlx_lm pulls in transformers: ~1.2 s).
     # Once a build runs its first step, the scheduler imports those of the steps after it on
     # a spare thread, while that step works (or its source is hashed, in a first build);

@@ -57,6 +57,9 @@ class Calibrate(Step):
     def describe_fingerprint_change(self, old, new) -> str:
         return "calibration text changed"
 
+    def watch(self, params: CalibrateParams, ctx: Context):
+        return [cal.text_path(params.text, ctx.options.project_root)], []
+
     def run(self, ctx: Context, params: CalibrateParams, inputs) -> dict[str, Artifact]:
         model = inputs["model"][0]
         path = cal.text_path(params.text, ctx.options.project_root)

@@ -139,6 +139,16 @@ class Fetch(Step):
         root, _ = self.resolve(params, ctx)
         return self._digests(ctx, root, self._files(root), rehash=ctx.options.rehash)
 
+    def watch(self, params: FetchParams, ctx: Context) -> tuple[list[Path], list[Path]] | None:
+        """The source's files and directories (their mtimes change when files come or go); a
+        hub revision that is not a commit may move without any local file changing."""
+        if source_kind(params.source) == "hf" and not PINNED.match(HF_RE.match(params.source)["rev"] or ""):
+            return None
+        root, _ = self.resolve(params, ctx)
+        files = self._files(root)
+        dirs = {root, *(p.parent for p in files)}
+        return sorted(dirs) + files, []
+
     def describe_fingerprint_change(self, old, new) -> str:
         old, new = old or {}, new or {}
         changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))

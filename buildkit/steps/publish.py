@@ -246,6 +246,10 @@ class Publish(Step):
                 return f"{out / name} is missing"
         return None
 
+    def watch(self, params: PublishParams, ctx: Context):
+        out = out_dir(params, ctx)
+        return [], [out, *sorted(out.rglob("*"))]
+
     def prepare(self, ctx: Context, params: PublishParams, inputs) -> Staged:
         """Everything but the verify reports: shards, index, config and side files in a temp
         directory beside the target, checked (index parity, mlx_lm load)."""
