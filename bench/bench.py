@@ -408,18 +408,20 @@ def write_manifests(dest: Path, source: Path, skip_oq4e: bool = False) -> list[s
     return variants
 
 
-def noop(label: str, variants: list[str], store: Path, src: Path, out: Path, ctx: dict) -> dict:
+def noop(label: str, variants: list[str], store: Path, src: Path, out: Path, ctx: dict, *extra) -> dict:
     """Median and max wall time of a fully cached ``buildkit build`` of each variant.
 
     Each variant first gets one untimed run (reported as ``first``): the figure is the cost of
     deciding that nothing needs doing, not of Python reading its own modules and the store's
     listings back from the disk after something else pushed them out of the page cache (the
     no-op builds follow oq4e-mtp-xl's 25-minute build, after which a first run took 2.2 s).
+    A first run that finds no up-to-date record (buildkit/uptodate.py) plans in full and
+    leaves one; with ``--full-check`` every run plans in full.
     """
     res = {}
     for v in variants:
-        first = build(f"{label}-{v}-first", v, store, src, out, ctx)
-        runs = [build(f"{label}-{v}-{i}", v, store, src, out, ctx) for i in range(ctx["repeat"])]
+        first = build(f"{label}-{v}-first", v, store, src, out, ctx, *extra)
+        runs = [build(f"{label}-{v}-{i}", v, store, src, out, ctx, *extra) for i in range(ctx["repeat"])]
         for r in [first, *runs]:
             if r.ran:
                 sys.exit(f"bench: no-op build of {v} ran {r.ran}; see {r.log}")
@@ -508,6 +510,7 @@ def run_bench(args) -> dict:
 
     print("2. no-op rebuilds", flush=True)
     R["noop"] = noop("noop", variants, store, src, out, ctx)
+    R["noop_full"] = noop("noop-full", variants, store, src, out, ctx, "--full-check")
     R["noop_rehash"] = asdict(build("noop-rehash-xl", "xl", store, src, out, ctx, "--rehash"))
     tiny_src, tiny_store, tiny_out = work / "tiny-fixture", work / "tiny-store", work / "tiny-out"
     for d in (tiny_store, tiny_out):
@@ -520,6 +523,7 @@ def run_bench(args) -> dict:
     for v in variants:
         build(f"tiny-{v}", v, tiny_store, tiny_src, tiny_out, tiny_ctx)
     R["noop_tiny"] = noop("noop-tiny", variants, tiny_store, tiny_src, tiny_out, tiny_ctx)
+    R["noop_full_tiny"] = noop("noop-full-tiny", variants, tiny_store, tiny_src, tiny_out, tiny_ctx, "--full-check")
     R["tiny_bytes"] = sum(p.stat().st_size for p in shard_files(tiny_src))
 
     print("3. incremental: only the MTP head's role bits change", flush=True)
@@ -588,6 +592,8 @@ def report(R: dict, M: dict) -> str:
     noop_max = max(v["max"] for v in R["noop"].values())
     noop_sum = sum(v["median"] for v in R["noop"].values())
     noop_tiny_sum = sum(v["median"] for v in R["noop_tiny"].values())
+    full_sum = sum(v["median"] for v in R.get("noop_full", {}).values())
+    full_tiny_sum = sum(v["median"] for v in R.get("noop_full_tiny", {}).values())
     inc, cold_inc = R["incremental"], R["cold_incremental"]
     unchecked = R.get("cold_unchecked") or []  # absent from results saved before it was measured
     mid = median_run(unchecked)["wall"] if unchecked else math.nan
@@ -629,6 +635,12 @@ def report(R: dict, M: dict) -> str:
         f"| 2 | no-op rebuild, all variants (sum of medians) | {noop_sum:.2f} s | {noop_tiny_sum:.2f} s on the "
         f"{R['tiny_bytes'] / MB:.1f} MB fixture | {noop_sum / noop_tiny_sum:.2f} | ≈ 1 (size-independent) | "
         f"{verdict(noop_sum < 1.5 * noop_tiny_sum + 0.05)} |",
+        *([f"| 2 | no-op with `--full-check` (every key looked up, no up-to-date record), slowest single | "
+           f"{max(v['max'] for v in R['noop_full'].values()):.2f} s | | | < 0.5 s | "
+           f"{verdict(max(v['max'] for v in R['noop_full'].values()) < 0.5)} |",
+           f"| 2 | no-op with `--full-check`, all variants (sum of medians) | {full_sum:.2f} s | {full_tiny_sum:.2f} s on the "
+           f"{R['tiny_bytes'] / MB:.1f} MB fixture | {full_sum / full_tiny_sum:.2f} | ≈ 1 (size-independent) | "
+           f"{verdict(full_sum < 1.5 * full_tiny_sum + 0.05)} |"] if "noop_full" in R else []),
         f"| 2 | no-op with `--rehash` (xl) | {R['noop_rehash']['wall']:.2f} s | | | (escape hatch) | |",
         f"| 3 | incremental (MTP bits) bytes read (rchar) | {inc['rchar'] / GB:.2f} GB | {cold_inc['rchar'] / GB:.2f} GB cold | "
         f"{inc['rchar'] / cold_inc['rchar']:.2f} | ≤ {read_budget / GB:.2f} GB (MTP + publish) | "
@@ -708,15 +720,17 @@ def report(R: dict, M: dict) -> str:
         "is bounded below by the head's share, not by sharing.",
         "",
         "No-op detail (median wall of each invocation, after one untimed first run whose wall is shown; "
-        "the rchar is Python reading its own modules):",
+        "the rchar is Python reading its own modules; `--full-check` plans every step):",
         "",
-        "| variant | this fixture | (first run) | tiny fixture | rchar | peak RSS |",
-        "|---|---|---|---|---|---|",
+        "| variant | this fixture | (first run) | tiny fixture | rchar | peak RSS | `--full-check` | tiny, `--full-check` |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for v, r in R["noop"].items():
+        full, full_tiny = R.get("noop_full", {}).get(v), R.get("noop_full_tiny", {}).get(v)
         L.append(
             f"| {v} | {r['median']:.2f} s | {r.get('first', math.nan):.2f} s | {R['noop_tiny'][v]['median']:.2f} s | "
-            f"{r['rchar'] / MB:.1f} MB | {r['peak_rss'] / MB:.0f} MB |"
+            f"{r['rchar'] / MB:.1f} MB | {r['peak_rss'] / MB:.0f} MB | "
+            f"{full['median'] if full else math.nan:.2f} s | {full_tiny['median'] if full_tiny else math.nan:.2f} s |"
         )
     if R["aborted_at_exit"]:
         L += [
