@@ -127,3 +127,13 @@ def test_an_input_modified_just_before_the_build_leaves_no_record(built):
         p = build(project, src)
         assert UP_TO_DATE not in p.stderr and ran(p) == []
     assert not list((project.store / "uptodate").glob("*.json"))
+
+
+def test_a_damaged_record_is_ignored_and_replaced(built):
+    project, src = built
+    assert UP_TO_DATE in build(project, src).stderr
+    record = next((project.store / "uptodate").glob("*.json"))
+    record.write_text('{"request": ')
+    p = build(project, src)
+    assert UP_TO_DATE not in p.stderr and ran(p) == [] and cached(p) == XL
+    assert UP_TO_DATE in build(project, src).stderr
