@@ -21,7 +21,10 @@ How things are measured:
 - Every measured command runs as a child process. Wall time is taken around it; peak RSS
   and CPU time come from ``os.wait4`` on that one child (its own ``ru_maxrss``, so no
   ``/usr/bin/time`` is needed); bytes read and written come from ``/proc/<pid>/io`` of the
-  exited child, read before it is reaped (``waitid(WNOWAIT)``).
+  exited child, read before it is reaped (``waitid(WNOWAIT)``). Linux carries a process's
+  high-water RSS across ``exec``, and a child starts as (a fork of) the bench, so a child's
+  peak is never below the bench's own resident memory when it started it (~35 MB): that
+  floor is what the no-op rows show; it is far below the cold builds' peaks.
 - ``rchar``/``wchar`` count every byte passed through read()/write() syscalls, whether or
   not the page cache served it: that is "bytes the program read/wrote", independent of
   cache state. They include Python reading its own modules (a few MB; see the no-op row)
@@ -720,7 +723,8 @@ def report(R: dict, M: dict) -> str:
         "is bounded below by the head's share, not by sharing.",
         "",
         "No-op detail (median wall of each invocation, after one untimed first run whose wall is shown; "
-        "the rchar is Python reading its own modules; `--full-check` plans every step):",
+        "the rchar is Python reading its own modules; `--full-check` plans every step; peak RSS cannot be below "
+        "the bench's own resident memory when it starts the child, ~35 MB: Linux keeps the high-water mark across exec):",
         "",
         "| variant | this fixture | (first run) | tiny fixture | rchar | peak RSS | `--full-check` | tiny, `--full-check` |",
         "|---|---|---|---|---|---|---|---|",
