@@ -5,7 +5,7 @@ sources (by stat), looks up every node's key and checks its outputs. Most of tha
 Python importing pydantic and the steps. So a successful build leaves a record in the store,
 under the request that made it (variant, manifests, source, out, store, working directory,
 Python, ``BUILDKIT_*`` / ``HF_*`` environment): the stat (device, inode, size, mtime) of
-every file it depended on, and the nodes it reported as ``[cached]``:
+every file it depended on, and its nodes (name, kind, key) to report as ``[cached]``:
 
 - inputs: the manifest chain, what the steps read outside the store (``Step.watch``: the
   source's files and directories, a calibration text), buildkit's own modules and the
@@ -15,7 +15,8 @@ every file it depended on, and the nodes it reported as ``[cached]``:
 
 The next identical request stats those files; if none changed, the build is done without
 importing the rest of buildkit. Anything else (a changed, added or removed file; ``--rehash``,
-``--target``, ``--release``) takes the full path, which decides by content digests as always.
+``--target``, ``--release``, ``--full-check``) takes the full path, which decides by content
+digests as always.
 Trusting a stat is what the source hash records already do; an input modified less than
 two timestamp ticks before the build started (``store.RACY_TICK_NS``) could change again unseen,
 so such a build leaves no record.
