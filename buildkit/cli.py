@@ -88,10 +88,13 @@ def cmd_build(args) -> int:
         return 0
     sched = _scheduler(args)
     states = sched.build(args.target or None, jobs=args.jobs, quiet=args.quiet)
-    if request is not None and (files := sched.watched(states)) is not None:
-        report = {"variant": sched.m.name, "nodes": [[s.name, s.kind, keys.short(s.key)] for s in states]}
-        with contextlib.suppress(OSError):  # only a shortcut for the next build; this one is done
-            uptodate.record(sched.store.root, request, *files, report, started)
+    if request is not None:
+        # Only a shortcut for the next build: this one is done, whatever happens to the record
+        # (a store entry collected meanwhile, a full disk).
+        with contextlib.suppress(OSError, BuildkitError):
+            if (files := sched.watched(states)) is not None:
+                report = {"variant": sched.m.name, "nodes": [[s.name, s.kind, keys.short(s.key)] for s in states]}
+                uptodate.record(sched.store.root, request, *files, report, started)
     if args.release:
         from .release import write_lock
 
