@@ -740,7 +740,7 @@ class Store:
         """The store files a build that finds these keys cached reads: their action records,
         the artifact listings and the objects those name (a view's source file is not here)."""
         paths = [_fan(self.root / "actions", k) for k in action_keys]
-        for digest in artifacts:
+        for digest in dict.fromkeys(artifacts):  # nodes may share an output: read it once
             paths.append(_fan(self.root / "artifacts", digest))
             art = self.get_artifact(digest)
             paths += [self.object_path(t["digest"]) for t in art.tensors.values() if "digest" in t]

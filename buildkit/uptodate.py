@@ -76,21 +76,10 @@ def record(store_root: Path, request: dict, inputs: list[Path], outputs: list[Pa
     from .store import RACY_TICK_NS, atomic_write
 
     path = record_path(store_root, request)
-    files: dict[str, list[int]] = {}
-    ok = True
-    for p in [*environment_files(), *inputs]:
-        got = ident(p)
-        if got is None or started_ns - got[3] <= RACY_TICK_NS:
-            ok = False
-            break
-        files[str(p)] = got
-    for p in outputs if ok else ():
-        got = ident(p)
-        if got is None:
-            ok = False
-            break
-        files[str(p)] = got
-    if not ok:
+    inputs = [*environment_files(), *inputs]
+    files = {str(p): ident(p) for p in [*inputs, *outputs]}
+    racy = any(started_ns - files[str(p)][3] <= RACY_TICK_NS for p in inputs if files[str(p)])
+    if racy or None in files.values():
         path.unlink(missing_ok=True)
         return False
     rec = {"request": request, "files": files, **report}
