@@ -646,9 +646,13 @@ class Store:
     def _remember(self, path: Path, ident: list[int], digest: str) -> None:
         """Record ``path``'s digest under its stat. Files that share its inode (hard links) share
         its bytes: their records move to the new stat too, since linking and unlinking change
-        the inode's ctime."""
+        the inode's ctime.
+
+        The path is listed under its digest before its own record is written: a build killed in
+        between leaves a path listed but not remembered, which the next build hashes and
+        records. The other order would leave a remembered path that ``find_local`` cannot find
+        by its digest, and every build after it would fail to resolve the source."""
         rec = {"path": str(path), "stat": ident, "digest": digest, "recorded_ns": time.time_ns()}
-        atomic_write(self._source_entry(path), keys.canonical_json(rec), self.root / "tmp")
         by_digest = _fan(self.root / "sources", digest)
         with self._sources_lock:  # two files with the same content: both paths are kept
             paths = set()
@@ -656,6 +660,7 @@ class Store:
                 paths = set(json.loads(by_digest.read_text()))
             if str(path) not in paths:
                 atomic_write(by_digest, keys.canonical_json(sorted(paths | {str(path)})), self.root / "tmp")
+            atomic_write(self._source_entry(path), keys.canonical_json(rec), self.root / "tmp")
             for other in sorted(paths - {str(path)}):
                 with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
                     e = json.loads(self._source_entry(Path(other)).read_text())

@@ -191,6 +191,38 @@ def test_killed_builds_resume_to_a_clean_builds_digests(clean, tmp_path, capsys)
     assert len(kills["store writes"]) >= 4, kills
 
 
+def test_a_kill_while_a_source_file_is_remembered_leaves_it_resolvable(tmp_path):
+    """A source file's digest is kept in two records (the file's own, and the list of files with
+    that digest). A process killed after any number of them is in place leaves a store where the
+    file still resolves by its digest: the kill comes from an audit hook on the renames that put
+    the records in place, so every point between them is hit, not just those a timer finds."""
+    src = tmp_path / "weights.safetensors"
+    src.write_bytes(os.urandom(1 << 16))
+    old = time.time() - 60  # older than the racy-timestamp window: a record of it is trusted
+    os.utime(src, (old, old))
+    digest = keys.blob_digest(src.read_bytes())
+    for done in (0, 1, 2):  # records in place when the process dies
+        root = tmp_path / f"store{done}"
+        hook = (
+            "import os, signal, sys\n"
+            "from buildkit.store import Store\n"
+            f"store, n = Store({str(root)!r}), 0\n"
+            "def hook(event, args):\n"
+            "    global n\n"
+            "    if event == 'os.rename' and os.sep + 'sources' + os.sep in str(args[1]):\n"
+            "        n += 1\n"
+            f"        if n > {done}:\n"
+            "            os.kill(os.getpid(), signal.SIGKILL)\n"
+            "sys.addaudithook(hook)\n"
+            f"store.digest_files([{str(src)!r}])\n"
+        )
+        p = subprocess.run([sys.executable, "-c", hook], capture_output=True, text=True)
+        assert p.returncode == (0 if done == 2 else -signal.SIGKILL), p.stderr
+        store = Store(root)
+        assert store.digest_file(src) == digest
+        assert store.resolve_external(digest) == src, f"killed with {done} record(s) in place"
+
+
 # ---- atomic publish ---------------------------------------------------------------------
 
 
