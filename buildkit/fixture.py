@@ -16,6 +16,7 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from .lazy import lazy
+from .store import settle
 
 np = lazy("numpy", __name__)
 tk = lazy("tokenizers", __name__, "tk")  # only for writing a tokenizer; the CLI parser reads FixtureSpec
@@ -409,7 +410,8 @@ def generate(
     named and shaped exactly like the Qwen3.6-35B-A3B Hugging Face checkpoint. The same spec
     gives byte-identical files on any machine. Tensors are streamed in chunks, so memory stays
     small whatever the size. Everything is written to a temporary sibling directory and renamed
-    into place at the end; ``progress`` (if given) receives one line per tensor written.
+    into place at the end, mtimes set a few seconds back (``store.settle``: a build that hashes
+    them at once need not hash them again); ``progress`` (if given) receives one line per tensor written.
 
     Raises ``FileExistsError`` if ``out_dir`` exists and is not an empty directory.
     """
@@ -433,6 +435,8 @@ def generate(
         config, generation = _configs(spec, _write_tokenizer(tmp, spec))
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation)
+        for f in tmp.iterdir():  # unseen until the rename: a digest of them is trusted at once
+            settle(f)
         os.chmod(tmp, 0o755)
         if out.exists():
             out.rmdir()
