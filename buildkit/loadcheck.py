@@ -29,6 +29,7 @@ from .store import Store
 
 VERSION = 1
 QUANT_KEYS = ("quantization", "quantization_config")
+MODULE = "mlx_lm.utils"  # what the check imports: ~1 s, mostly transformers
 
 
 def _versions() -> dict[str, str]:
@@ -87,7 +88,7 @@ def lookup(store: Store, config: dict, tensors: dict[str, dict], writer: dict) -
 
 def warm() -> None:
     """Import mlx_lm on a spare thread (~1.2 s, mostly transformers) for a check to come."""
-    workers.pool("imports").submit(importlib.import_module, "mlx_lm.utils", workers=1)
+    workers.pool("imports").submit(importlib.import_module, MODULE, workers=1)
 
 
 def check(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import importlib
 import os
 import sys
@@ -30,6 +31,12 @@ from .steps.base import BuildOptions, Context, Progress
 from .store import Store
 
 UNKNOWN = "(pending)"
+# A step about to hash this much new content (a new source) starts the imports a new model
+# needs (``Step.imports_if_new``) meanwhile: the hash waits on the disk, a core is free, and a
+# gigabyte takes about as long to hash as the slowest import (mlx_lm, ~1 s). Below that the
+# import would outlast the hash, and a build of a copied or touched source, which turns out to
+# hold bytes already built, would wait for an import it does not use.
+WARM_NEW_BYTES = 1 << 30
 
 
 class Cancelled(Exception):
@@ -393,6 +400,7 @@ class Scheduler:
         node = self.m.nodes[name]
         st = states[name]
         ctx = self._ctx(name, reporter)
+        ctx.on_new_content = functools.partial(self._new_content, name, states)
         prepared = self._prepare_early(name, states, prev, reporter, ctx)
         try:
             self._run_ready(node, st, states, prev, reporter, ctx, prepared)
@@ -472,10 +480,20 @@ class Scheduler:
         )
         return [p.absolute() for p in inputs], [p.absolute() for p in outputs]
 
-    def _warm(self, nodes: set[str], states: dict) -> None:
-        """Nodes that will run: import what they need (``Step.imports``) on a spare thread
-        meanwhile, so a slow import is not paid on the critical path later."""
-        mods = [m for n in self.order if n in nodes and n in states for m in self.m.nodes[n].step.imports]
+    def _new_content(self, name: str, states: dict, nbytes: int) -> None:
+        """``name`` is about to hash ``nbytes`` the store has never seen (``Context.new_content``)."""
+        if nbytes >= WARM_NEW_BYTES:
+            self._warm(set(self.topo.descendants[name]), states, new=True)
+
+    def _warm(self, nodes: set[str], states: dict, new: bool = False) -> None:
+        """Nodes that will run: import what they need (``Step.imports``; if they will build from
+        new content, ``Step.imports_if_new`` too) on a spare thread meanwhile, so a slow import
+        is not paid on the critical path later."""
+        mods = []
+        for n in self.order:
+            if n in nodes and n in states:
+                node = self.m.nodes[n]
+                mods += [*node.step.imports, *(node.step.imports_if_new(node.params) if new else ())]
         with self._warm_lock:
             todo = [m for m in dict.fromkeys(mods) if m not in self._warming]
             if todo:

@@ -148,7 +148,8 @@ def test_an_action_is_a_hit_only_when_whole(tmp_path, capsys):
 
 def test_source_files_hashed_together_are_remembered_and_resolvable(tmp_path):
     """digest_files hashes several files at once: each gets its content digest, the next call
-    trusts the stat cache (no bytes read), and two files with the same bytes both resolve."""
+    trusts the stat cache (no bytes read), and two files with the same bytes both resolve.
+    Its caller hears (``on_hash``) before any bytes are read, and only then."""
     src = tmp_path / "src"
     src.mkdir()
     rng = np.random.default_rng(0)
@@ -162,14 +163,19 @@ def test_source_files_hashed_together_are_remembered_and_resolvable(tmp_path):
         os.utime(files[-1], (t, t))
     store = Store(tmp_path / "cache")
     want = [keys.blob_digest(b) for b in blobs]
-    assert store.digest_files(files) == want
+    told = []  # (bytes to hash, bytes read so far), each time digest_files is about to hash
+
+    def tell(n):
+        told.append((n, store.stats.bytes_read))
+
+    assert store.digest_files(files, on_hash=tell) == want
     hashed = store.stats.bytes_read
-    assert hashed == sum(map(len, blobs))
+    assert hashed == sum(map(len, blobs)) and told == [(hashed, 0)]
     again = Store(tmp_path / "cache")
-    assert again.digest_files(reversed(files)) == want[::-1]
-    assert again.stats.bytes_read == 0  # remembered by stat, not re-read
-    assert store.digest_files(files, rehash=True) == want
-    assert store.stats.bytes_read == 2 * hashed
+    assert again.digest_files(reversed(files), on_hash=tell) == want[::-1]
+    assert again.stats.bytes_read == 0 and told == [(hashed, 0)]  # remembered by stat, not re-read
+    assert store.digest_files(files, rehash=True, on_hash=tell) == want
+    assert store.stats.bytes_read == 2 * hashed and told == [(hashed, 0), (hashed, hashed)]
     files[2].unlink()  # one of the two same-content files goes: the other still resolves
     assert Store(tmp_path / "cache").resolve_external(want[2]) == files[4]
     files[2].write_bytes(blobs[3][:1] + blobs[2][1:])  # back, changed: the other is found unread

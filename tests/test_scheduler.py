@@ -71,12 +71,42 @@ def test_first_build_runs_everything_second_nothing(project):
     assert [p for p in project.root.rglob("*") if ".tmp" in p.name] == []
 
 
-def imported(project, *argv: str) -> tuple[subprocess.CompletedProcess, set[str]]:
-    """Run the CLI with ``python -X importtime``: the result and the top-level packages imported."""
-    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "buildkit.cli", *project.args(*argv)],
-                       cwd=project.root, capture_output=True, text=True, check=True)
+def imported(project, *argv: str, check: bool = True, warm_new_bytes: int | None = None) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run the CLI with ``python -X importtime``: the result and the top-level packages imported.
+    ``warm_new_bytes``: the scheduler's ``WARM_NEW_BYTES`` for that run, instead of 1 GiB."""
+    run = ["-m", "buildkit.cli"]
+    if warm_new_bytes is not None:
+        run = ["-c", "import sys; from buildkit import cli, scheduler; "
+               f"scheduler.WARM_NEW_BYTES = {warm_new_bytes}; sys.exit(cli.main(sys.argv[1:]))"]
+    p = subprocess.run([sys.executable, "-X", "importtime", *run, *project.args(*argv)],
+                       cwd=project.root, capture_output=True, text=True, check=check)
     mods = {m[1].split(".")[0] for m in re.finditer(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", p.stderr, re.M)}
     return p, mods
+
+
+def test_a_new_source_starts_the_load_checks_import_while_it_is_hashed(project):
+    """mlx_lm's import (~1 s, for publish's load check) starts as soon as fetch finds source bytes
+    the store has never seen, before any step after it runs: a build whose quantize fails has
+    already imported it. The same build again, its source remembered, does not import it, nor
+    does a new source published without a load check, nor (by default) a source smaller than
+    the gigabyte whose hash takes as long as the import."""
+    fails = '[steps.quantize.params.rules]\n"no.such.tensor" = "router"\n'
+    project.write_manifest("broken", f'extends = "xl"\n{fails}')
+    project.write_manifest("unchecked", f'extends = "xl"\nsource = "fixture:seed=1"\n{fails}'
+                           '[steps.publish.params]\nload_check = false\n')
+
+    def failed(variant: str, warm_new_bytes: int | None = 0) -> set[str]:
+        p, mods = imported(project, "build", variant, "--out", str(project.out / variant), check=False,
+                           warm_new_bytes=warm_new_bytes)
+        assert p.returncode == 1 and "'no.such.tensor' match no tensor" in p.stderr, p.stderr
+        assert ran(p)[-1] == "quantize" and "publish" not in ran(p)
+        return mods
+
+    assert "mlx_lm" in failed("broken")  # the fixture source is generated, then hashed: new
+    assert "mlx_lm" not in (mods := failed("broken")) and "numpy" in mods  # remembered
+    assert "mlx_lm" not in failed("unchecked")
+    project.write_manifest("small", f'extends = "xl"\nsource = "fixture:seed=2"\n{fails}')
+    assert "mlx_lm" not in failed("small", warm_new_bytes=None)  # 4 MB: hashed in no time
 
 
 def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):

@@ -83,6 +83,13 @@ class Context:
     log_sink: Any = None
     prepared: Any = None  # what ``Step.prepare`` returned, when the scheduler called it
     fingerprint: Any = None  # what ``Step.fingerprint`` gave for this run's key
+    on_new_content: Any = None  # the scheduler's answer to ``new_content``
+
+    def new_content(self, nbytes: int) -> None:
+        """Say that this step is about to read ``nbytes`` of content the store has never seen
+        (source files it must hash): the steps after it will most likely build something new."""
+        if self.on_new_content is not None:
+            self.on_new_content(nbytes)
 
     def log(self, msg: str) -> None:
         if self.log_sink:
@@ -142,6 +149,13 @@ class Step:
     # a spare thread, while that step works (or its source is hashed, in a first build);
     # a build with nothing to do imports none.
     imports: ClassVar[tuple[str, ...]] = ()
+
+    def imports_if_new(self, params: Params) -> tuple[str, ...]:
+        """Slow imports ``run`` needs only for a model never built before (publish's load check:
+        mlx_lm runs it once per model). The scheduler starts them when a step before this one
+        reads enough new content (``Context.new_content``): a new source, while it is hashed
+        and the disk, not the CPU, is the bound."""
+        return ()
 
     # Optional, for steps with gate slots: start before the gates are ready.
     prepare: ClassVar[Any] = None  # (ctx, params, inputs without gate slots) -> handle for run

@@ -133,7 +133,8 @@ class Fetch(Step):
     @staticmethod
     def _digests(ctx: Context, root: Path, files: list[Path], rehash: bool = False) -> dict[str, str]:
         """Content digest of each file, by its path relative to ``root``."""
-        return {str(p.relative_to(root)): d for p, d in zip(files, ctx.store.digest_files(files, rehash=rehash))}
+        digests = ctx.store.digest_files(files, rehash=rehash, on_hash=ctx.new_content)
+        return {str(p.relative_to(root)): d for p, d in zip(files, digests)}
 
     def fingerprint(self, params: FetchParams, ctx: Context) -> dict:
         root, _ = self.resolve(params, ctx)

@@ -217,7 +217,7 @@ class Staged:
 class Publish(Step):
     kind = "publish"
     version = 2
-    imports = ("numpy",)  # mlx_lm only if the load check will run (``prepare``)
+    imports = ("numpy",)  # mlx_lm: ``imports_if_new``, else ``prepare`` once it knows the check runs
     Params = PublishParams
     # The model is written and load-checked while verify runs; the reports gate the swap.
     inputs = {"model": Slot(many=True), "source": Slot(), "report": Slot(required=False, many=True, gate=True)}
@@ -228,6 +228,11 @@ class Publish(Step):
 
     def key_params(self, params: PublishParams) -> dict:
         return params.model_dump(mode="json", exclude={"out"})
+
+    def imports_if_new(self, params: PublishParams) -> tuple[str, ...]:
+        """A new model has not been load-checked: mlx_lm's import (~1 s) is started while a new
+        source is hashed, rather than on the critical path after quantize."""
+        return (loadcheck.MODULE,) if params.load_check else ()
 
     def outdated(self, params: PublishParams, outputs: dict[str, Artifact], ctx: Context) -> str | None:
         out = out_dir(params, ctx)
