@@ -657,7 +657,9 @@ class Store:
         by its digest, and every build after it would fail to resolve the source."""
         rec = {"path": str(path), "stat": ident, "digest": digest, "recorded_ns": time.time_ns()}
         by_digest = _fan(self.root / "sources", digest)
-        with self._sources_lock:  # two files with the same content: both paths are kept
+        # Two files with the same content: both paths are kept, whichever threads or processes
+        # hash them (the list is read, extended and written back under both locks).
+        with self._sources_lock, self.lock(f"sources {digest}"):
             paths = set()
             with contextlib.suppress(FileNotFoundError, ValueError):
                 paths = set(json.loads(by_digest.read_text()))

@@ -223,6 +223,43 @@ def test_a_kill_while_a_source_file_is_remembered_leaves_it_resolvable(tmp_path)
         assert store.resolve_external(digest) == src, f"killed with {done} record(s) in place"
 
 
+def test_two_processes_remembering_copies_of_one_file_both_keep_theirs(tmp_path):
+    """Two builds that hash two copies of the same bytes at once both stay listed under the
+    digest: the first is held, by an audit hook, just before it puts the list in place, while
+    the second remembers its copy; then the first goes on. Without a lock across processes the
+    first would write back the list it read, without the second's path."""
+    data = os.urandom(1 << 16)
+    copies = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    old = time.time() - 60
+    for c in copies:
+        c.write_bytes(data)
+        os.utime(c, (old, old))
+    digest, root, held = keys.blob_digest(data), tmp_path / "store", tmp_path / "held"
+    first = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "from buildkit.store import Store\n"
+        f"store = Store({str(root)!r})\n"
+        "def hook(event, args):\n"
+        f"    if event == 'os.rename' and str(args[1]).endswith({digest.split(':')[-1][2:]!r}):\n"
+        f"        open({str(held)!r}, 'w').close()\n"
+        "        time.sleep(2)\n"
+        "sys.addaudithook(hook)\n"
+        f"store.digest_files([{str(copies[0])!r}])\n"
+    )], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not held.exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.poll() else "not held"
+        time.sleep(0.01)
+    Store(root).digest_files([copies[1]])  # waits for the first's list while it is held
+    assert first.wait(timeout=60) == 0, first.stderr.read()
+    store = Store(root)
+    copies[0].unlink()  # the other copy must still be found by the digest alone
+    assert store.resolve_external(digest) == copies[1]
+    copies[0].write_bytes(data)
+    copies[1].unlink()
+    assert Store(root).resolve_external(digest) == copies[0]
+
+
 # ---- atomic publish ---------------------------------------------------------------------
 
 
