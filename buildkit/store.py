@@ -659,7 +659,7 @@ class Store:
         by_digest = _fan(self.root / "sources", digest)
         # Two files with the same content: both paths are kept, whichever threads or processes
         # hash them (the list is read, extended and written back under both locks).
-        with self._sources_lock, self.lock(f"sources {digest}"):
+        with self._sources_lock, self.lock(keys.digest_json("sources", digest)):
             paths = set()
             with contextlib.suppress(FileNotFoundError, ValueError):
                 paths = set(json.loads(by_digest.read_text()))
