@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import keys, uptodate
+from . import allocator, keys, uptodate
 from .errors import BuildkitError, UsageError
 
 EPILOG = """\
@@ -259,6 +259,7 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser(fixture_options="fixture" in argv).parse_args(argv)
+    allocator.tune()
     try:
         return args.fn(args)
     except BuildkitError as e:

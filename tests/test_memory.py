@@ -10,6 +10,7 @@ No timing is asserted.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -133,3 +134,49 @@ def test_peak_rss_does_not_grow_with_the_largest_tensor(tmp_path):
         f"to {largest_l / MB:.0f} MB ({peaks['small'] / MB:.0f} -> {peaks['large'] / MB:.0f} MB): "
         "something holds a whole tensor"
     )
+
+
+MALLINFO = '''
+import ctypes, json, os, sys
+import numpy as np
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+if sys.argv[1] == "cli":
+    from buildkit.cli import main
+    assert main(sys.argv[2:]) == 0
+a = np.ones(16 << 20, np.uint8)  # a block of rows: above glibc's initial 128 KiB threshold
+mapped = libc.mallinfo2().hblkhd  # bytes in blocks served by mmap of their own
+del a
+print(json.dumps({"mapped": mapped, "kept": libc.mallinfo2().fordblks}))
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_a_build_process_keeps_freed_buffers_for_reuse(tmp_path):
+    """A build's blocks come from malloc's heap and stay there once freed, for the next block,
+    instead of each being mapped afresh and its pages faulted in (buildkit/allocator.py)."""
+    import ctypes
+
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("glibc < 2.33: no mallinfo2 to look with")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+
+    def child(*argv: str, **extra) -> dict:
+        out = subprocess.run([sys.executable, "-c", MALLINFO, *argv], env={**env, **extra}, cwd=tmp_path,
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.splitlines()[-1])  # after what the command printed
+
+    project = Project(tmp_path / "p")
+    tuned = child("cli", *project.args("list"))  # any command: main tunes the process first
+    assert tuned["mapped"] < 16 * MB, f"a 16 MB buffer was mmapped in a buildkit process: {tuned}"
+    assert tuned["kept"] >= 16 * MB, f"a freed 16 MB buffer went back to the OS: {tuned}"
+    # Without it (a plain process, or the user's own malloc settings), the same buffer is
+    # mmapped and unmapped: the difference this test sees is the tuning.
+    for plain in (child("plain"), child("cli", *project.args("list"), MALLOC_ARENA_MAX="2", MALLOC_TRIM_THRESHOLD_="131072")):
+        assert plain["mapped"] >= 16 * MB and plain["kept"] < 16 * MB, plain
