@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -273,5 +274,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The ``buildkit`` command: ``main``, then an exit that skips the interpreter's last
+    collections. A build leaves hundreds of thousands of objects (listings, records, modules)
+    for them to walk: after a cold xl build of the bench fixture, the process ended 0.27-0.36 s
+    after the build's last line, 0.06-0.08 s frozen (three builds each). Nothing is skipped
+    but that walk: atexit handlers and the flushing of open files run as before."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
