@@ -18,6 +18,7 @@ most that per arena (peak RSS of that build: 275-302 MB against 268-293 MB).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 
@@ -28,13 +29,19 @@ TRIM_THRESHOLD = 64 << 20  # both must be set: setting one alone freezes the oth
 ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 
 
+@functools.cache
+def libc() -> ctypes.CDLL:
+    """The process's C library (the store's ``syncfs`` and ``sync_file_range`` come from it too)."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def tune() -> bool:
     """Set both thresholds for this process, unless it is not on glibc or malloc's own
     environment variables are set (the user's choice stands); True if they were set."""
     if not sys.platform.startswith("linux") or any(k in os.environ for k in ENV):
         return False
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        mallopt = libc().mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -21,7 +21,6 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import functools
 import itertools
 import json
 import mmap
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import keys
+from .allocator import libc
 from .errors import SourceError, StoreError, StoreMiss
 from .lazy import lazy
 from .tensors import DTYPES, Header, byte_view, nbytes, read_header, read_slice, read_tensor
@@ -77,15 +77,10 @@ HASH_CHUNK = 4 << 20  # source files are hashed through a buffer of this size
 HASH_READERS = 4  # source files hashed at once
 
 
-@functools.cache
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
-
-
 def start_writeback(fd: int) -> None:
     """Start writing a file's dirty pages to disk without waiting (Linux sync_file_range), so
     a later ``sync_objects`` finds little left to wait for; a no-op elsewhere."""
-    fn = getattr(_libc(), "sync_file_range", None)
+    fn = getattr(libc(), "sync_file_range", None)
     if fn is not None:
         SYNC_FILE_RANGE_WRITE = 2
         fn(fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE)
@@ -370,7 +365,7 @@ class Store:
         if not self._unsynced:
             return
         self._unsynced = False  # before syncing: an object written meanwhile sets it again
-        syncfs = getattr(_libc(), "syncfs", None)
+        syncfs = getattr(libc(), "syncfs", None)
         fd = os.open(self.root / "objects", os.O_RDONLY)
         try:
             if syncfs is None or syncfs(fd) != 0:
