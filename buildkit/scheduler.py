@@ -23,8 +23,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import allocator, keys, workers
 from . import graph as graphs
-from . import keys, workers
 from .errors import BuildkitError, StepError, StoreMiss
 from .manifest import Manifest, Node
 from .steps.base import BuildOptions, Context, Progress
@@ -515,3 +515,4 @@ def _import_all(modules: list[str]) -> None:
     for m in modules:
         with contextlib.suppress(Exception):  # a step that needs it reports the failure itself
             importlib.import_module(m)
+        allocator.tune_imported()
