@@ -197,14 +197,14 @@ def test_a_build_process_keeps_no_second_reserve_in_mlx(tmp_path):
     ~30 MB of the peak on the bench fixture); without the tuning it stays, the only reserve."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
 
-    def child(**extra) -> dict:  # a cold build each, in a project of its own
-        project = Project(tmp_path / str(len(list(tmp_path.iterdir()))))
+    def child(name: str, **extra) -> dict:  # a cold build each, in a project of its own
+        project = Project(tmp_path / name)
         out = subprocess.run([sys.executable, "-c", MLX_CACHE, *project.args("build", "xl", "--out", str(project.out))],
                              env={**env, **extra}, cwd=project.root, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout.splitlines()[-1])
 
-    tuned = child()
+    tuned = child("tuned")
     assert tuned == {"cached": 0, "limit": 0}, tuned
-    plain = child(MALLOC_TRIM_THRESHOLD_="131072")  # the user's malloc settings: tune stands aside
+    plain = child("plain", MALLOC_TRIM_THRESHOLD_="131072")  # the user's malloc settings: tune stands aside
     assert plain["limit"] > 0, plain
