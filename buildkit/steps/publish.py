@@ -148,10 +148,9 @@ def _alive(pid: int) -> bool:
 
 
 def write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    """A small file, through the page cache, fsynced before it is closed."""
+    with DirectFile(path, direct=False) as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: list[Artifact], reports: list[dict], bpw: float, n_tensors: int) -> str:
