@@ -1,4 +1,5 @@
-"""Import heavy modules on first use, so a no-op build does not pay for numpy.
+"""Import heavy modules on first use, so a no-op build does not pay for numpy, or ahead
+of use on a spare thread, so a slow import (mlx_lm: ~1 s) is not paid on the critical path.
 
 ``np = lazy("numpy", __name__)`` binds a stand-in that imports numpy the first
 time one of its attributes is read and then replaces itself in the module's
@@ -7,8 +8,12 @@ globals, so later lookups cost nothing extra.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
+from concurrent.futures import Future
+
+from . import allocator, workers
 
 
 class _Lazy:
@@ -29,3 +34,15 @@ def lazy(name: str, owner: str, alias: str = "np") -> object:
     if name in sys.modules:
         return sys.modules[name]
     return _Lazy(name, owner, alias)
+
+
+def import_ahead(modules: list[str]) -> Future:
+    """Import ``modules`` in order on the one thread of the "imports" pool; done when all are."""
+    return workers.pool("imports").submit(_import_all, list(modules), workers=1)
+
+
+def _import_all(modules: list[str]) -> None:
+    for m in modules:
+        with contextlib.suppress(Exception):  # whoever needs it reports the failure itself
+            importlib.import_module(m)
+        allocator.tune_imported()  # mlx's buffer cache off as soon as mlx is in

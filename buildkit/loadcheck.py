@@ -17,13 +17,12 @@ The records are a cache: ``buildkit gc`` removes them and the next build checks 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from . import keys, workers
+from . import keys, lazy
 from .errors import StepError
 from .store import Store
 
@@ -88,7 +87,7 @@ def lookup(store: Store, config: dict, tensors: dict[str, dict], writer: dict) -
 
 def warm() -> None:
     """Import mlx_lm on a spare thread (~1.2 s, mostly transformers) for a check to come."""
-    workers.pool("imports").submit(importlib.import_module, MODULE, workers=1)
+    lazy.import_ahead([MODULE])
 
 
 def check(

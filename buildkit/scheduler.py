@@ -10,10 +10,8 @@ refs so that every rebuild can say why.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
-import importlib
 import os
 import sys
 import threading
@@ -23,8 +21,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import allocator, keys, workers
 from . import graph as graphs
+from . import keys, lazy, workers
 from .errors import BuildkitError, StepError, StoreMiss
 from .manifest import Manifest, Node
 from .steps.base import BuildOptions, Context, Progress
@@ -497,7 +495,7 @@ class Scheduler:
         with self._warm_lock:
             todo = [m for m in dict.fromkeys(mods) if m not in self._warming]
             if todo:
-                fut = workers.pool("imports").submit(_import_all, todo, workers=1)
+                fut = lazy.import_ahead(todo)
                 self._warming.update(dict.fromkeys(todo, fut))
 
     def _record(self, states: dict[str, NodeState]) -> None:
@@ -509,10 +507,3 @@ class Scheduler:
             self.m.name,
             {"keys": {n: v["key"] for n, v in nodes.items()}, "nodes": nodes, "topology": asdict(self.topo)},
         )
-
-
-def _import_all(modules: list[str]) -> None:
-    for m in modules:
-        with contextlib.suppress(Exception):  # a step that needs it reports the failure itself
-            importlib.import_module(m)
-        allocator.tune_imported()
