@@ -338,7 +338,7 @@ def buildkit_digest(paths: list[Path], store: Path) -> float:
 
     s = Store(store)
     t0 = time.perf_counter()
-    s.digest_files(paths, rehash=True)
+    s.sources.digest_files(paths, rehash=True)
     return time.perf_counter() - t0
 
 

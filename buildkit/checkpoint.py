@@ -216,7 +216,7 @@ def scan_source(store, art) -> dict[str, tuple[str, TensorInfo]]:
     for rel, digest in sorted(art.external.items()):
         if not rel.endswith(".safetensors"):
             continue
-        header = read_header(store.resolve_external(digest))
+        header = read_header(store.sources.resolve(digest))
         for name, info in header.tensors.items():
             if name in found:
                 raise SourceError(f"tensor {name!r} appears in both {where[name]} and {rel}")

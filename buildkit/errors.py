@@ -33,7 +33,12 @@ class StepError(BuildkitError):
 
 
 class VerifyError(StepError):
-    """One or more verification checks failed."""
+    """One or more verification checks failed; ``report`` is the full report (JSON bytes),
+    which the scheduler keeps in the store's ``reports/`` for the user to read."""
+
+    def __init__(self, message: str, report: bytes | None = None):
+        super().__init__(message)
+        self.report = report
 
 
 class StoreError(BuildkitError):

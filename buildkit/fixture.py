@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from .fsio import settle
 from .lazy import lazy
-from .store import settle
 
 np = lazy("numpy", __name__)
 tk = lazy("tokenizers", __name__, "tk")  # only for writing a tokenizer; the CLI parser reads FixtureSpec

@@ -45,7 +45,7 @@ def _arch_key(config: dict) -> str:
 
 
 def _modules(store: Store, config: dict) -> set[str] | None:
-    rec = store.get_action(_arch_key(config))
+    rec = store.get_memo("loadcheck-modules", _arch_key(config))
     return None if rec is None else set(rec["modules"])
 
 
@@ -82,7 +82,7 @@ class Lookup:
 
 def lookup(store: Store, config: dict, tensors: dict[str, dict], writer: dict) -> Lookup:
     key, n_read = memo_key(store, config, tensors, writer)
-    return Lookup(key, n_read, store.get_action(key))
+    return Lookup(key, n_read, store.get_memo("loadcheck", key))
 
 
 def warm() -> None:
@@ -108,10 +108,10 @@ def check(
     names = res["parameters"]
     if names <= set(tensors):  # loaded as published: no tensor renamed or merged
         arch = _arch_key(config)
-        store.put_action(arch, {"key": arch, "outputs": {}, "modules": sorted({_module(n) for n in names})})
+        store.put_memo("loadcheck-modules", arch, {"modules": sorted({_module(n) for n in names})})
         key, _ = memo_key(store, config, tensors, writer)
     log(f"load check: mlx_lm loaded the model and ran a token in {res['dtype']}: {res['logits_shape']} logits, finite")
-    store.put_action(key, {"key": key, "outputs": {}, "shape": res["logits_shape"]})
+    store.put_memo("loadcheck", key, {"shape": res["logits_shape"]})
     return True
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from . import keys
 from .errors import UsageError
-from .store import atomic_write
+from .fsio import atomic_write
 
 TOOLS = ("buildkit", "mlx", "mlx-lm", "numpy", "safetensors", "tokenizers")
 PINS = "constraints.txt"  # the exact versions release locks are made with (see README)
@@ -143,7 +143,7 @@ def push(sched, states, repo_id: str, dry_run: bool = False) -> None:
         if st.kind != "publish":
             continue
         node = sched.m.nodes[st.name]
-        path = out_dir(node.params, sched._ctx(st.name))
+        path = out_dir(node.params, sched.context(st.name))
         files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
         if dry_run:
             print(f"would upload {len(files)} files from {path} to {repo_id}:")

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from . import keys
+from .layout import Layout
 
 FORMAT = 1
 
@@ -52,7 +53,7 @@ def environment_files() -> list[Path]:
 
 
 def record_path(store_root: Path, request: dict) -> Path:
-    return store_root / "uptodate" / f"{keys.short(keys.digest_json('uptodate', [FORMAT, request]), 32)}.json"
+    return Layout(store_root).uptodate / f"{keys.short(keys.digest_json('uptodate', [FORMAT, request]), 32)}.json"
 
 
 def check(store_root: Path, request: dict) -> dict | None:
@@ -73,7 +74,7 @@ def check(store_root: Path, request: dict) -> dict | None:
 def record(store_root: Path, request: dict, inputs: list[Path], outputs: list[Path], report: dict, started_ns: int) -> bool:
     """Remember a success of ``request``; False (and the old record removed) if an input is
     missing or too recent to vouch for its content."""
-    from .store import RACY_TICK_NS, atomic_write
+    from .fsio import RACY_TICK_NS, atomic_write
 
     path = record_path(store_root, request)
     inputs = [*environment_files(), *inputs]
@@ -83,5 +84,5 @@ def record(store_root: Path, request: dict, inputs: list[Path], outputs: list[Pa
         path.unlink(missing_ok=True)
         return False
     rec = {"request": request, "files": files, **report}
-    atomic_write(path, json.dumps(rec, separators=(",", ":")).encode(), store_root / "tmp", sync_dir=False)
+    atomic_write(path, json.dumps(rec, separators=(",", ":")).encode(), Layout(store_root).tmp, sync_dir=False)
     return True

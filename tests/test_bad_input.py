@@ -23,7 +23,8 @@ from buildkit.fixture import FixtureSpec, generate
 from buildkit.steps.base import BuildOptions, Context, Progress
 from buildkit.steps.fetch import Fetch, FetchParams
 from buildkit.steps.publish import Publish, PublishParams, Staged
-from buildkit.store import Artifact, Store
+from buildkit.artifact import Artifact
+from buildkit.store import Store
 from buildkit.tensors import header_bytes, read_header, read_tensor
 
 INDEX = "model.safetensors.index.json"

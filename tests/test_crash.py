@@ -214,13 +214,13 @@ def test_a_kill_while_a_source_file_is_remembered_leaves_it_resolvable(tmp_path)
             f"        if n > {done}:\n"
             "            os.kill(os.getpid(), signal.SIGKILL)\n"
             "sys.addaudithook(hook)\n"
-            f"store.digest_files([{str(src)!r}])\n"
+            f"store.sources.digest_files([{str(src)!r}])\n"
         )
         p = subprocess.run([sys.executable, "-c", hook], capture_output=True, text=True)
         assert p.returncode == (0 if done == 2 else -signal.SIGKILL), p.stderr
         store = Store(root)
-        assert store.digest_file(src) == digest
-        assert store.resolve_external(digest) == src, f"killed with {done} record(s) in place"
+        assert store.sources.digest_file(src) == digest
+        assert store.sources.resolve(digest) == src, f"killed with {done} record(s) in place"
 
 
 def test_two_processes_remembering_copies_of_one_file_both_keep_theirs(tmp_path):
@@ -244,20 +244,20 @@ def test_two_processes_remembering_copies_of_one_file_both_keep_theirs(tmp_path)
         f"        open({str(held)!r}, 'w').close()\n"
         "        time.sleep(2)\n"
         "sys.addaudithook(hook)\n"
-        f"store.digest_files([{str(copies[0])!r}])\n"
+        f"store.sources.digest_files([{str(copies[0])!r}])\n"
     )], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not held.exists():
         assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.poll() else "not held"
         time.sleep(0.01)
-    Store(root).digest_files([copies[1]])  # waits for the first's list while it is held
+    Store(root).sources.digest_files([copies[1]])  # waits for the first's list while it is held
     assert first.wait(timeout=60) == 0, first.stderr.read()
     store = Store(root)
     copies[0].unlink()  # the other copy must still be found by the digest alone
-    assert store.resolve_external(digest) == copies[1]
+    assert store.sources.resolve(digest) == copies[1]
     copies[0].write_bytes(data)
     copies[1].unlink()
-    assert Store(root).resolve_external(digest) == copies[0]
+    assert Store(root).sources.resolve(digest) == copies[0]
 
 
 # ---- atomic publish ---------------------------------------------------------------------

@@ -62,7 +62,7 @@ def test_the_key_covers_what_mlx_lm_reads_and_nothing_else(adopted: Project):
     config, tensors = published(p, "xl-mtp")
     writer = Publish().writer
     key, n_read = loadcheck.memo_key(store, config, tensors, writer)
-    assert store.get_action(key) is not None  # the key publish recorded for this very model
+    assert store.get_memo("loadcheck", key) is not None  # the key publish recorded for this very model
     assert n_read == 182 and len(tensors) == 259
 
     def changed(config=config, tensors=tensors, writer=writer) -> bool:

@@ -234,7 +234,7 @@ def test_xl_mtp_links_xls_shards_and_writes_only_the_heads(built):
     # Linking changed the inodes' ctime; the store moved xl's records along, so both paths are
     # still known without reading them.
     store = Store(p.store)
-    assert [store.digest_file(a[k]) for k in sorted(a)] == [store.digest_file(b[k]) for k in sorted(a)]
+    assert [store.sources.digest_file(a[k]) for k in sorted(a)] == [store.sources.digest_file(b[k]) for k in sorted(a)]
     assert store.stats.bytes_read == 0
 
 

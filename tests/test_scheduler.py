@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import cached, ran
 
-from buildkit.scheduler import action_key
+from buildkit.plan import action_key
 from buildkit.steps import REGISTRY
 from buildkit.steps.base import library_version
 from buildkit.steps.quantize import Quantize
@@ -126,7 +126,7 @@ def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):
     assert ran(p) == ["publish"] and "3 of 3 shards linked" in p.stderr  # linked, not copied,
     assert "load check: not run again" in p.stderr and not mods & heavy  # and the check remembered
     (project.out / "xl-mtp" / "config.json").unlink()  # a store that forgot the check: it runs
-    shutil.rmtree(project.store / "actions")
+    shutil.rmtree(project.store / "memos" / "loadcheck")
     p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))
     assert "load check: mlx_lm loaded the model" in p.stderr and {"numpy", "mlx", "mlx_lm"} <= mods
 

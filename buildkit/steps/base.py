@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
+from ..artifact import Artifact
 from ..errors import UsageError, did_you_mean
-from ..store import Artifact, Store
+from ..store import Store
 
 
 class Params(BaseModel):
@@ -188,7 +188,3 @@ def library_version(name: str) -> str:
     from importlib.metadata import version
 
     return version(name)
-
-
-def now() -> float:
-    return time.monotonic()

@@ -18,9 +18,9 @@ from __future__ import annotations
 from pydantic import Field
 
 from .. import calibration as cal
+from ..artifact import Artifact
 from ..errors import StepError
 from ..lazy import lazy
-from ..store import Artifact
 from ..tensors import f32_to_bf16
 from .base import Context, Params, Slot, Step, library_version, register
 
@@ -52,7 +52,7 @@ class Calibrate(Step):
 
     def fingerprint(self, params: CalibrateParams, ctx: Context) -> dict:
         path = cal.text_path(params.text, ctx.options.project_root)
-        return {"text": ctx.store.digest_file(path, rehash=ctx.options.rehash)}
+        return {"text": ctx.store.sources.digest_file(path, rehash=ctx.options.rehash)}
 
     def describe_fingerprint_change(self, old, new) -> str:
         return "calibration text changed"

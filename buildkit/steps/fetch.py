@@ -16,8 +16,8 @@ from pathlib import Path
 from pydantic import field_validator
 
 from .. import keys
+from ..artifact import Artifact
 from ..errors import SourceError, UsageError
-from ..store import Artifact
 from .base import Context, Params, Step, register
 
 HF_RE = re.compile(r"^hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
@@ -133,7 +133,7 @@ class Fetch(Step):
     @staticmethod
     def _digests(ctx: Context, root: Path, files: list[Path], rehash: bool = False) -> dict[str, str]:
         """Content digest of each file, by its path relative to ``root``."""
-        digests = ctx.store.digest_files(files, rehash=rehash, on_hash=ctx.new_content)
+        digests = ctx.store.sources.digest_files(files, rehash=rehash, on_hash=ctx.new_content)
         return {str(p.relative_to(root)): d for p, d in zip(files, digests)}
 
     def fingerprint(self, params: FetchParams, ctx: Context) -> dict:

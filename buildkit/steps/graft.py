@@ -10,9 +10,9 @@ refused with each differing field listed.
 from __future__ import annotations
 
 from .. import checkpoint as ckpt
+from ..artifact import Artifact
 from ..convert import sanitize_tensor
 from ..errors import SourceError
-from ..store import Artifact
 from ..tensors import TensorInfo
 from .base import Context, Params, Slot, Step, register
 

@@ -20,7 +20,6 @@ change to the head's bits rewrites only the head's shard.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import glob
 import json
 import os
@@ -34,16 +33,11 @@ from pydantic import Field
 
 from .. import checkpoint as ckpt
 from .. import keys, loadcheck
+from ..allocator import libc
+from ..artifact import Artifact
 from ..errors import StepError, UsageError
-from ..store import (
-    Artifact,
-    DirectFile,
-    Store,
-    drop_idle_write_buffers,
-    file_ident,
-    fsync_dir,
-    settle,
-)
+from ..fsio import DirectFile, drop_idle_write_buffers, file_ident, fsync_dir, settle
+from ..store import Store
 from ..tensors import header_bytes, nbytes, read_header
 from .base import Context, Params, Slot, Step, register
 
@@ -114,8 +108,7 @@ def merge_reports(reports: list[dict]) -> dict:
 
 def exchange(src: Path, dst: Path) -> None:
     """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE), else rename aside."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(libc, "renameat2", None)
+    fn = getattr(libc(), "renameat2", None)
     if fn is not None:
         AT_FDCWD, RENAME_EXCHANGE = -100, 2
         if fn(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), RENAME_EXCHANGE) == 0:
@@ -376,7 +369,7 @@ class Publish(Step):
                 digest = keys.finish(h)
                 with contextlib.suppress(OSError):  # refused (some network file systems): the
                     settle(tmp / fname)  # record is racy, and the next link hashes the file first
-                store.put_action(plan, {"key": plan, "outputs": {}, "digest": digest})
+                store.put_memo("shard", plan, {"digest": digest})
             ident = file_ident(tmp / fname)
             meta_shards[fname], sizes[fname] = digest, ident[2]
             staged.shards[fname] = (digest, ident)
@@ -432,8 +425,8 @@ def link_shard(store: Store, plan: str, path: Path) -> str | None:
     """Hard-link, at ``path``, a file an earlier publish wrote from the same ``plan`` (header and
     store entries) and that is unchanged since (by stat, else by its hash); its digest, or None
     (never written, gone, changed, or on another file system: the shard is written instead)."""
-    rec = store.get_action(plan) or {}
-    old = store.find_local(rec["digest"]) if "digest" in rec else None  # by stat, else hashed
+    rec = store.get_memo("shard", plan) or {}
+    old = store.sources.find(rec["digest"]) if "digest" in rec else None  # by stat, else hashed
     if old is None:
         return None
     try:
@@ -453,7 +446,7 @@ def remember_shards(store: Store, dest: Path, shards: dict[str, tuple[str, list[
         with contextlib.suppress(OSError):
             now = file_ident(dest / fname)
             if now[:4] == ident[:4]:  # device, inode, size, mtime
-                store.remember_file(dest / fname, digest, now)
+                store.sources.remember(dest / fname, digest, now)
 
 
 def _safe_name(name: str) -> None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from .. import dataaware, workers
+from ..artifact import Artifact
 from ..errors import StepError
 from ..roles import Recipe, Role
-from ..store import ROW_BLOCK_BYTES, Artifact
+from ..store import ROW_BLOCK_BYTES
 from ..tensors import ITEMSIZE, from_mlx, nbytes, to_mlx
 from .base import Context, Params, Slot, Step, library_version, register
 

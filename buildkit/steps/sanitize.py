@@ -11,10 +11,10 @@ files; only the tensors whose bytes change are written to the store.
 from __future__ import annotations
 
 from .. import checkpoint as ckpt
+from ..artifact import Artifact
 from ..checkpoint import load_config, scan_source
 from ..convert import sanitize_tensor, view
 from ..errors import SourceError
-from ..store import Artifact
 from ..tensors import TensorInfo
 from .base import Context, Params, Slot, Step, register
 

@@ -18,10 +18,10 @@ from pydantic import Field
 
 from .. import calibration as cal
 from .. import checkpoint as ckpt
-from .. import keys, workers
+from .. import workers
+from ..artifact import Artifact
 from ..errors import VerifyError
 from ..lazy import lazy
-from ..store import Artifact
 from ..tensors import dequantize as dequantize_np
 from ..tensors import from_mlx, nbytes, non_finite, read_slice, to_float32, to_mlx
 from .base import Context, Params, Slot, Step, library_version, register
@@ -397,12 +397,9 @@ class Verify(Step):
         for name, r in checks.results.items():
             ctx.log(f"{'ok  ' if r['ok'] else 'FAIL'} {name}: {json.dumps(r['figure'], default=str)}")
         if checks.failed:
-            path = ctx.store.root / "reports" / f"{ctx.variant}.{ctx.node}.{keys.short(keys.blob_digest(blob))}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(blob)
             details = "; ".join(
                 f"{k}: {json.dumps(checks.results[k].get('detail') or checks.results[k]['figure'], default=str)[:300]}"
                 for k in checks.failed
             )
-            raise VerifyError(f"{len(checks.failed)} check(s) failed: {details}. Full report: {path}")
+            raise VerifyError(f"{len(checks.failed)} check(s) failed: {details}", report=blob)
         return {"out": out}
