@@ -52,7 +52,6 @@ def _scheduler(args):
         out_dir=Path(args.out).absolute() if getattr(args, "out", None) else None,
         release=getattr(args, "release", False),
         push=getattr(args, "push", None),
-        dry_run=getattr(args, "dry_run", False),
         rehash=getattr(args, "rehash", False),
     )
     return Scheduler(_manifest(args), _store(args), opts)
@@ -77,6 +76,11 @@ def _build_request(args) -> dict | None:
 def cmd_build(args) -> int:
     if args.release and args.target:
         raise UsageError("--release locks the whole variant; drop --target")
+    if args.dry_run:  # like make -n: say what would run, run nothing
+        code = cmd_plan(args)
+        if args.push:
+            print(f"then: upload the published directory to {args.push}")
+        return code
     started = time.time_ns()
     request = _build_request(args)
     if request is not None and not args.full_check and (rec := uptodate.check(_store_root(args), request)):
@@ -104,26 +108,84 @@ def cmd_build(args) -> int:
     if args.push:
         from .release import push
 
-        push(sched, states, args.push, dry_run=args.dry_run)
+        push(sched, states, args.push)
     return 0
+
+
+def _plan_rows(sched, states) -> list[dict]:
+    return [
+        {"step": s.name, "kind": s.kind, "fresh": s.fresh, "key": s.key, "reasons": s.reasons,
+         "waits_for": s.waits_for}
+        for s in states
+    ]
 
 
 def cmd_plan(args) -> int:
     sched = _scheduler(args)
+    sched.check_request(args.target or None)
     states = sched.plan(args.target or None)
-    for st in states:
-        status = "fresh" if st.fresh else "stale"
-        key = keys.short(st.key) if st.key else "?" * 12
-        why = "" if st.fresh else ": " + "; ".join(st.reasons)
-        print(f"{status:5} {st.name} ({st.kind}) {key}{why}")
+    rows = _plan_rows(sched, states)
     stale = sum(not s.fresh for s in states)
+    if getattr(args, "json", False):
+        print(json.dumps({"variant": sched.m.name, "request": sched.request(), "steps": rows, "to_run": stale},
+                         indent=2))
+        return 0
+    for r in rows:
+        status = "fresh" if r["fresh"] else "stale"
+        key = keys.short(r["key"]) if r["key"] else f"(key depends on {', '.join(r['waits_for'])})"
+        why = "" if r["fresh"] else ": " + "; ".join(r["reasons"])
+        print(f"{status:5} {r['step']} ({r['kind']}) {key}{why}")
     print(f"{sched.m.name}: {len(states)} steps, {stale} to run")
     return 0
 
 
 def cmd_explain(args) -> int:
-    print(json.dumps(_scheduler(args).explain(args.node), indent=2, sort_keys=True, default=str))
+    sched = _scheduler(args)
+    info = sched.explain(args.node)
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True, default=str))
+        return 0
+    node = sched.m.nodes[args.node]
+    state = "fresh" if info["fresh"] else "stale: " + "; ".join(info["reasons"])
+    print(f"{sched.m.name} / {args.node} ({info['kind']}): {state}")
+    print(f"key: {info['key'] or '(not known until its inputs are built)'}")
+    for slot, refs in info["inputs"].items():
+        print(f"input {slot}: {', '.join(refs)}")
+    rules = explain_rules(node.params)
+    if rules:
+        print("rules, in the order they are tried (first match wins; a child manifest's before its parent's):")
+        for i, (pattern, role, spec) in enumerate(rules, 1):
+            print(f"  {i:2}. {pattern!r:42} -> {role} ({spec})")
+    if info["ingredients"]:
+        print("ingredients of the key:")
+        print(json.dumps(summarise(info["ingredients"]), indent=2, sort_keys=True, default=str))
     return 0
+
+
+def explain_rules(params) -> list[tuple[str, str, str]]:
+    """(pattern, role, what the role does) for a quantizing step's rules, in the order tried."""
+    recipe = getattr(params, "recipe", None)
+    if recipe is None:
+        return []
+    ordered = [*getattr(params, "rules", {}).items(), *recipe.rules.items()]
+    out = []
+    for pattern, role in ordered:
+        r = recipe.roles[role]
+        out.append((pattern, role, "bf16 passthrough" if r.passthrough else
+                    f"{r.bits}-bit, group {r.group_size}{', calibrated' if r.calibrated else ''}"))
+    return out
+
+
+def summarise(ingredients: dict) -> dict:
+    """The ingredients with a resolved plan's tensor table counted, not listed (--json lists it)."""
+    params = ingredients.get("params")
+    plan = params.get("plan") if isinstance(params, dict) else None
+    if not isinstance(plan, dict) or "tensors" not in plan:
+        return ingredients
+    counts: dict[str, int] = {}
+    for role in plan["tensors"].values():
+        counts[role] = counts.get(role, 0) + 1
+    return {**ingredients, "params": {**params, "plan": {**plan, "tensors": f"{len(plan['tensors'])} tensors: {counts}"}}}
 
 
 def cmd_graph(args) -> int:
@@ -134,9 +196,73 @@ def cmd_graph(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    r = _store(args).gc(dry_run=args.dry_run)
+    store = _store(args)
+    r = store.gc(dry_run=args.dry_run, keep_last=args.keep_last)
     verb = "would free" if args.dry_run else "freed"
-    print(f"{verb} {r['bytes'] / 1e6:.1f} MB ({r['bytes']} bytes): {r['actions']} actions, {r['artifacts']} artifacts, {r['objects']} objects, {r['files']} records of deleted files")
+    for root in r["roots"]:
+        req = root["request"]
+        print(f"{'would forget' if args.dry_run else 'forgot'} build {req.get('variant')} "
+              f"(source {req.get('source')}, out {req.get('out') or 'default'})")
+    if args.dry_run:
+        for variant, nodes in sorted(r["nodes"].items()):
+            print(f"{variant}:")
+            for node, ks in sorted(nodes.items()):
+                print(f"  {node}: {len(ks)} action(s) {', '.join(ks[:4])}{' ...' if len(ks) > 4 else ''}")
+    print(f"{verb} {r['bytes'] / 1e6:.1f} MB ({r['bytes']} bytes): {r['actions']} actions, {r['artifacts']} artifacts, "
+          f"{r['objects']} objects, {r['memos']} memos, {r['files']} records of deleted files")
+    return 0
+
+
+def cmd_forget(args) -> int:
+    out = os.path.abspath(args.out) if args.out else None
+    dropped = _store(args).forget(args.variant, out=out)
+    for root in dropped:
+        req = root["request"]
+        print(f"forgot build {req.get('variant')} (source {req.get('source')}, out {req.get('out') or 'default'})")
+    if not dropped:
+        print(f"no build of {args.variant}{f' published to {out}' if out else ''} is remembered")
+        return 1
+    print("run `buildkit gc` to free what no remembered build uses")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from . import manifest
+    from .scheduler import Scheduler
+    from .steps.base import BuildOptions
+
+    store = _store(args)
+    last: dict[str, dict] = {}
+    for root in store.roots():  # oldest first: the last one wins
+        last[root["request"].get("variant")] = root
+    rows = []
+    for p in sorted(Path(args.manifests).glob("*.toml")):
+        row = {"variant": p.stem, "built": False}
+        root = last.get(p.stem)
+        try:
+            if root is None:
+                m = manifest.load(str(p), args.manifests)
+                row.update(state="never built", reason="never built")
+            else:
+                req = root["request"]
+                m = manifest.load(str(p), args.manifests, source=req.get("source"))
+                out = Path(req["out"]) if req.get("out") else None
+                sched = Scheduler(m, store, BuildOptions(project_root=Path.cwd(), out_dir=out))
+                states = sched.plan()
+                stale = [s for s in states if not s.fresh]
+                row.update(built=True, source=req.get("source"), out=req.get("out"),
+                           when=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(root.get("built_ns", 0) / 1e9)),
+                           state="stale" if stale else "fresh",
+                           reason=f"{stale[0].name}: {stale[0].reasons[0]}" if stale else "")
+        except BuildkitError as e:
+            row.update(state="invalid", reason=str(e).splitlines()[0])
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        where = f"  source {r['source']}, out {r.get('out') or 'default'}, built {r['when']}" if r["built"] else ""
+        print(f"{r['variant']:16} {r['state']:11}{where}" + (f"\n{'':16} {r['reason']}" if r["reason"] and r["state"] != "never built" else ""))
     return 0
 
 
@@ -151,7 +277,7 @@ def cmd_store_check(args) -> int:
 def cmd_verify(args) -> int:
     from .release import verify_against
 
-    return verify_against(args, _manifest(args))
+    return verify_against(_manifest(args), args.against, args.jobs)
 
 
 def cmd_fixture(args) -> int:
@@ -173,12 +299,19 @@ def cmd_fixture(args) -> int:
 def cmd_list(args) -> int:
     from . import manifest
 
+    rows = []
     for p in sorted(Path(args.manifests).glob("*.toml")):
         try:
             m = manifest.load(str(p), args.manifests)
-            print(f"{m.name:16} {m.description}")
+            inherited = f" (description inherited from {m.description_from})" if m.description_from != m.name else ""
+            rows.append({"variant": m.name, "description": m.description, "description_from": m.description_from,
+                         "line": f"{m.name:16} {m.description}{inherited}"})
         except BuildkitError as e:
-            print(f"{p.stem:16} (invalid: {e})")
+            rows.append({"variant": p.stem, "error": str(e), "line": f"{p.stem:16} (invalid: {e})"})
+    if args.json:
+        print(json.dumps([{k: v for k, v in r.items() if k != "line"} for r in rows], indent=2))
+    else:
+        print("\n".join(r["line"] for r in rows))
     return 0
 
 
@@ -202,44 +335,77 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
         s.set_defaults(fn=fn)
         return s
 
+    def request_flags(s):
+        """The flags that change what a build makes or where: build and plan take the same."""
+        s.add_argument("--out", help="directory publish writes to (default: the manifest's, out/VARIANT)")
+        s.add_argument("--target", action="append", help="only this step and what it needs (repeatable)")
+        s.add_argument("--release", action="store_true",
+                       help="require a pinned source revision; build also writes manifests/VARIANT.lock")
+        s.add_argument("--rehash", action="store_true", help="re-hash source files instead of trusting the stat cache")
+
     b = variant_cmd("build", cmd_build, "Build a variant: run the stale steps, reuse the rest from the store.")
-    b.add_argument("--out", help="directory publish writes to (default: the manifest's, out/VARIANT)")
+    request_flags(b)
     b.add_argument("-j", "--jobs", type=int, default=2, help="steps run in parallel (default 2)")
-    b.add_argument("--target", action="append", help="build only this step and what it needs (repeatable)")
-    b.add_argument("--release", action="store_true", help="require a pinned source revision and write manifests/VARIANT.lock")
     b.add_argument("--push", metavar="ORG/NAME", help="upload the published directory with huggingface_hub")
-    b.add_argument("--dry-run", action="store_true", help="with --push: list the upload operations instead")
-    b.add_argument("--rehash", action="store_true", help="re-hash source files instead of trusting the stat cache")
+    b.add_argument("--dry-run", action="store_true",
+                   help="plan only: print what would run and why, run nothing (like make -n)")
     b.add_argument(
         "--full-check", action="store_true",
         help="decide every step by its key even if no file it depends on changed since the last successful build",
     )
     b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    b.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
 
-    pl = variant_cmd("plan", cmd_plan, "Show every step as fresh or stale, with the reason.")
-    pl.add_argument("--target", action="append", help="plan only this step and what it needs")
-    pl.add_argument("--rehash", action="store_true", help="re-hash source files")
+    pl = variant_cmd("plan", cmd_plan, "Show every step as fresh or stale, with the reason; takes build's flags.")
+    request_flags(pl)
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
 
-    e = variant_cmd("explain", cmd_explain, "Show the ingredients of one step's cache key and why it is stale.")
+    e = variant_cmd("explain", cmd_explain,
+                    "Show one step's cache key, why it is stale, its rules in the order tried, and its key's ingredients.")
     e.add_argument("node", help="step name in the manifest")
+    e.add_argument("--out", help="as build's --out")
+    e.add_argument("--json", action="store_true", help="everything as JSON (the full resolved plan included)")
 
     g = variant_cmd("graph", cmd_graph, "Print the step DAG.")
-    g.add_argument("--format", choices=["text", "dot", "mermaid"], default="text")
+    g.add_argument("--format", choices=["text", "dot", "mermaid"], default="text",
+                   help="text (one line per step), dot (Graphviz) or mermaid (default text)")
 
     v = variant_cmd("verify", cmd_verify, "Rebuild in an empty store and compare with a release lock, digest by digest.")
     v.add_argument("--against", required=True, help="lock file (e.g. manifests/xl.lock)")
-    v.add_argument("-j", "--jobs", type=int, default=2)
+    v.add_argument("-j", "--jobs", type=int, default=2, help="steps run in parallel (default 2)")
 
-    gc = sub.add_parser("gc", help="Remove store entries no built variant reaches.", description="Remove actions no ref names, then artifacts and objects no kept action reaches, and forget the hashes of files that no longer exist; says how much it freed.")
-    gc.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    gc = sub.add_parser(
+        "gc", help="Free store entries no remembered build reaches.",
+        description="Every build request (variant, source, out) is remembered until forgotten (`forget`, or "
+        "--keep-last). gc removes the actions no remembered build names, then the artifacts and objects no "
+        "kept action reaches, the memos (load checks, shard links: redone on demand) and the records of "
+        "source files that no longer exist, and says how much it freed.",
+    )
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed, by variant and step")
+    gc.add_argument("--keep-last", type=int, metavar="N", help="first forget all but the N newest builds of each variant")
     gc.set_defaults(fn=cmd_gc)
+
+    fg = sub.add_parser("forget", help="Forget a variant's builds, so gc may free them.",
+                        description="Forget the remembered builds of VARIANT (only those published to --out, if "
+                        "given); the next gc frees what no remembered build uses.")
+    fg.add_argument("variant", help="variant name")
+    fg.add_argument("--out", help="only the build that published to this directory (default out/VARIANT)")
+    fg.set_defaults(fn=cmd_forget)
+
+    ss = sub.add_parser("status", help="Every variant: its last build, fresh or stale, and why.",
+                        description="Every variant in --manifests with its last build (source, out, when), "
+                        "planned against the store: fresh, or stale with the first reason.")
+    ss.add_argument("--json", action="store_true", help="machine-readable output")
+    ss.set_defaults(fn=cmd_status)
 
     st = sub.add_parser("store", help="Store maintenance.", description="Store maintenance.")
     st_sub = st.add_subparsers(dest="store_cmd", required=True, metavar="ACTION")
     chk = st_sub.add_parser("check", help="Re-hash every object; remove and report corrupt ones.")
     chk.set_defaults(fn=cmd_store_check)
 
-    ls = sub.add_parser("list", help="List the variants in --manifests.")
+    ls = sub.add_parser("list", help="List the variants in --manifests.",
+                        description="Each variant in --manifests with its description (an inherited one says from where).")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(fn=cmd_list)
 
     fx = sub.add_parser(

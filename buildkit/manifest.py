@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import copy
 import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .errors import ManifestError, did_you_mean
@@ -69,14 +69,20 @@ class Manifest:
     file: Path
     description: str
     source: str | None
+    description_from: str = ""  # the manifest (stem) that wrote the description: this or a parent
     nodes: dict[str, Node] = field(default_factory=dict)
     chain: list[str] = field(default_factory=list)  # files, child first
 
 
 def deep_merge(base: dict, over: dict) -> dict:
+    """``over`` merged into ``base``, tables recursively. A ``rules`` table is ordered (first
+    match wins) and the more specific file wins: ``over``'s rules come first, in its order,
+    then ``base``'s that it does not redefine."""
     out = copy.deepcopy(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
+        if k == "rules" and isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = {**copy.deepcopy(v), **{p: r for p, r in out[k].items() if p not in v}}
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = deep_merge(out[k], v)
         else:
             out[k] = copy.deepcopy(v)
@@ -195,6 +201,7 @@ def _load_chain(file: Path, seen: list[Path]) -> tuple[dict, dict[str, Path], li
         raise error_at(seen[-1], ["extends"], f"extends loop: {cycle}; a manifest cannot extend itself")
     decl = _decl(file, _read_toml(file))
     raw = decl.model_dump()
+    raw["description_from"] = file.stem
     origin = {s: file for s in raw["steps"]}
     chain = [str(file)]
     if decl.extends:
@@ -205,6 +212,7 @@ def _load_chain(file: Path, seen: list[Path]) -> tuple[dict, dict[str, Path], li
         parent, p_origin, p_chain = _load_chain(parent_file, [*seen, file])
         merged = {
             "description": decl.description or parent["description"],
+            "description_from": file.stem if decl.description else parent["description_from"],
             "source": decl.source if decl.source is not None else parent["source"],
             "recipe": deep_merge(parent["recipe"], decl.recipe),
             "steps": {},
@@ -251,6 +259,7 @@ def load(name_or_path: str, manifests_dir: str | Path = "manifests", source: str
         name=file.stem,
         file=file,
         description=raw["description"],
+        description_from=raw["description_from"],
         source=source if source is not None else raw["source"],
         chain=chain,
     )

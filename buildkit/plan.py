@@ -21,6 +21,7 @@ from .steps.base import BuildOptions, Context, Progress
 from .store import Store
 
 UNKNOWN = "(pending)"
+MANY = ("params.plan.tensors.",)  # tables whose entries are reported together
 MISSING = "output missing from the store (collected or corrupt)"
 
 
@@ -31,6 +32,7 @@ class NodeState:
     key: str | None = None
     fresh: bool = False
     reasons: list[str] = field(default_factory=list)
+    waits_for: list[str] = field(default_factory=list)  # stale producers its key depends on
     ingredients: dict | None = None
     outputs: dict[str, str] = field(default_factory=dict)
     ran: bool = False
@@ -42,7 +44,8 @@ class NodeState:
 def ingredients(node: Node, inputs: dict[str, list[str]], ctx: Context) -> dict:
     """Everything that can change the node's output bytes, and nothing else."""
     step = node.step
-    params = step.key_params(node.params)
+    arts = {slot: [ctx.store.get_artifact(d) for d in ds] for slot, ds in inputs.items()}
+    params = step.key_params(node.params, arts)
     # A fingerprint may materialize its subject (a generated fixture, a hub download): two
     # processes fingerprinting the same thing take turns, or they race to create it.
     with ctx.store.lock(keys.digest_json("fingerprint", [node.kind, step.version, params])):
@@ -83,9 +86,18 @@ def why_changed(node: Node, old: dict | None, new: dict) -> list[str]:
     if old.get("version") != new["version"]:
         reasons.append(f"step version changed {old.get('version')}→{new['version']}")
     a, b = _flat("params", old.get("params", {}), {}), _flat("params", new["params"], {})
+    by_table: dict[str, list[str]] = {}  # a table of many entries (a plan's tensors) in one line
     for k in sorted(set(a) | set(b)):
         if a.get(k, UNKNOWN) != b.get(k, UNKNOWN):
-            reasons.append(f"{k} changed {_fmt(a.get(k, '(unset)'))}→{_fmt(b.get(k, '(unset)'))}")
+            table = next((m[:-1] for m in MANY if k.startswith(m)), k)
+            by_table.setdefault(table, []).append(k)
+    for table, ks in by_table.items():
+        change = [f"{k.removeprefix(table + '.')} {_fmt(a.get(k, '(unset)'))}→{_fmt(b.get(k, '(unset)'))}" for k in ks]
+        if table in ks:
+            reasons.append(f"{table} changed {change[0].split(' ', 1)[1]}")
+        else:
+            more = f", and {len(ks) - 3} more" if len(ks) > 3 else ""
+            reasons.append(f"{table}: {len(ks)} changed ({', '.join(change[:3])}{more})")
     changed: dict[str, list[str]] = {}  # producer -> the slots it feeds whose digests changed
     for slot in sorted(set(old.get("inputs", {})) | set(new["inputs"])):
         was, now = old.get("inputs", {}).get(slot), new["inputs"].get(slot)
@@ -99,7 +111,7 @@ def why_changed(node: Node, old: dict | None, new: dict) -> list[str]:
         for r in names:
             changed.setdefault(r, []).append(slot)
     for r, slots in changed.items():
-        reasons.append(f"input {r} changed" + (f" (slot {', '.join(slots)})" if slots != [r] else ""))
+        reasons.append(f"input {r} changed (slot {', '.join(slots)})")
     for lib in sorted(set(old.get("libraries", {})) | set(new["libraries"])):
         o, n = old.get("libraries", {}).get(lib), new["libraries"].get(lib)
         if o != n:
@@ -116,7 +128,7 @@ class Planner:
         self.m = manifest
         self.store = store
         self.options = options or BuildOptions()
-        self.topo = graphs.topology(manifest, (store.get_ref(manifest.name) or {}).get("topology"))
+        self.topo = graphs.topology(manifest)
         self.order = self.topo.order
 
     def request(self) -> dict:
@@ -159,8 +171,8 @@ class Planner:
             st = states[name] = NodeState(name, node.kind)
             digests = self.input_digests(node, states)
             if digests is None:
-                stale = sorted({r.node for refs in node.inputs.values() for r in refs if not states[r.node].fresh})
-                st.reasons = [f"depends on {', '.join(stale)}, which will be rebuilt first"]
+                st.waits_for = list(dict.fromkeys(r.node for refs in node.inputs.values() for r in refs if not states[r.node].fresh))
+                st.reasons = [f"input {', '.join(st.waits_for)} will be rebuilt first"]
                 continue
             ctx = self.context(name)
             st.ingredients = ingredients(node, digests, ctx)
@@ -176,6 +188,12 @@ class Planner:
                 continue
             st.fresh = True
         return list(states.values())
+
+    def check_request(self, targets: list[str] | None = None) -> None:
+        """Every selected step's ``check_request``: a bad output path fails before any work."""
+        for name in self.selection(targets):
+            node = self.m.nodes[name]
+            node.step.check_request(node.params, self.context(name))
 
     def artifacts(self, outputs: dict[str, str]):
         return {k: self.store.get_artifact(d) for k, d in outputs.items()}

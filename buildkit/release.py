@@ -81,13 +81,13 @@ def _differ(a: dict, b: dict) -> str:
     return ", ".join(f"{k} {a.get(k)} (lock) vs {b.get(k)} (here)" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
-def verify_against(args, manifest) -> int:
+def verify_against(manifest, against: str | Path, jobs: int = 2) -> int:
     """Rebuild the variant in an empty store and compare node by node with a lock file."""
     from .scheduler import Scheduler
     from .steps.base import BuildOptions
     from .store import Store
 
-    lock = read_lock(args.against, manifest.name)
+    lock = read_lock(against, manifest.name)
     tools = _differ(lock.get("tools"), tool_versions())
     if tools:
         print(
@@ -101,7 +101,7 @@ def verify_against(args, manifest) -> int:
     with tempfile.TemporaryDirectory(prefix="buildkit-verify-") as tmp:
         opts = BuildOptions(project_root=Path.cwd(), out_dir=Path(tmp) / "out", release=True)
         sched = Scheduler(manifest, Store(Path(tmp) / "store"), opts)
-        states = sched.build(jobs=args.jobs)
+        states = sched.build(jobs=jobs)
         got = lock_data(sched, states)
     for name in sched.order:
         want = lock["nodes"].get(name)
@@ -131,11 +131,11 @@ def verify_against(args, manifest) -> int:
     if extra:
         print(f"lock names nodes the manifest no longer has: {', '.join(extra)}", file=sys.stderr)
         return 1
-    print(f"{manifest.name}: {len(got['nodes'])} nodes reproduce {args.against} digest for digest")
+    print(f"{manifest.name}: {len(got['nodes'])} nodes reproduce {against} digest for digest")
     return 0
 
 
-def push(sched, states, repo_id: str, dry_run: bool = False) -> None:
+def push(sched, states, repo_id: str) -> None:
     """Upload every published directory of the build to ``repo_id`` with huggingface_hub."""
     from .steps.publish import out_dir
 
@@ -144,12 +144,6 @@ def push(sched, states, repo_id: str, dry_run: bool = False) -> None:
             continue
         node = sched.m.nodes[st.name]
         path = out_dir(node.params, sched.context(st.name))
-        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
-        if dry_run:
-            print(f"would upload {len(files)} files from {path} to {repo_id}:")
-            for p in files:
-                print(f"  {p.name} ({p.stat().st_size:,} bytes)")
-            continue
         from huggingface_hub import HfApi
 
         api = HfApi()

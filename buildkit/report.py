@@ -26,7 +26,7 @@ class Reporter:
             self.rich = RP(
                 TextColumn("{task.description}"),
                 BarColumn(),
-                TextColumn("{task.completed}/{task.total} tensors"),
+                TextColumn("{task.completed}/{task.total} {task.fields[unit]}"),
                 TextColumn("{task.fields[mb]:,.1f} MB"),
                 TimeElapsedColumn(),
                 console=Console(file=self.stream),
@@ -49,8 +49,8 @@ class Reporter:
             return
         with self.lock:
             if p.node not in self.tasks:
-                self.tasks[p.node] = self.rich.add_task(p.node, total=p.total or None, mb=0.0)
-            self.rich.update(self.tasks[p.node], completed=p.done, total=p.total or None, mb=p.bytes / 1e6)
+                self.tasks[p.node] = self.rich.add_task(p.node, total=p.total or None, mb=0.0, unit=p.unit)
+            self.rich.update(self.tasks[p.node], completed=p.done, total=p.total or None, mb=p.bytes / 1e6, unit=p.unit)
 
     def finish_node(self, name: str) -> None:
         if self.rich and name in self.tasks:

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import copy
 import errno
-import functools
 import os
 import sys
 import threading
 import time
 import traceback
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import asdict
+from concurrent.futures import FIRST_COMPLETED, wait
 
-from . import keys, lazy, workers
+from . import allocator, keys, workers
 from .errors import BuildkitError, StepError, StoreMiss, VerifyError
 from .fsio import atomic_write
 from .manifest import Manifest, Node
@@ -28,10 +26,6 @@ from .plan import NodeState, Planner, action_key, ingredients, why_changed
 from .report import Reporter
 from .steps.base import BuildOptions, Context, Progress
 from .store import Store
-
-# A step about to hash this much new content (a new source) starts the imports a new model
-# needs (``Step.imports_if_new``) meanwhile: the hash waits on the disk and a core is free.
-WARM_NEW_BYTES = 1 << 30
 
 
 class Cancelled(Exception):
@@ -43,7 +37,6 @@ class Scheduler(Planner):
 
     def __init__(self, manifest: Manifest, store: Store, options: BuildOptions | None = None):
         super().__init__(manifest, store, options)
-        self._warm_lock = threading.Lock()
 
     def build(self, targets: list[str] | None = None, jobs: int = 2, quiet: bool = False) -> list[NodeState]:
         """Run the stale nodes; independent nodes run in parallel on ``jobs`` threads.
@@ -51,6 +44,7 @@ class Scheduler(Planner):
         A store entry a step finds corrupt (or gone) is a miss: it has been removed, so the
         build runs once more, which re-runs the steps that produced it.
         """
+        self.check_request(targets)
         with self.store.in_use():
             try:
                 return self._build(targets, jobs, quiet)
@@ -69,7 +63,6 @@ class Scheduler(Planner):
         failures: list[tuple[str, BaseException]] = []
         running = {}
         self._ended = {n: threading.Event() for n in names}
-        self._warming: dict[str, Future] = {}
         t0 = time.monotonic()
         jobs = max(1, jobs)
         pool = workers.pool("nodes")
@@ -97,7 +90,6 @@ class Scheduler(Planner):
                         done.add(n)
         finally:
             reporter.close()
-            wait(self._warming.values())  # no import may still run when the process exits
         if failures:
             n, exc = failures[0]
             if isinstance(exc, VerifyError) and exc.report:
@@ -177,7 +169,6 @@ class Scheduler(Planner):
         node = self.m.nodes[name]
         st = states[name]
         ctx = self.context(name, Progress(name, reporter.update), lambda node, msg: reporter.line(f"  {node}: {msg}"))
-        ctx.on_new_content = functools.partial(self._new_content, name, states)
         prepared = self._prepare_early(name, states, prev, reporter, ctx)
         try:
             self._run_ready(node, st, states, prev, reporter, ctx, prepared)
@@ -190,8 +181,6 @@ class Scheduler(Planner):
         name = node.name
         digests = self.input_digests(node, states)
         assert digests is not None, name
-        if name not in prev:  # never built: it will run, after its key (a cold source is hashed)
-            self._warm({name, *self.topo.descendants[name]}, states)
         st.ingredients = ingredients(node, digests, ctx)
         st.key = action_key(st.ingredients)
         with self.store.lock(st.key):
@@ -215,7 +204,7 @@ class Scheduler(Planner):
             }
             ctx.prepared = prepared
             ctx.fingerprint = st.ingredients["fingerprint"]
-            self._warm(set(self.topo.descendants[name]), states)
+            allocator.tune_imported()  # an earlier step imported mlx: its buffer cache off
             outputs = node.step.run(ctx, node.params, inputs)
             if set(outputs) != set(node.step.outputs):
                 raise StepError(f"returned outputs {sorted(outputs)}, expected {list(node.step.outputs)}")
@@ -237,28 +226,8 @@ class Scheduler(Planner):
             reporter.line(
                 f"[done]   {name} ({node.kind}) {keys.short(st.key)} in {st.seconds:.2f}s"
                 + (f" ({st.early:.2f}s of it alongside {', '.join(sorted(self._gates(name, states)))})" if st.early else "")
-                + (f", {ctx.progress.done} tensors" if ctx.progress.done else "")
+                + (f", {ctx.progress.done} {ctx.progress.unit}" if ctx.progress.done else "")
             )
-
-    def _new_content(self, name: str, states: dict, nbytes: int) -> None:
-        """``name`` is about to hash ``nbytes`` the store has never seen (``Context.new_content``)."""
-        if nbytes >= WARM_NEW_BYTES:
-            self._warm(set(self.topo.descendants[name]), states, new=True)
-
-    def _warm(self, nodes: set[str], states: dict, new: bool = False) -> None:
-        """Nodes that will run: import what they need (``Step.imports``; if they will build from
-        new content, ``Step.imports_if_new`` too) on a spare thread meanwhile, so a slow import
-        is not paid on the critical path later."""
-        mods = []
-        for n in self.order:
-            if n in nodes and n in states:
-                node = self.m.nodes[n]
-                mods += [*node.step.imports, *(node.step.imports_if_new(node.params) if new else ())]
-        with self._warm_lock:
-            todo = [m for m in dict.fromkeys(mods) if m not in self._warming]
-            if todo:
-                fut = lazy.import_ahead(todo)
-                self._warming.update(dict.fromkeys(todo, fut))
 
     def _keep_report(self, name: str, exc: VerifyError) -> VerifyError:
         """A failed verify's full report, kept where the user can read it."""
@@ -272,7 +241,7 @@ class Scheduler(Planner):
         for n, st in states.items():
             nodes[n] = {"key": st.key, "ingredients": st.ingredients, "outputs": st.outputs}
         nodes = {n: v for n, v in nodes.items() if n in self.m.nodes}
-        self.store.set_ref(self.m.name, {"keys": {n: v["key"] for n, v in nodes.items()}, "nodes": nodes, "topology": asdict(self.topo)})
+        self.store.set_ref(self.m.name, {"keys": {n: v["key"] for n, v in nodes.items()}, "nodes": nodes})
         root = (self.store.get_root(self.request()) or {}).get("nodes", {})
         root.update({n: {"key": st.key, "ingredients": st.ingredients} for n, st in states.items()})
         self.store.set_root(self.request(), {n: v for n, v in root.items() if n in self.m.nodes})

@@ -473,10 +473,11 @@ class Store:
                     out.append({**rec, "path": str(p)})
         return sorted(out, key=lambda r: (r.get("built_ns", 0), r["path"]))
 
-    def forget(self, variant: str, out: str | None = None, keep_last: int | None = None) -> list[dict]:
-        """Drop build roots: a variant's (those that published to ``out``, if given), or, with
-        ``keep_last``, all but the newest ``keep_last`` of each variant (``variant`` "*" for
-        every variant). Returns the roots dropped; ``gc`` then frees what no root reaches."""
+    def forget(self, variant: str, out: str | None = None, keep_last: int | None = None, dry_run: bool = False) -> list[dict]:
+        """Drop build roots: a variant's (only those that published to ``out``, if given; the
+        default output is recorded as None and matched by ``out/VARIANT``), or, with
+        ``keep_last``, all but the newest ``keep_last`` of each variant (``variant`` "*": every
+        variant). Returns the roots dropped; ``gc`` then frees what no root reaches."""
         by_variant: dict[str, list[dict]] = {}
         for r in self.roots():
             by_variant.setdefault(r["request"].get("variant", ""), []).append(r)
@@ -487,23 +488,30 @@ class Store:
             if keep_last is not None:
                 drop = rs[: max(0, len(rs) - keep_last)]
             else:
-                drop = [r for r in rs if out is None or r["request"].get("out") == out]
-            for r in drop:
-                Path(r["path"]).unlink(missing_ok=True)
+                default = os.path.abspath(f"out/{v}")
+                drop = [r for r in rs if out is None or (r["request"].get("out") or default) == out]
+            if not dry_run:
+                for r in drop:
+                    Path(r["path"]).unlink(missing_ok=True)
             dropped += drop
         return dropped
 
-    def gc(self, dry_run: bool = False) -> dict:
+    def gc(self, dry_run: bool = False, keep_last: int | None = None) -> dict:
         """Remove actions no build root names, then artifacts and objects no kept action
-        reaches, memos, and the records of source files that no longer exist.
+        reaches, memos, and the records of source files that no longer exist. ``keep_last``:
+        first forget all but the newest ``keep_last`` builds of each variant.
 
         Refuses (StoreError) while a build holds the store, whose new objects no root names yet.
         """
         with self.in_use(exclusive=True):
-            return self._gc(dry_run)
+            dropped = [] if keep_last is None else self.forget("*", keep_last=keep_last, dry_run=dry_run)
+            gone = {r["path"] for r in dropped}
+            removed = self._gc(dry_run, [r for r in self.roots() if r["path"] not in gone])
+            removed["roots"] = dropped
+            return removed
 
-    def _gc(self, dry_run: bool) -> dict:
-        keep_keys = {n["key"] for r in self.roots() for n in r.get("nodes", {}).values() if n.get("key")}
+    def _gc(self, dry_run: bool, roots: list[dict]) -> dict:
+        keep_keys = {n["key"] for r in roots for n in r.get("nodes", {}).values() if n.get("key")}
         live_arts: set[str] = set()
         removed = {"actions": 0, "artifacts": 0, "objects": 0, "memos": 0, "bytes": 0, "nodes": {}}
         doomed: list[tuple[Path, dict]] = []

@@ -18,12 +18,12 @@ import pytest
 from conftest import Project
 
 from buildkit import keys
+from buildkit.artifact import Artifact
 from buildkit.errors import SourceError, StepError
 from buildkit.fixture import FixtureSpec, generate
 from buildkit.steps.base import BuildOptions, Context, Progress
 from buildkit.steps.fetch import Fetch, FetchParams
 from buildkit.steps.publish import Publish, PublishParams, Staged
-from buildkit.artifact import Artifact
 from buildkit.store import Store
 from buildkit.tensors import header_bytes, read_header, read_tensor
 
@@ -235,7 +235,7 @@ def test_bad_source_is_refused_and_nothing_is_half_written(project, capsys, sour
     mutate(src)
     before = outside_store(project)
     code, err = fail(project, capsys, "build", "xl", "--source", str(src), "--out", str(project.out / "xl"))
-    assert code == 1, err
+    assert code == (2 if case == "no_such_directory" else 1), err  # no directory: the user's input is wrong
     assert message in err and "Traceback" not in err and "internal error" not in err
     assert written(project) == []
     assert outside_store(project) == before  # nothing written outside the store, in the source or beside it

@@ -15,8 +15,8 @@ import xxhash
 from conftest import cached, ran
 
 from buildkit import keys
-from buildkit.errors import StoreMiss
 from buildkit.artifact import Artifact
+from buildkit.errors import StoreMiss
 from buildkit.fsio import DirectFile, atomic_write, drop_idle_write_buffers
 from buildkit.store import Store
 
@@ -290,6 +290,7 @@ def test_gc_frees_what_only_a_deleted_variant_used(project, seed, capsys):
     mtp_only = mtp - xl
     assert mtp_only and _objects(store) == xl | mtp
     assert project.cli("forget", "xl-mtp") == 0
+    assert "forgot build xl-mtp (source fixture:seed=0, out default)" in capsys.readouterr().out
 
     assert project.cli("gc", "--dry-run") == 0
     dry = capsys.readouterr().out

@@ -9,6 +9,7 @@ import pytest
 
 from buildkit import graph as graphs
 from buildkit import manifest
+from buildkit.artifact import Artifact
 from buildkit.cli import main, parser
 from buildkit.errors import ManifestError
 from buildkit.steps import REGISTRY
@@ -162,7 +163,11 @@ def test_extends_inherits_and_deep_merges(project):
     assert mtp.nodes["requantize"].params.rules == {"language_model.mtp.fc": "mtp_fc"}
     # ...and a role no recipe rule names stays out of quantize's key: xl-mtp shares xl's quantize
     q = REGISTRY["quantize"]()
-    assert q.key_params(mtp.nodes["quantize"].params) == q.key_params(xl.nodes["quantize"].params)
+    names = ["language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight", "language_model.model.norm.weight",
+             "language_model.model.embed_tokens.weight", "language_model.lm_head.weight"]
+    model = {"model": [Artifact(tensors={n: {} for n in names})]}
+    params = [m.nodes["quantize"].params.model_copy(update={"require_all_rules": False}) for m in (mtp, xl)]
+    assert q.key_params(params[0], model) == q.key_params(params[1], model)
 
 
 def test_override_of_one_role_field_and_source_on_the_command_line(project):
@@ -194,8 +199,9 @@ def test_manifest_by_path(project, tmp_path):
 # ---- graph ---------------------------------------------------------------------------------
 
 MTP_EDGES = {
-    ("fetch", "sanitize", "source"), ("sanitize", "quantize", "model"),
-    ("sanitize", "graft", "head"), ("sanitize", "graft", "trunk"), ("graft", "requantize", "model"),
+    ("fetch", "sanitize", "source"), ("sanitize", "quantize", "model = sanitize:model"),
+    ("sanitize", "graft", "head = sanitize:mtp"), ("sanitize", "graft", "trunk = sanitize:model"),
+    ("graft", "requantize", "model"),
     ("quantize", "verify", "model"), ("fetch", "verify", "source"),
     ("quantize", "verify_head", "model"), ("requantize", "verify_head", "model"),
     ("fetch", "verify_head", "source"), ("quantize", "verify_head", "base"),
@@ -207,7 +213,8 @@ MTP_EDGES = {
 def test_graph_edges_and_order(project):
     g = graphs.build(manifest.load("xl-mtp", project.manifests))
     edges = {(u, v) for u, v, _ in MTP_EDGES}
-    assert set(g.edges) == edges
+    assert {(u, v) for u, v, _ in g.edges} == edges
+    assert g.number_of_edges() == len(MTP_EDGES)  # two references between one pair: two edges
     order = graphs.order(g)
     assert all(order.index(u) < order.index(v) for u, v in edges)
     assert order == graphs.order(graphs.build(manifest.load("xl-mtp", project.manifests)))
@@ -229,16 +236,14 @@ def test_graph_command_renders_every_node_and_edge(project, capsys, fmt):
         assert out.startswith("digraph buildkit {") and out.rstrip().endswith("}")
         for n, k in kinds.items():
             assert f'"{n}" [label="{n}\\n({k})"];' in out
-        edges = set(re.findall(r'"([\w-]+)" -> "([\w-]+)" \[label="(\w+)"\]', out))
-        # a DiGraph keeps one edge per pair: the slot of the last declared reference
-        assert {(u, v) for u, v, _ in edges} == {(u, v) for u, v, _ in MTP_EDGES}
-        assert edges <= MTP_EDGES
+        edges = set(re.findall(r'"([\w-]+)" -> "([\w-]+)" \[label="([^"]+)"\]', out))
+        assert edges == MTP_EDGES  # every reference, with the producer's output where it names one
         return
     assert out.startswith("flowchart LR")
     ident = dict((name, i) for i, name in re.findall(r'(n\d+)\["([\w-]+) \([\w-]+\)"\]', out))
     assert set(ident) == set(kinds)
-    edges = {(u, v) for u, v in re.findall(r"(n\d+) -->\|\w+\| (n\d+)", out)}
-    assert edges == {(ident[u], ident[v]) for u, v, _ in MTP_EDGES}
+    edges = set(re.findall(r'(n\d+) -->\|"([^"]+)"\| (n\d+)', out))
+    assert edges == {(ident[u], label, ident[v]) for u, v, label in MTP_EDGES}
 
 
 # ---- --help --------------------------------------------------------------------------------

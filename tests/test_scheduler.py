@@ -35,7 +35,7 @@ def plan(project, variant: str) -> dict[str, str]:
     """step -> its plan line without the key: 'fresh' or 'stale: <reasons>'."""
     out = project.run("plan", variant).stdout.splitlines()
     assert out[-1].startswith(f"{variant}: ")
-    lines = [re.fullmatch(r"(fresh|stale) (\S+) \((\S+)\) ([0-9a-f]{12}|\?{12})(: .+)?", s) for s in out[:-1]]
+    lines = [re.fullmatch(r"(fresh|stale) (\S+) \((\S+)\) ([0-9a-f]{12}|\(key depends on [\w, -]+\))(: .+)?", s) for s in out[:-1]]
     assert all(lines), out
     return {m[2]: m[1] + (m[5] or "") for m in lines}
 
@@ -71,50 +71,20 @@ def test_first_build_runs_everything_second_nothing(project):
     assert [p for p in project.root.rglob("*") if ".tmp" in p.name] == []
 
 
-def imported(project, *argv: str, check: bool = True, warm_new_bytes: int | None = None) -> tuple[subprocess.CompletedProcess, set[str]]:
-    """Run the CLI with ``python -X importtime``: the result and the top-level packages imported.
-    ``warm_new_bytes``: the scheduler's ``WARM_NEW_BYTES`` for that run, instead of 1 GiB."""
-    run = ["-m", "buildkit.cli"]
-    if warm_new_bytes is not None:
-        run = ["-c", "import sys; from buildkit import cli, scheduler; "
-               f"scheduler.WARM_NEW_BYTES = {warm_new_bytes}; sys.exit(cli.main(sys.argv[1:]))"]
-    p = subprocess.run([sys.executable, "-X", "importtime", *run, *project.args(*argv)],
+def imported(project, *argv: str, check: bool = True) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run the CLI with ``python -X importtime``: the result and the top-level packages imported."""
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "buildkit.cli", *project.args(*argv)],
                        cwd=project.root, capture_output=True, text=True, check=check)
     mods = {m[1].split(".")[0] for m in re.finditer(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", p.stderr, re.M)}
     return p, mods
 
 
-def test_a_new_source_starts_the_load_checks_import_while_it_is_hashed(project):
-    """mlx_lm's import (~1 s, for publish's load check) starts as soon as fetch finds source bytes
-    the store has never seen, before any step after it runs: a build whose quantize fails has
-    already imported it. The same build again, its source remembered, does not import it, nor
-    does a new source published without a load check, nor (by default) a source smaller than
-    the gigabyte whose hash takes as long as the import."""
-    fails = '[steps.quantize.params.rules]\n"no.such.tensor" = "router"\n'
-    project.write_manifest("broken", f'extends = "xl"\n{fails}')
-    project.write_manifest("unchecked", f'extends = "xl"\nsource = "fixture:seed=1"\n{fails}'
-                           '[steps.publish.params]\nload_check = false\n')
-
-    def failed(variant: str, warm_new_bytes: int | None = 0) -> set[str]:
-        p, mods = imported(project, "build", variant, "--out", str(project.out / variant), check=False,
-                           warm_new_bytes=warm_new_bytes)
-        assert p.returncode == 1 and "'no.such.tensor' match no tensor" in p.stderr, p.stderr
-        assert ran(p)[-1] == "quantize" and "publish" not in ran(p)
-        return mods
-
-    assert "mlx_lm" in failed("broken")  # the fixture source is generated, then hashed: new
-    assert "mlx_lm" not in (mods := failed("broken")) and "numpy" in mods  # remembered
-    assert "mlx_lm" not in failed("unchecked")
-    project.write_manifest("small", f'extends = "xl"\nsource = "fixture:seed=2"\n{fails}')
-    assert "mlx_lm" not in failed("small", warm_new_bytes=None)  # 4 MB: hashed in no time
-
-
 def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):
     """A no-op build (and a plan) decide from the store alone: numpy, mlx, mlx_lm and tokenizers are never
     imported, not even by the scheduler's early imports, which start only for a node that runs
-    or was never built. Nor is networkx: the graph's topology is read back from the last build."""
+    or was never built."""
     project.adopt(seed)
-    heavy = {"numpy", "mlx", "mlx_lm", "transformers", "tokenizers", "networkx"}
+    heavy = {"numpy", "mlx", "mlx_lm", "transformers", "tokenizers"}
     p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))
     assert ran(p) == [] and "xl-mtp: 8 steps, 0 ran, 8 cached" in p.stderr
     assert not mods & heavy, sorted(mods & heavy)
@@ -132,15 +102,10 @@ def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):
 
 
 def test_a_graph_edited_after_a_build_is_worked_out_again(project, seed):
-    """The topology kept in a variant's ref serves only the graph it was computed for: an edit
-    that adds a step, or closes a cycle, is seen by the next plan (networkx is asked again)."""
+    """An edit that adds a step, or closes a cycle, is seen by the next plan."""
     project.adopt(seed)
     text = (project.manifests / "xl.toml").read_text()
-    _, mods = imported(project, "plan", "xl")
-    assert "networkx" not in mods
     project.write_manifest("xl", text + '[steps.verify2]\nkind = "verify"\ninputs = { model = ["quantize"], source = "fetch" }\n')
-    _, mods = imported(project, "plan", "xl")
-    assert "networkx" in mods
     steps = plan(project, "xl")  # verify2's key is verify's: same step, same inputs
     assert steps == {**dict.fromkeys(XL, "fresh"), "verify2": "fresh"}
     assert list(steps).index("verify2") > list(steps).index("quantize")
@@ -155,7 +120,7 @@ def test_one_param_change_reruns_exactly_its_dependents(project, seed):
     assert plan(project, "xl4") == {
         "fetch": "fresh",
         "sanitize": "fresh",
-        "quantize": "stale: params.recipe.roles.routed_expert.bits changed 6→4",
+        "quantize": "stale: params.plan.roles.routed_expert.bits changed 6→4",
         "verify": "stale: input quantize will be rebuilt first",
         "publish": "stale: input quantize, verify will be rebuilt first",
     }
@@ -164,8 +129,8 @@ def test_one_param_change_reruns_exactly_its_dependents(project, seed):
     assert set(json.loads((project.store / "refs" / "xl4.json").read_text())["keys"]) == {"fetch", "sanitize"}
     b = project.build("xl4")
     assert ran(b) == ["quantize", "verify", "publish"] and cached(b) == ["fetch", "sanitize"]
-    assert "[run]    quantize (quantize): params.recipe.roles.routed_expert.bits changed 6→4\n" in b.stderr
-    assert "[run]    verify (verify): input model (quantize) changed\n" in b.stderr
+    assert "[run]    quantize (quantize): params.plan.roles.routed_expert.bits changed 6→4\n" in b.stderr
+    assert "[run]    verify (verify): input quantize changed (slot model)\n" in b.stderr
     assert ran(project.build("xl4")) == []
 
     # The same edit made to xl itself: quantize and verify are already in the store (xl4 built
@@ -177,7 +142,7 @@ def test_one_param_change_reruns_exactly_its_dependents(project, seed):
     assert p["publish"] == f"stale: output directory {project.out}/xl holds another build"
     # A value never built: the reason compares with xl's own last build.
     xl.write_text(xl.read_text().replace("routed_expert = { bits = 4,", "routed_expert = { bits = 5,"))
-    assert plan(project, "xl")["quantize"] == "stale: params.recipe.roles.routed_expert.bits changed 6→5"
+    assert plan(project, "xl")["quantize"] == "stale: params.plan.roles.routed_expert.bits changed 6→5"
 
 
 def test_target_and_failed_builds_keep_what_they_built(project):
@@ -185,7 +150,8 @@ def test_target_and_failed_builds_keep_what_they_built(project):
     project.write_manifest("typo", 'extends = "xl"\n[recipe.rules]\n"*.no_such_module" = "keep"\n')
     p = project.run("build", "typo", check=False)
     assert p.returncode == 1
-    assert cached(p) == ["fetch", "sanitize"] and ran(p) == ["quantize"]
+    # the dead rule is found when quantize's key resolves the rules, before it runs
+    assert cached(p) == ["fetch", "sanitize"] and ran(p) == []
     assert "buildkit: error: step 'quantize' (quantize) failed: " in p.stderr
     assert "'*.no_such_module'" in p.stderr and "Traceback" not in p.stderr
     assert not (project.store / "refs" / "typo.json").exists()
@@ -239,7 +205,7 @@ def test_concurrent_builds_of_overlapping_variants_share_nodes(project):
 
 def test_explain_prints_the_ingredients_of_the_key(project, seed, capsys):
     project.adopt(seed)
-    r = cli(project, capsys, "explain", "xl", "quantize")
+    r = cli(project, capsys, "explain", "xl", "quantize", "--json")
     assert r.returncode == 0
     d = json.loads(r.stdout)
     assert (d["node"], d["kind"], d["fresh"], d["reasons"]) == ("quantize", "quantize", True, [])
@@ -247,12 +213,13 @@ def test_explain_prints_the_ingredients_of_the_key(project, seed, capsys):
     ingr = d["ingredients"]
     assert set(ingr) == {"kind", "version", "params", "inputs", "libraries", "fingerprint"}
     assert (ingr["kind"], ingr["version"]) == ("quantize", 1)
-    assert ingr["params"]["recipe"]["roles"]["routed_expert"]["bits"] == 6
+    assert ingr["params"]["plan"]["roles"]["routed_expert"]["bits"] == 6
+    assert ingr["params"]["plan"]["tensors"]["language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight"] == "routed_expert"
     assert ingr["libraries"] == {"mlx": library_version("mlx")}
     ref = json.loads((project.store / "refs" / "xl.json").read_text())
     assert ingr["inputs"] == {"model": [ref["nodes"]["sanitize"]["outputs"]["model"]]}
     assert d["key"] == action_key(ingr)
-    fetch = json.loads(cli(project, capsys, "explain", "xl", "fetch").stdout)
+    fetch = json.loads(cli(project, capsys, "explain", "xl", "fetch", "--json").stdout)
     assert fetch["fresh"] and fetch["ingredients"]["libraries"] == {}
     assert "config.json" in fetch["ingredients"]["fingerprint"]
 

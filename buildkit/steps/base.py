@@ -43,7 +43,6 @@ class BuildOptions:
     out_dir: Path | None = None
     release: bool = False
     push: str | None = None
-    dry_run: bool = False
     rehash: bool = False
 
 
@@ -53,11 +52,12 @@ class Progress:
     def __init__(self, node: str, sink=None):
         self.node, self.sink = node, sink
         self.done = self.total = self.bytes = 0
+        self.unit = "tensors"
         self.lock = threading.Lock()
 
-    def start(self, total: int) -> None:
+    def start(self, total: int, unit: str = "tensors") -> None:
         with self.lock:
-            self.total, self.done = total, 0
+            self.total, self.done, self.unit = total, 0, unit
         self._emit()
 
     def advance(self, n: int = 1, nbytes: int = 0) -> None:
@@ -83,13 +83,6 @@ class Context:
     log_sink: Any = None
     prepared: Any = None  # what ``Step.prepare`` returned, when the scheduler called it
     fingerprint: Any = None  # what ``Step.fingerprint`` gave for this run's key
-    on_new_content: Any = None  # the scheduler's answer to ``new_content``
-
-    def new_content(self, nbytes: int) -> None:
-        """Say that this step is about to read ``nbytes`` of content the store has never seen
-        (source files it must hash): the steps after it will most likely build something new."""
-        if self.on_new_content is not None:
-            self.on_new_content(nbytes)
 
     def log(self, msg: str) -> None:
         if self.log_sink:
@@ -116,8 +109,10 @@ class Step:
         """Versions of libraries that change this step's output bytes (part of the key)."""
         return {}
 
-    def key_params(self, params: Params) -> dict:
-        """The params as they enter the key (all of them, defaults filled in)."""
+    def key_params(self, params: Params, inputs: dict[str, list[Artifact]]) -> dict:
+        """The params as they enter the key (all of them, defaults filled in). ``inputs`` are
+        the input artifacts, for a step whose params mean something only against them (the
+        quantizing steps resolve their rules to a per-tensor plan)."""
         return params.model_dump(mode="json")
 
     def fingerprint(self, params: Params, ctx: Context) -> Any:
@@ -126,6 +121,10 @@ class Step:
 
     def describe_fingerprint_change(self, old: Any, new: Any) -> str:
         return "fingerprint differs"
+
+    def check_request(self, params: Params, ctx: Context) -> None:
+        """Raise UsageError if this invocation cannot succeed (publish: an unusable output
+        path), so the build fails before any step runs rather than after hours of work."""
 
     def outdated(self, params: Params, outputs: dict[str, Artifact], ctx: Context) -> str | None:
         """For steps with side effects: a reason to re-run despite a cache hit, or None."""
@@ -144,18 +143,6 @@ class Step:
             return None
         return [], []
 
-    # Modules ``run`` imports that are slow to import (mlx_lm pulls in transformers: ~1.2 s).
-    # Once a build runs its first step, the scheduler imports those of the steps after it on
-    # a spare thread, while that step works (or its source is hashed, in a first build);
-    # a build with nothing to do imports none.
-    imports: ClassVar[tuple[str, ...]] = ()
-
-    def imports_if_new(self, params: Params) -> tuple[str, ...]:
-        """Slow imports ``run`` needs only for a model never built before (publish's load check:
-        mlx_lm runs it once per model). The scheduler starts them when a step before this one
-        reads enough new content (``Context.new_content``): a new source, while it is hashed
-        and the disk, not the CPU, is the bound."""
-        return ()
 
     # Optional, for steps with gate slots: start before the gates are ready.
     prepare: ClassVar[Any] = None  # (ctx, params, inputs without gate slots) -> handle for run

@@ -39,7 +39,6 @@ class CalibrateParams(Params):
 class Calibrate(Step):
     kind = "calibrate"
     version = 1
-    imports = ("numpy", "mlx.core", "mlx_lm.models.qwen3_5_moe")
     Params = CalibrateParams
     inputs = {"model": Slot()}
     outputs = ("out", "heldout")
@@ -47,7 +46,7 @@ class Calibrate(Step):
     def libraries(self) -> dict[str, str]:
         return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
 
-    def key_params(self, params: CalibrateParams) -> dict:
+    def key_params(self, params: CalibrateParams, inputs=None) -> dict:
         return params.model_dump(mode="json", exclude={"text"})
 
     def fingerprint(self, params: CalibrateParams, ctx: Context) -> dict:

@@ -10,6 +10,7 @@ into the store. Paths never enter the key, only content digests do.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -67,7 +68,7 @@ class Fetch(Step):
     Params = FetchParams
     outputs = ("out",)
 
-    def key_params(self, params: FetchParams) -> dict:
+    def key_params(self, params: FetchParams, inputs=None) -> dict:
         kind = source_kind(params.source)
         if kind == "hf":
             m = HF_RE.match(params.source)
@@ -88,6 +89,9 @@ class Fetch(Step):
             from huggingface_hub import snapshot_download
 
             rev = m["rev"] or "main"
+            if not PINNED.match(rev):
+                ctx.log(f"warning: {params.source} is not pinned to a commit: this build is not "
+                        "reproducible (the revision can move); pin it as hf://org/repo@<commit sha>")
             try:
                 # A pinned commit already in the HF cache needs no network (and keeps no-op
                 # builds fast); anything else asks the Hub (or fails offline with its reason).
@@ -98,16 +102,20 @@ class Fetch(Step):
                 try:
                     path = Path(snapshot_download(m["repo"], revision=rev, allow_patterns=HF_PATTERNS))
                 except Exception as e:  # hub errors come in many types; all mean "cannot fetch"
+                    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+                        hint = ("HF_HUB_OFFLINE is set and this revision is not in the local HF cache: "
+                                "download it on a machine online (or unset HF_HUB_OFFLINE)")
+                    else:
+                        hint = "Offline? Set HF_HUB_OFFLINE=1 to use the local HF cache"
                     raise SourceError(
-                        f"cannot fetch {params.source}: {e}. Offline? Set HF_HUB_OFFLINE=1 to use the "
-                        "local HF cache, or pass --source with a local directory"
+                        f"cannot fetch {params.source}: {e}. {hint}, or pass --source with a local directory"
                     ) from e
             return path, {"type": "hf", "repo": m["repo"], "revision": path.name}
         if kind == "fixture":
             from ..fixture import generate
 
             spec = parse_fixture(params.source)
-            path = ctx.store.root / "fixtures" / keys.short(keys.digest_json("fixture", spec.model_dump()), 16)
+            path = ctx.store.layout.fixtures / keys.short(keys.digest_json("fixture", spec.model_dump()), 16)
             if not (path / "config.json").exists():
                 ctx.log(f"generating fixture checkpoint {params.source} in {path}")
                 generate(path, spec)
@@ -115,8 +123,9 @@ class Fetch(Step):
         path = Path(params.source).expanduser()
         if not path.is_absolute():
             path = ctx.options.project_root / path
-        if not path.is_dir():
-            raise SourceError(f"source {params.source!r}: no such directory ({path})")
+        if not path.is_dir():  # the user named it: bad input, not a bad checkpoint (exit 2)
+            raise UsageError(f"source {params.source!r}: no such directory ({path}); pass --source with a "
+                             "model directory, hf://org/repo@<sha> or fixture:seed=N")
         return path, {"type": "local"}
 
     def _files(self, root: Path) -> list[Path]:
@@ -133,7 +142,7 @@ class Fetch(Step):
     @staticmethod
     def _digests(ctx: Context, root: Path, files: list[Path], rehash: bool = False) -> dict[str, str]:
         """Content digest of each file, by its path relative to ``root``."""
-        digests = ctx.store.sources.digest_files(files, rehash=rehash, on_hash=ctx.new_content)
+        digests = ctx.store.sources.digest_files(files, rehash=rehash)
         return {str(p.relative_to(root)): d for p, d in zip(files, digests)}
 
     def fingerprint(self, params: FetchParams, ctx: Context) -> dict:
@@ -163,7 +172,7 @@ class Fetch(Step):
         if ctx.fingerprint is not None and digests != ctx.fingerprint:  # the key was made from those
             changed = self.describe_fingerprint_change(ctx.fingerprint, digests)
             raise SourceError(f"{root}: source files changed after this build hashed them ({changed}); run again")
-        ctx.progress.start(len(files))
+        ctx.progress.start(len(files), unit="files")
         for p in files:
             rel = str(p.relative_to(root))
             digest = digests[rel]

@@ -49,7 +49,7 @@ SKIP_SOURCE_FILES = {"config.json", "model.safetensors.index.json", "README.md",
 class PublishParams(Params):
     out: str = "out/{variant}"  # where to write; not part of the key (``--out`` overrides)
     max_shard_bytes: int = Field(default=5 << 30, ge=1 << 20)
-    base_model: str = "Qwen/Qwen3.6-35B-A3B"
+    base_model: str | None = None  # default: the hf:// source's repo; none for a fixture or a directory
     description: str = ""
     tags: list[str] = Field(default_factory=lambda: ["mlx", "quantized", "qwen3_5_moe"])
     load_check: bool = True  # load the result with mlx_lm and check logits are finite
@@ -146,12 +146,25 @@ def write_synced(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: list[Artifact], reports: list[dict], bpw: float, n_tensors: int) -> str:
+def card_origin(params: PublishParams, source: dict) -> tuple[str | None, str]:
+    """(base_model for the card's metadata, a line saying what the model was built from)."""
+    if params.base_model:
+        return params.base_model, f"Built from `{params.base_model}`."
+    if source.get("type") == "hf":
+        return source["repo"], f"Built from `{source['repo']}` at revision `{source.get('revision')}`."
+    if source.get("type") == "fixture":
+        return None, ("Built from a **generated test fixture** (`qwen3_5_moe` layout, random weights, "
+                      f"spec `{json.dumps(source.get('spec'), sort_keys=True)}`): not a real model.")
+    return None, "Built from a local checkpoint directory."
+
+
+def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: list[Artifact], reports: list[dict], bpw: float, n_tensors: int, source: dict) -> str:
     has_mtp = any(n.startswith("language_model.mtp.") for a in parts for n in a.tensors)
     tags = list(dict.fromkeys([*params.tags, *(["mtp"] if has_mtp else [])]))
+    base, origin = card_origin(params, source)
     lines = [
         "---",
-        f"base_model: {params.base_model}",
+        *([f"base_model: {base}"] if base else []),
         "library_name: mlx",
         "pipeline_tag: text-generation",
         "tags:",
@@ -160,7 +173,9 @@ def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: lis
         "",
         f"# {ctx.variant}",
         "",
-        params.description or f"MLX build of {params.base_model}, variant `{ctx.variant}`, made with buildkit.",
+        params.description or f"MLX build of {base or 'a qwen3_5_moe checkpoint'}, variant `{ctx.variant}`, made with buildkit.",
+        "",
+        origin,
         "",
         f"- bits per weight (stored bits / source weights): **{bpw:.3f}**",
         f"- tensors: {n_tensors}" + (" (includes the MTP head `language_model.mtp.*`)" if has_mtp else ""),
@@ -203,13 +218,13 @@ class Staged:
     load_check: loadcheck.Lookup | None = None
     shards: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # name -> (digest, stat)
     linked: int = 0  # shards hard-linked from an earlier publish rather than written
+    source: dict = field(default_factory=dict)  # what fetch says the source was (for the card)
 
 
 @register
 class Publish(Step):
     kind = "publish"
     version = 2
-    imports = ("numpy",)  # mlx_lm: ``imports_if_new``, else ``prepare`` once it knows the check runs
     Params = PublishParams
     # The model is written and load-checked while verify runs; the reports gate the swap.
     inputs = {"model": Slot(many=True), "source": Slot(), "report": Slot(required=False, many=True, gate=True)}
@@ -218,13 +233,21 @@ class Publish(Step):
     def writer(self) -> dict:
         return {self.kind: self.version}
 
-    def key_params(self, params: PublishParams) -> dict:
+    def key_params(self, params: PublishParams, inputs=None) -> dict:
         return params.model_dump(mode="json", exclude={"out"})
 
-    def imports_if_new(self, params: PublishParams) -> tuple[str, ...]:
-        """A new model has not been load-checked: mlx_lm's import (~1 s) is started while a new
-        source is hashed, rather than on the critical path after quantize."""
-        return (loadcheck.MODULE,) if params.load_check else ()
+    def check_request(self, params: PublishParams, ctx: Context) -> None:
+        dest = out_dir(params, ctx)
+        for d in [dest, *dest.parents]:
+            if d.exists() and not d.is_dir():
+                where = "it" if d == dest else f"{d}"
+                raise UsageError(f"Cannot publish to {dest}: {where} is a file, not a directory. "
+                                 "Pass --out with a directory path.")
+        if dest.is_dir() and not (dest / STAMP).exists() and any(dest.iterdir()):
+            raise UsageError(
+                f"Cannot publish to {dest}: it exists and was not written by buildkit. "
+                "Delete it or pass --out with a new path."
+            )
 
     def outdated(self, params: PublishParams, outputs: dict[str, Artifact], ctx: Context) -> str | None:
         out = out_dir(params, ctx)
@@ -276,7 +299,7 @@ class Publish(Step):
         clear_leftovers(dest)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        staged = Staged(dest, tmp, parts, tensors, config, made)
+        staged = Staged(dest, tmp, parts, tensors, config, made, source=src.meta.get("source", {}))
         try:
             if params.load_check:
                 staged.load_check = loadcheck.lookup(store, config, tensors, self.writer)
@@ -315,7 +338,8 @@ class Publish(Step):
             if reports:
                 files["verify.json"] = json.dumps(reports[0], indent=2, sort_keys=True).encode()
             files["README.md"] = model_card(
-                ctx, params, staged.config.get("quantization"), staged.parts, reports, art.meta["bits_per_weight"], len(staged.tensors)
+                ctx, params, staged.config.get("quantization"), staged.parts, reports, art.meta["bits_per_weight"],
+                len(staged.tensors), staged.source,
             ).encode()
             self._put_files(ctx.store, tmp, art, files)
             write_synced(tmp / STAMP, json.dumps({"artifact": art.digest, "variant": ctx.variant}).encode())

@@ -67,9 +67,10 @@ def stored_bits(entries: dict[str, dict]) -> int:
     return 8 * sum(nbytes(e["dtype"], e["shape"]) for e in entries.values())
 
 
-def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calibration: Artifact | None = None) -> Artifact:
+def assign_roles(names: list[str], params: QuantizeParams) -> dict[str, str]:
+    """Role of every tensor: the step's own rules first (each must match), then the recipe's,
+    first match wins. The one place rules become a per-tensor plan (quantize, its key, estimate)."""
     recipe = params.recipe
-    names = sorted(art.tensors)
     roles: dict[str, str] = {}
     if params.rules:
         local = Recipe(roles=recipe.roles, rules=params.rules)
@@ -79,8 +80,25 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
         if dead:
             raise StepError(f"step rule(s) {', '.join(map(repr, dead))} match no tensor; fix the pattern")
     rest = [n for n in names if n not in roles]
-    roles |= recipe.assign(rest, require_all_rules=params.require_all_rules)
+    return roles | recipe.assign(rest, require_all_rules=params.require_all_rules)
 
+
+def resolved_plan(names: list[str], params: QuantizeParams) -> dict:
+    """What a quantizing step does to each tensor, as it enters the key: the roles used (with
+    bits, group size, mode) and which tensors take each, in sorted order. Rule syntax and order
+    reach the key only through what they resolve to."""
+    roles = assign_roles(sorted(names), params)
+    used = sorted(set(roles.values()))
+    return {
+        "roles": {r: params.recipe.roles[r].model_dump(mode="json") for r in used},
+        "tensors": dict(sorted(roles.items())),  # tensor -> role (canonical JSON sorts it anyway)
+    }
+
+
+def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calibration: Artifact | None = None) -> Artifact:
+    recipe = params.recipe
+    names = sorted(art.tensors)
+    roles = assign_roles(names, params)
     out = Artifact(meta={})
     quant_cfg: dict[str, dict] = {}
     table: dict[str, dict] = {}
@@ -133,7 +151,6 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
 class Quantize(Step):
     kind = "quantize"
     version = 1
-    imports = ("numpy", "mlx.core")
     Params = QuantizeParams
     inputs = {"model": Slot(), "calibration": Slot(required=False)}  # a calibrate output
     uses_recipe = True
@@ -141,12 +158,12 @@ class Quantize(Step):
     def libraries(self) -> dict[str, str]:
         return {"mlx": library_version("mlx")}
 
-    def key_params(self, params: QuantizeParams) -> dict:
-        """Roles no rule names cannot change a byte, so they stay out of the key."""
-        d = params.model_dump(mode="json")
-        used = set(params.recipe.rules.values()) | set(params.rules.values())
-        d["recipe"]["roles"] = {k: v for k, v in d["recipe"]["roles"].items() if k in used}
-        if any(v.get("calibrated") for v in d["recipe"]["roles"].values()):
+    def key_params(self, params: QuantizeParams, inputs: dict[str, list[Artifact]]) -> dict:
+        """The resolved per-tensor plan, not the rules: two manifests whose rules resolve alike
+        share a key, and any difference in what a tensor becomes changes it."""
+        plan = resolved_plan(list(inputs["model"][0].tensors), params)
+        d = {"plan": plan, "require_all_rules": params.require_all_rules}
+        if any(v["calibrated"] for v in plan["roles"].values()):
             d["data_aware"] = dataaware.key()  # the search's version and the numpy it runs on
         return d
 

@@ -278,7 +278,6 @@ class Checks:
 class Verify(Step):
     kind = "verify"
     version = 3
-    imports = ("numpy", "mlx.core")
     Params = VerifyParams
     inputs = {
         "model": Slot(many=True),  # the artifacts that make up the output model
