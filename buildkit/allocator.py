@@ -1,24 +1,11 @@
 """glibc malloc told to keep freed buffers of a build for reuse.
 
-A build allocates and frees buffers of 0.1-30 MB at a high rate on several threads: blocks
-of rows, numpy temporaries of verify's arithmetic, and above all mlx's arrays as the load
-check reads the published shards one layer at a time and lets each go. glibc starts with a
-128 KiB mmap threshold (raised only as mmapped blocks are freed) and trims a thread's heap
-back to the OS as soon as its free top passes twice that, so the next buffer faults its
-pages in again. A page fault is dear on this project's VMs. In a cold xl build of the bench
-fixture, the load check's reads alone faulted in ~110 000 pages; with ``tune`` ~11 000, and
-the whole build 170 000-190 000 -> 54 000-60 000 faults, 1.3 s less system time (perf
-``page-faults`` and ``/usr/bin/time``, three alternating rounds).
-
-``tune`` serves buffers up to ``MMAP_THRESHOLD`` from the heap and trims a heap only once
-``TRIM_THRESHOLD`` of its top is free: memory a build keeps beyond its live buffers is at
-most that per arena (peak RSS of that build: 275-302 MB against 268-293 MB).
-
-mlx keeps a buffer cache of its own on top of malloc's: freed arrays stay with mlx for the next
-array of the same size (up to 32 MB by default on the CPU; ~30 MB of it held through a cold
-xl build). With malloc keeping freed buffers, that is a second copy of the same reserve;
-``tune_imported`` turns it off once mlx is imported: peak RSS of a cold xl build of the bench
-fixture 280-288 MB -> 256-257 MB, page faults 54-56 k -> 51-52 k (three alternating rounds).
+A build allocates and frees buffers of 0.1-30 MB at a high rate on several threads (blocks of
+rows, verify's temporaries, the load check's layers). glibc's defaults hand them back to the
+OS at once, so the next buffer faults its pages in again, and a page fault is dear on small
+VMs. ``tune`` serves buffers up to ``MMAP_THRESHOLD`` from the heap and trims a heap only once
+``TRIM_THRESHOLD`` of its top is free; ``tune_imported`` then turns mlx's own buffer cache off,
+a second reserve of the same buffers. Figures: bench/RESULTS.md.
 """
 
 from __future__ import annotations

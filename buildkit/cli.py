@@ -442,10 +442,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The ``buildkit`` command: ``main``, then an exit that skips the interpreter's last
-    collections. A build leaves hundreds of thousands of objects (listings, records, modules)
-    for them to walk: after a cold xl build of the bench fixture, the process ended 0.27-0.36 s
-    after the build's last line, 0.06-0.08 s frozen (three builds each). Nothing is skipped
-    but that walk: atexit handlers and the flushing of open files run as before."""
+    collections, a walk over the many objects a build leaves (bench/RESULTS.md); atexit
+    handlers and the flushing of open files run as before."""
     code = main()
     gc.freeze()
     sys.exit(code)

@@ -1,5 +1,5 @@
-"""Import heavy modules on first use, so a no-op build does not pay for numpy, or ahead
-of use on a spare thread, so a slow import (mlx_lm: ~1 s) is not paid on the critical path.
+"""Import heavy modules on first use, so a no-op build does not pay for numpy; or ahead of
+use on a spare thread (publish's load check imports mlx_lm while it writes the shards).
 
 ``np = lazy("numpy", __name__)`` binds a stand-in that imports numpy the first
 time one of its attributes is read and then replaces itself in the module's

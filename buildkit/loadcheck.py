@@ -139,9 +139,8 @@ def check_loads(path: Path) -> dict:
     the pass is evaluated layer by layer, each layer's weights read just before it runs and
     freed just after: memory is one layer plus embeddings and head, not the model.
 
-    On the CPU the pass runs in float32: mlx emulates bfloat16 arithmetic there, and the same
-    ops on the same packed weights took 0.4 s instead of 1.6 s on the bench fixture. The
-    floating-point parameters (norms, scales, biases) are widened as they are read; packed
+    On the CPU the pass runs in float32: mlx emulates bfloat16 arithmetic there, about four
+    times slower (bench/RESULTS.md). The floating-point parameters (norms, scales, biases) are widened as they are read; packed
     weights are untouched, and bfloat16 has float32's exponent range, so a value that
     overflows one overflows the other. On a GPU the model runs as mlx_lm runs it.
     Returns the logits' shape and dtype and the names of the loaded model's parameters.

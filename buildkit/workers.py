@@ -61,8 +61,7 @@ def imap(name: str, fn: Callable, items: Iterable, workers: int = 2, window: int
     Only ``workers`` items run at once; the rest of the window is queued items and finished
     results waiting their turn, so it costs what the results hold (keep them small). It must be
     wide: results come out in order, and with a narrow window one big item at the head leaves
-    the other workers idle once they have finished the small ones behind it (verify: 4.1 s ->
-    3.1 s, quantize 6.1-6.8 s -> 4.7-5.3 s on the 2 GB bench fixture, going from 8 to 64).
+    the other workers idle once they have finished the small ones behind it.
     """
     p = pool(name)
     pending: deque[Future] = deque()
