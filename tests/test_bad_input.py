@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -256,25 +255,6 @@ def test_nan_and_inf_fail_verify_naming_each_tensor(project, capsys, source):
     assert sorted(report["checks"]["finite"]["detail"])[2:] == [
         f"language_model.model.layers.2.mlp.switch_mlp.{p}_proj.weight" for p in ("gate", "up")]
     assert written(project) == []
-
-
-def test_header_claiming_absurd_sizes_is_rejected_before_allocating(tmp_path):
-    path = tmp_path / "x.safetensors"
-    cases = [
-        struct.pack("<Q", (1 << 64) - 1) + b"{}",  # header length
-        struct.pack("<Q", 90 << 20) + b"{",  # under the header limit, but not in the file
-    ]
-    for huge in (1 << 40, 1 << 62):
-        blob = json.dumps({"w": {"dtype": "F32", "shape": [huge], "data_offsets": [0, 4 * huge]}}).encode()
-        cases.append(struct.pack("<Q", len(blob)) + blob + b"\0" * 16)
-    for data in cases:
-        path.write_bytes(data)
-        tracemalloc.start()
-        with pytest.raises(SourceError, match="x.safetensors"):
-            read_header(path)
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        assert peak < 1 << 20, peak
 
 
 def test_fetch_refuses_a_source_that_changed_after_its_key_was_made(tmp_path, source):

@@ -340,21 +340,6 @@ def test_gc_refuses_while_a_build_holds_the_store(tmp_path):
     assert Store(tmp_path / "cache").gc()["objects"] == 0
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-def test_numpy_dequantize_matches_mlx(bits):
-    """verify's own dequantization agrees with mx.dequantize (which rounds its output to bf16)."""
-    import mlx.core as mx
-
-    from buildkit.tensors import dequantize
-
-    w = mx.random.normal((3, 16, 256), key=mx.random.key(bits)).astype(mx.bfloat16)
-    wq, s, b = mx.quantize(w, group_size=64, bits=bits)
-    want = np.array(mx.dequantize(wq, s, b, group_size=64, bits=bits).astype(mx.float32))
-    got = dequantize(np.array(wq), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), bits, 64)
-    assert got.shape == want.shape
-    assert np.abs(got - want).max() <= np.abs(want).max() * 2**-7  # one bf16 rounding
-
-
 # ---- quantizing in blocks of rows ------------------------------------------------------------
 
 
