@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -17,7 +16,6 @@ from conftest import cached, ran
 from buildkit import keys
 from buildkit.artifact import Artifact
 from buildkit.errors import StoreMiss
-from buildkit.fsio import DirectFile, atomic_write, drop_idle_write_buffers
 from buildkit.store import Store
 
 # ---- keys ----------------------------------------------------------------------------------
@@ -78,22 +76,6 @@ def test_fetch_and_sanitize_keys_of_the_default_fixture_are_pinned(seed):
 
 
 # ---- store primitives ----------------------------------------------------------------------
-
-
-def test_atomic_write_leaves_no_temp_files(tmp_path):
-    target = tmp_path / "d" / "entry"
-    atomic_write(target, b"one", tmp_path / "tmp")
-    assert target.read_bytes() == b"one"
-
-    def chunks():
-        yield b"half"
-        raise OSError("disk full")
-
-    with pytest.raises(OSError, match="disk full"):
-        atomic_write(target, chunks(), tmp_path / "tmp")
-    assert target.read_bytes() == b"one"  # the old entry or the new one, never a mix
-    assert list((tmp_path / "tmp").iterdir()) == []
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["d", "entry", "tmp"]
 
 
 def test_objects_are_fanned_out_deduplicated_and_verified_on_read(tmp_path, capsys):
@@ -415,77 +397,6 @@ def test_a_corrupt_object_read_in_blocks_is_removed_and_nothing_is_stored(tmp_pa
     assert after == before - {path}
     assert not list((tmp_path / "cache" / "tmp").iterdir())
     assert "content does not match its digest" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("direct", [True, False])
-def test_direct_file_holds_exactly_the_bytes_written(tmp_path, direct):
-    """Direct I/O writes whole blocks from an aligned buffer: the padding must not survive."""
-    rnd = np.random.default_rng(0)
-    for sizes in ([], [1], [4095], [4096, 1], [8 << 20], [100, (8 << 20) + 3, 5, 70000]):
-        parts = [rnd.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
-        with DirectFile(tmp_path / "shard", direct=direct) as f:
-            assert f.direct == (direct and hasattr(os, "O_DIRECT"))
-            for b in parts:
-                f.write(b)
-        assert (tmp_path / "shard").read_bytes() == b"".join(parts), sizes
-
-
-def test_direct_file_goes_on_through_the_page_cache_if_direct_writes_are_refused(tmp_path, monkeypatch):
-    if not hasattr(os, "O_DIRECT"):
-        pytest.skip("no O_DIRECT here")
-    real_write, calls = os.write, []
-
-    def write(fd, data):  # the second block is refused, as by a file system without direct I/O
-        calls.append(len(data))
-        if len(calls) == 2:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
-
-    data = np.random.default_rng(1).integers(0, 256, (8 << 20) * 2 + 12345, dtype=np.uint8).tobytes()
-    with DirectFile(tmp_path / "shard") as f:
-        monkeypatch.setattr(os, "write", write)
-        f.write(data)
-        assert not f.direct
-    monkeypatch.undo()
-    assert len(calls) >= 3 and (tmp_path / "shard").read_bytes() == data
-
-
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="DirectFile buffers only for O_DIRECT writes")
-def test_direct_writes_reuse_their_page_aligned_buffer(tmp_path):
-    """Objects written past the page cache go through one buffer, not a fresh mapping each:
-    twenty 2 MB objects fault in far fewer pages than the 512 a fresh buffer would take each."""
-    import resource
-
-    store = Store(tmp_path / "store")
-    blocks = [np.full(1 << 19, i, np.float32) for i in range(21)]  # made (and faulted) first
-    entries = [store.put_tensor_chunks("F32", [1 << 19], [blocks[0]])]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    entries += [store.put_tensor_chunks("F32", [1 << 19], [b]) for b in blocks[1:]]
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    assert faults < 20 * 512 // 4, f"{faults} page faults for 20 objects of 2 MB"
-    for b, e in zip(blocks, entries):  # and each object holds its own bytes
-        assert np.array_equal(store.read_tensor(e), b)
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS")
-def test_idle_write_buffers_stay_resident_until_dropped(tmp_path):
-    """The buffer kept for the next direct write is memory the process holds; publish lets it
-    go before its load check (the build's peak)."""
-
-    def rss() -> int:
-        line = next(x for x in open("/proc/self/status") if x.startswith("VmRSS:"))
-        return int(line.split()[1]) * 1024
-
-    with DirectFile(tmp_path / "probe") as f:
-        if not f.direct:
-            pytest.skip("this file system refuses O_DIRECT: no buffer to keep")
-        f.write(b"x")
-    drop_idle_write_buffers()
-    store = Store(tmp_path / "store")
-    store.put_tensor_chunks("F32", [1 << 21], [np.ones(1 << 21, np.float32)])  # fills a whole 8 MB buffer
-    before = rss()
-    drop_idle_write_buffers()
-    assert before - rss() > 6 << 20, f"RSS {before >> 20} -> {rss() >> 20} MB"
 
 
 def test_gc_forgets_the_records_of_deleted_files(tmp_path):
