@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 import time
@@ -128,45 +127,6 @@ def test_an_action_is_a_hit_only_when_whole(tmp_path, capsys):
     action.write_text("{not json")
     assert store.get_action(key) is None and not action.exists()
     assert "action record is corrupt; removed" in capsys.readouterr().err
-
-
-def test_source_files_hashed_together_are_remembered_and_resolvable(tmp_path):
-    """digest_files hashes several files at once: each gets its content digest, the next call
-    trusts the stat cache (no bytes read), and two files with the same bytes both resolve.
-    Its caller hears (``on_hash``) before any bytes are read, and only then."""
-    src = tmp_path / "src"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    blobs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (0, 1, 5 << 20, 3 << 20)]
-    blobs.append(blobs[2])  # same content as another file
-    files = []
-    for i, b in enumerate(blobs):
-        files.append(src / f"f{i}")
-        files[-1].write_bytes(b)
-        t = time.time() - 10  # older than the racy-timestamp window, so the cache is trusted
-        os.utime(files[-1], (t, t))
-    store = Store(tmp_path / "cache")
-    want = [keys.blob_digest(b) for b in blobs]
-    told = []  # (bytes to hash, bytes read so far), each time digest_files is about to hash
-
-    def tell(n):
-        told.append((n, store.stats.bytes_read))
-
-    assert store.sources.digest_files(files, on_hash=tell) == want
-    hashed = store.stats.bytes_read
-    assert hashed == sum(map(len, blobs)) and told == [(hashed, 0)]
-    again = Store(tmp_path / "cache")
-    assert again.sources.digest_files(reversed(files), on_hash=tell) == want[::-1]
-    assert again.stats.bytes_read == 0 and told == [(hashed, 0)]  # remembered by stat, not re-read
-    assert store.sources.digest_files(files, rehash=True, on_hash=tell) == want
-    assert store.stats.bytes_read == 2 * hashed and told == [(hashed, 0), (hashed, hashed)]
-    files[2].unlink()  # one of the two same-content files goes: the other still resolves
-    assert Store(tmp_path / "cache").sources.resolve(want[2]) == files[4]
-    files[2].write_bytes(blobs[3][:1] + blobs[2][1:])  # back, changed: the other is found unread
-    fresh = Store(tmp_path / "cache")
-    assert fresh.sources.resolve(want[2]) == files[4] and fresh.stats.bytes_read == 0
-    files[4].write_bytes(b"")  # both changed: each is hashed again, and neither has the bytes
-    assert fresh.sources.find(want[2]) is None and fresh.stats.bytes_read == len(blobs[2])
 
 
 def test_lock_excludes_other_holders(tmp_path):
@@ -397,31 +357,3 @@ def test_a_corrupt_object_read_in_blocks_is_removed_and_nothing_is_stored(tmp_pa
     assert after == before - {path}
     assert not list((tmp_path / "cache" / "tmp").iterdir())
     assert "content does not match its digest" in capsys.readouterr().err
-
-
-def test_gc_forgets_the_records_of_deleted_files(tmp_path):
-    """Hashed files that are gone leave no record: neither their path's nor a place in the
-    list of paths with their content; files still there keep theirs."""
-    store = Store(tmp_path / "store")
-    a, b, c = (tmp_path / n for n in "abc")
-    a.write_bytes(b"same")
-    b.write_bytes(b"same")
-    c.write_bytes(b"other")
-    same, _, other = store.sources.digest_files([a, b, c])
-    a.unlink()
-    c.unlink()
-
-    def mentions(path) -> int:
-        return sum(str(path) in f.read_text() for f in (store.root / "sources").rglob("*") if f.is_file())
-
-    dry = store.gc(dry_run=True)
-    assert dry["files"] == 2 and mentions(a) == 2 and mentions(c) == 2
-    records = {f: f.stat().st_size for f in (store.root / "sources").rglob("*") if f.is_file()}
-    done = store.gc()
-    assert done == dry and done["files"] == 2
-    # the bytes freed: a's and c's path records and c's emptied list (a's list still names b)
-    assert done["bytes"] == sum(n for f, n in records.items() if not f.exists())
-    assert sum(1 for f in records if not f.exists()) == 3
-    assert mentions(a) == mentions(c) == 0 and mentions(b) == 2
-    assert store.sources.find(same) == b and store.sources.find(other) is None
-    assert store.gc()["files"] == 0
