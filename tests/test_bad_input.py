@@ -17,12 +17,10 @@ import pytest
 from conftest import Project
 
 from buildkit import keys
-from buildkit.artifact import Artifact
-from buildkit.errors import SourceError, StepError
+from buildkit.errors import SourceError
 from buildkit.fixture import FixtureSpec, generate
 from buildkit.steps.base import BuildOptions, Context, Progress
 from buildkit.steps.fetch import Fetch, FetchParams
-from buildkit.steps.publish import Publish, PublishParams, Staged
 from buildkit.store import Store
 from buildkit.tensors import header_bytes, read_header, read_tensor
 
@@ -272,23 +270,6 @@ def test_fetch_refuses_a_source_that_changed_after_its_key_was_made(tmp_path, so
     (src / "config.json").write_text(json.dumps({**config, "edited": True}))
     with pytest.raises(SourceError, match=r"changed after this build hashed them \(config\.json\); run again"):
         step.run(ctx, params, {})
-
-
-def test_publish_writes_no_file_outside_its_directory(tmp_path):
-    """Side-file names from a source artifact never leave the output directory."""
-    store = Store(tmp_path / "store")
-    out = tmp_path / "a" / "b" / "out"
-    out.mkdir(parents=True)
-    ctx = Context(store, "publish", "v", BuildOptions(project_root=tmp_path), Progress("publish"))
-    blob = store.put_blob(b"evil")
-    files = {"config.json": store.put_blob(b"{}"), "../evil.txt": blob, "/tmp/evil-abs.txt": blob,
-             "sub/../../evil2.txt": blob, "ok.txt": blob}
-    staged = Staged(out, out, [], {}, {})
-    Publish()._write(ctx, PublishParams(), staged, Artifact(files=files))
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors.index.json", "ok.txt"]
-    assert not list(tmp_path.rglob("evil*.txt")) and not Path("/tmp/evil-abs.txt").exists()
-    with pytest.raises(StepError, match="must stay inside the output directory"):
-        Publish()._write(ctx, PublishParams(), staged, Artifact(files={"..": blob}))
 
 
 def test_escaping_tensor_names_stay_header_keys(project, capsys, source):
