@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import Project, shard_parts
 
 from buildkit.artifact import Artifact
 from buildkit.errors import StepError, UsageError
@@ -181,6 +182,37 @@ def test_publish_writes_no_file_outside_its_directory(tmp_path):
     assert not list(tmp_path.rglob("evil*.txt")) and not Path("/tmp/evil-abs.txt").exists()
     with pytest.raises(StepError, match="must stay inside the output directory"):
         Publish()._write(ctx, PublishParams(), staged, Artifact(files={"..": blob}))
+
+
+# ---- shards linked from an earlier publish ----------------------------------------------------
+
+
+def test_a_shard_changed_since_it_was_published_is_written_again(tmp_path, monkeypatch):
+    """A shard is linked only while its file holds the bytes recorded for it: one changed in
+    place (same size) is hashed again and found different, and a file system that refuses the
+    link gets a copy. Either way the output is the bytes a clean build writes."""
+    p = Project(tmp_path)
+    p.build("xl")
+    xl = shard_parts(p.out / "xl")
+    want = {part: path.read_bytes() for part, path in xl.items()}
+
+    monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError(18, "Invalid cross-device link")))
+    assert p.cli("build", "xl", "--out", str(p.out / "copied")) == 0
+    copied = shard_parts(p.out / "copied")
+    assert {part: path.read_bytes() for part, path in copied.items()} == want
+    assert not any(os.path.samefile(copied[k], xl[k]) for k in xl)
+    monkeypatch.undo()
+
+    with open(xl["language_model"], "r+b") as f:  # in place: same inode, same size
+        f.seek(len(want["language_model"]) // 2)
+        f.write(bytes([want["language_model"][len(want["language_model"]) // 2] ^ 0x40]))
+    os.unlink(copied["language_model"])  # the only other copy of the trunk's bytes
+    mtp = p.build("xl-mtp")
+    assert "(1 of 3 shards linked from an earlier publish)" in mtp.stderr  # the vision tower's
+    b = shard_parts(p.out / "xl-mtp")
+    assert b["language_model"].read_bytes() == want["language_model"]
+    assert not os.path.samefile(b["language_model"], xl["language_model"])
+    assert os.path.samefile(b["vision_tower"], xl["vision_tower"]) or os.path.samefile(b["vision_tower"], copied["vision_tower"])
 
 
 # ---- the model card ------------------------------------------------------------------------------
