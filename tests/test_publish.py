@@ -242,3 +242,15 @@ def test_the_card_of_a_built_seed_states_its_source_and_settings(seed):
         assert f"- bits per weight (stored bits / source weights): **{art.meta['bits_per_weight']:.3f}**\n" in card
         assert "| trunk | routed_expert | 6 | 64 |" in card and "| trunk | keep | passthrough |  |" in card
         assert ("- mtp\n" in card) == ("(includes the MTP head `language_model.mtp.*`)" in card) == (variant == "xl-mtp")
+
+
+def test_an_existing_empty_directory_is_published_into(project, seed):
+    """check_request lets an empty directory through, so publish itself must too: refusing it
+    there would fail the build only after every other step had run."""
+    project.adopt(seed)
+    empty = project.root / "empty"
+    empty.mkdir()
+    assert project.cli("build", "xl", "-q", "--out", str(empty)) == 0
+    assert (empty / STAMP).exists() and (empty / "README.md").exists()
+    assert sorted(p.name for p in empty.glob("model-*.safetensors")) == sorted(
+        p.name for p in (seed.out / "xl").glob("model-*.safetensors"))
