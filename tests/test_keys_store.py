@@ -1,4 +1,6 @@
-"""Keys (canonical JSON, pinned digests) and the store (atomic writes, corruption, locks, gc, check)."""
+"""Keys (canonical JSON, pinned digests) and the store (objects, corruption, locks, gc, check).
+
+Durable writes are tested in test_fsio.py, the source index in test_sources.py."""
 
 from __future__ import annotations
 
