@@ -86,6 +86,16 @@ def test_cycle_closed_by_a_child_is_blamed_on_the_child(project):
     assert loop[0] == loop[-1] and sorted(loop[:-1]) == ["extra", "sanitize"]
 
 
+def test_a_step_reading_its_own_output_is_a_cycle_of_one(project):
+    f = project.write_manifest("bad", 'extends = "xl"\n[steps.verify]\ninputs = { model = ["verify"] }\n')
+    with pytest.raises(ManifestError) as e:
+        graphs.build(manifest.load("bad", project.manifests))
+    assert str(e.value).startswith(
+        f"{f.resolve()}:3: steps.verify.inputs.model: cycle between steps: verify -> verify; "
+        "a step cannot depend on its own output\n    inputs = { model = [\"verify\"] }\n    ^^^"
+    )
+
+
 # ---- order and topology ------------------------------------------------------------------------
 
 
