@@ -288,11 +288,7 @@ class Publish(Step):
             config["quantization"] = qcfg
             config["quantization_config"] = qcfg
         dest = out_dir(params, ctx)
-        if dest.exists() and not (dest / STAMP).exists():
-            raise UsageError(
-                f"Cannot publish to {dest}: it exists and was not written by buildkit. "
-                "Delete it or pass --out with a new path."
-            )
+        self.check_request(params, ctx)  # again: the directory may have changed since the build began
         made = next((d for d in reversed(dest.parents) if not d.exists()), None)  # to undo on discard
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
