@@ -20,7 +20,13 @@ from .manifest import Manifest, Node
 from .steps.base import BuildOptions, Context, Progress
 from .store import Store
 
-UNKNOWN = "(pending)"
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "(unset)"
+
+
+UNKNOWN = _Unset()  # a value one side of a comparison lacks
 MANY = ("params.plan.tensors.",)  # tables whose entries are reported together
 MISSING = "output missing from the store (collected or corrupt)"
 
@@ -64,12 +70,14 @@ def action_key(ingr: dict) -> str:
     return keys.digest_json("action", ingr)
 
 
-def _flat(prefix: str, v, out: dict) -> dict:
-    if isinstance(v, dict) and v:
-        for k in sorted(v):
-            _flat(f"{prefix}.{k}" if prefix else str(k), v[k], out)
+def _diff(prefix: str, a, b, out: list) -> list:
+    """(path, old, new) for each difference; a table one side lacks is one entry, not one per field."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k, UNKNOWN) != b.get(k, UNKNOWN):
+                _diff(f"{prefix}.{k}", a.get(k, UNKNOWN), b.get(k, UNKNOWN), out)
     else:
-        out[prefix] = v
+        out.append((prefix, a, b))
     return out
 
 
@@ -85,19 +93,18 @@ def why_changed(node: Node, old: dict | None, new: dict) -> list[str]:
     reasons = []
     if old.get("version") != new["version"]:
         reasons.append(f"step version changed {old.get('version')}→{new['version']}")
-    a, b = _flat("params", old.get("params", {}), {}), _flat("params", new["params"], {})
     by_table: dict[str, list[str]] = {}  # a table of many entries (a plan's tensors) in one line
-    for k in sorted(set(a) | set(b)):
-        if a.get(k, UNKNOWN) != b.get(k, UNKNOWN):
-            table = next((m[:-1] for m in MANY if k.startswith(m)), k)
-            by_table.setdefault(table, []).append(k)
-    for table, ks in by_table.items():
-        change = [f"{k.removeprefix(table + '.')} {_fmt(a.get(k, '(unset)'))}→{_fmt(b.get(k, '(unset)'))}" for k in ks]
-        if table in ks:
-            reasons.append(f"{table} changed {change[0].split(' ', 1)[1]}")
+    for path, was, now in _diff("params", old.get("params", {}), new["params"], []):
+        change = (f"added {_fmt(now)}" if was is UNKNOWN else f"removed (was {_fmt(was)})" if now is UNKNOWN
+                  else f"changed {_fmt(was)}→{_fmt(now)}")
+        table = next((m[:-1] for m in MANY if path.startswith(m)), None)
+        if table is None:
+            reasons.append(f"{path} {change}")
         else:
-            more = f", and {len(ks) - 3} more" if len(ks) > 3 else ""
-            reasons.append(f"{table}: {len(ks)} changed ({', '.join(change[:3])}{more})")
+            by_table.setdefault(table, []).append(f"{path.removeprefix(table + '.')} {_fmt(was)}→{_fmt(now)}")
+    for table, changes in by_table.items():
+        more = f", and {len(changes) - 3} more" if len(changes) > 3 else ""
+        reasons.append(f"{table}: {len(changes)} changed ({', '.join(changes[:3])}{more})")
     changed: dict[str, list[str]] = {}  # producer -> the slots it feeds whose digests changed
     for slot in sorted(set(old.get("inputs", {})) | set(new["inputs"])):
         was, now = old.get("inputs", {}).get(slot), new["inputs"].get(slot)
