@@ -42,8 +42,7 @@ class NodeState:
     ingredients: dict | None = None
     outputs: dict[str, str] = field(default_factory=dict)
     ran: bool = False
-    seconds: float = 0.0  # running, including work done ahead of its gates
-    early: float = 0.0  # of which ahead of its gates (Slot.gate), overlapping them
+    seconds: float = 0.0
     stats: dict = field(default_factory=dict)
 
 
@@ -155,11 +154,9 @@ class Planner:
         nodes.update((self.store.get_root(self.request()) or {}).get("nodes", {}))
         return nodes
 
-    def input_digests(self, node: Node, states: dict[str, NodeState], gates: bool = True) -> dict[str, list[str]] | None:
+    def input_digests(self, node: Node, states: dict[str, NodeState]) -> dict[str, list[str]] | None:
         out = {}
         for slot, refs in node.inputs.items():
-            if not gates and node.step.inputs[slot].gate:
-                continue
             ds = []
             for r in refs:
                 st = states[r.node]

@@ -196,13 +196,10 @@ def test_shards_have_mlx_metadata_and_index_parity(built):
 
 
 def test_published_bytes_identical_across_clean_builds(tmp_path, built):
-    """With two jobs publish writes the model while verify runs; with one it waits: same bytes."""
+    """Two jobs or one: the same bytes."""
     p, xl, mtp = built
-    assert "[start]  publish (publish): ahead of verify\n" in xl.stderr
-    assert "[start]  publish (publish): ahead of verify_head\n" in mtp.stderr
     q = Project(tmp_path)
-    one = q.build("xl-mtp", "--jobs", "1")
-    assert "[start]" not in one.stderr
+    q.build("xl-mtp", "--jobs", "1")
     a, b = p.out / "xl-mtp", q.out / "xl-mtp"
     names = sorted(x.name for x in a.iterdir())
     assert names == sorted(x.name for x in b.iterdir())
