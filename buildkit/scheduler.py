@@ -145,8 +145,9 @@ class Scheduler(Planner):
         prepared = failed = None
         if old is None or any(old.get(slot) != ds for slot, ds in known.items()):  # its key will be new
             reporter.line(f"[start]  {name} ({node.kind}): ahead of {', '.join(waiting)}")
-            inputs = {slot: [self.store.get_artifact(d) for d in ds] for slot, ds in known.items()}
             t = time.monotonic()
+            self.fetch_inputs(known, name)
+            inputs = {slot: [self.store.get_artifact(d) for d in ds] for slot, ds in known.items()}
             try:
                 prepared = node.step.prepare(ctx, node.params, inputs)
             except Exception as e:  # reported only if the gates pass: theirs is the first error
@@ -184,14 +185,14 @@ class Scheduler(Planner):
         st.ingredients = ingredients(node, digests, ctx)
         st.key = action_key(st.ingredients)
         with self.store.lock(st.key):
-            rec = self.store.get_action(st.key)
+            rec = self.lookup(st.key)
             if rec is not None:
                 st.outputs = rec["outputs"]
                 why = node.step.outdated(node.params, self.artifacts(st.outputs), ctx)
                 if not why:
                     st.fresh = True
                     node.step.discard(prepared)
-                    reporter.line(f"[cached] {name} ({node.kind}) {keys.short(st.key)}")
+                    reporter.line(f"[cached] {name} ({node.kind}) {keys.short(st.key)}" + (" (remote)" if "remote" in rec else ""))
                     return
                 reasons = [why]
             else:
@@ -199,6 +200,7 @@ class Scheduler(Planner):
             reporter.line(f"[run]    {name} ({node.kind}): {'; '.join(reasons)}")
             st.reasons = reasons
             t = time.monotonic()
+            self.fetch_inputs(digests, name)
             inputs = {
                 slot: [self.store.get_artifact(d) for d in ds] for slot, ds in digests.items()
             }
