@@ -192,7 +192,8 @@ class S3Backend(Backend):
                      max_pool_connections=THREADS * 2)
         self.client = boto3.session.Session().client("s3", config=cfg)
         self.transfer = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=16 << 20,
-                                       max_concurrency=4, io_chunksize=1 << 20)
+                                       max_concurrency=4, io_chunksize=1 << 20,
+                                       num_download_attempts=2)
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -535,6 +536,8 @@ class Remote:
                  f"({got / 1e6 / dt:.1f} MB/s) from {self.url}")
 
     def _get_object(self, store: Store, digest: str, shape) -> None:
+        if self.off is not None:  # another download found the remote gone
+            raise StoreMiss(f"remote {self.url} failed")
         where = _fan("objects", digest)
         xxh = keys.tensor_hasher(*shape) if shape else keys.blob_hasher()
         tmp = store.layout.tmp / f".remote.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}.tmp"
@@ -591,13 +594,14 @@ class Remote:
         return sent
 
     def _push_node(self, store: Store, key: str, outputs: dict[str, str]) -> tuple[int, int] | None:
-        if key not in self.refused and self.be.head(_fan("actions", key)):
-            return None
         arts = {d: store.get_artifact(d) for d in outputs.values()}
         objs: dict[str, tuple | None] = {}
         for art in arts.values():
             objs.update((t["digest"], (t["dtype"], t["shape"])) for t in art.tensors.values() if "digest" in t)
             objs.update((d, None) for d in art.files.values())
+        repair = self.refused.intersection([key, *arts, *objs])  # found corrupt here: send again
+        if not repair and self.be.head(_fan("actions", key)):
+            return None
         with ThreadPoolExecutor(max(1, min(THREADS, len(objs))), thread_name_prefix="remote-put") as ex:
             results = list(ex.map(lambda kv: self._put_object(store, *kv), objs.items()))
         shas = {d: s for d, s, _ in results}
