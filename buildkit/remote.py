@@ -118,7 +118,7 @@ class Backend:
 
     def head(self, key: str) -> bool: ...
     def get(self, key: str) -> bytes: ...  # raises Absent
-    def download(self, key: str, sink) -> None: ...  # sink.write(chunk), in order; raises Absent
+    def download(self, key: str, sink, size: int | None = None) -> None: ...  # sink.write(chunk) in order; Absent
     def put(self, key: str, data: bytes) -> None: ...
     def upload(self, key: str, path: Path) -> None: ...
     def list(self, prefix: str) -> Iterator[tuple[str, float]]: ...  # (key, mtime)
@@ -143,7 +143,7 @@ class FileBackend(Backend):
         self.traffic.add(gets=1, bytes_down=len(data))
         return data
 
-    def download(self, key: str, sink) -> None:
+    def download(self, key: str, sink, size: int | None = None) -> None:
         try:
             f = open(self.root / key, "rb")
         except FileNotFoundError:
@@ -182,9 +182,12 @@ class S3Backend(Backend):
     """An S3 bucket and prefix through boto3 (managed transfers: multipart, concurrent parts)."""
 
     def __init__(self, url: str, bucket: str, prefix: str):
-        import boto3
-        from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
+        try:
+            import boto3
+            from boto3.s3.transfer import TransferConfig
+            from botocore.config import Config
+        except ImportError:
+            raise UsageError(f"remote {url}: s3:// needs boto3; pip install 'buildkit[remote]'") from None
 
         self.url, self.bucket, self.prefix, self.traffic = url, bucket, prefix.strip("/"), Traffic()
         # Short timeouts and few retries: a cache that does not answer is worth less than a rebuild.
@@ -225,12 +228,19 @@ class S3Backend(Backend):
         self.traffic.add(gets=1, bytes_down=len(data))
         return data
 
-    def download(self, key: str, sink) -> None:
+    def download(self, key: str, sink, size: int | None = None) -> None:
         from botocore.exceptions import ClientError
 
         counted = _Counted(sink, self.traffic)
-        try:  # a sink without seek/tell is non-seekable: parts are fetched together, written in order
-            self.client.download_fileobj(self.bucket, self._k(key), counted, Config=self.transfer)
+        try:
+            if size is None or size < self.transfer.multipart_threshold:
+                # One GET: the managed transfer would HEAD first to learn the size. A blob's size
+                # is unknown here, but blobs are small files (fetch keeps big ones as views).
+                body = self.client.get_object(Bucket=self.bucket, Key=self._k(key))["Body"]
+                for chunk in body.iter_chunks(1 << 20):
+                    counted.write(chunk)
+            else:  # a sink without seek/tell is non-seekable: parts come together, written in order
+                self.client.download_fileobj(self.bucket, self._k(key), counted, Config=self.transfer)
         except ClientError as e:
             if self._absent(e):
                 raise Absent(key) from None
@@ -292,7 +302,15 @@ def _digest_of(key: str) -> str:
 # ---- keys: signing and trust ---------------------------------------------------------
 
 
+def _need_cryptography() -> None:
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        raise UsageError("signed records need cryptography; pip install 'buildkit[remote]'") from None
+
+
 def _load_private(path: str):
+    _need_cryptography()
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -318,6 +336,7 @@ def public_key_text(key) -> str:
 
 
 def _load_trusted(spec: str) -> dict[str, object]:
+    _need_cryptography()
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -545,7 +564,7 @@ class Remote:
             with DirectFile(tmp, direct=False, sync=False) as f:
                 sink = _Sink(f, xxh)
                 try:
-                    self.be.download(where, sink)
+                    self.be.download(where, sink, nbytes(*shape) if shape else None)
                 except Absent:
                     sink = None
             why = ("missing" if sink is None
