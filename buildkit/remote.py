@@ -438,8 +438,11 @@ class Remote:
             return None, "not a record (truncated or corrupt)"
         if not ok:
             return None, "content does not match its sha256 (corrupt)"
-        rec = body.get("record") if isinstance(body, dict) else None
-        if body.get("format") != FORMAT or body.get("key") != key or not isinstance(rec, dict) or rec.get("key") != key:
+        if not (isinstance(body, dict) and isinstance(body.get("listings"), dict) and isinstance(body.get("objects"), dict)):
+            return None, "not a record (malformed)"
+        rec = body.get("record")
+        if body.get("format") != FORMAT or body.get("key") != key or not isinstance(rec, dict) or rec.get("key") != key \
+                or not isinstance(rec.get("outputs"), dict):
             return None, "not the record of this key"
         if self.trusted is not None:
             sig = env.get("signature") or {}

@@ -41,17 +41,19 @@ class Scheduler(Planner):
     def build(self, targets: list[str] | None = None, jobs: int = 2, quiet: bool = False) -> list[NodeState]:
         """Run the stale nodes; independent nodes run in parallel on ``jobs`` threads.
 
-        A store entry a step finds corrupt (or gone) is a miss: it has been removed, so the
-        build runs once more, which re-runs the steps that produced it.
+        A store entry a step finds corrupt (or gone) is a miss: it has been removed (or, from
+        a remote cache, refused), so the build runs again, which re-runs the steps that produced
+        it. Each round loses at least one node's outputs, so rounds are at most the nodes.
         """
         self.check_request(targets)
         with self.store.in_use():
-            try:
-                return self._build(targets, jobs, quiet)
-            except StoreMiss as e:
-                if not quiet:
-                    print(f"buildkit: {e}; building again to restore it", file=sys.stderr)
-                return self._build(targets, jobs, quiet)
+            for _ in range(len(self.selection(targets))):
+                try:
+                    return self._build(targets, jobs, quiet)
+                except StoreMiss as e:
+                    if not quiet:
+                        print(f"buildkit: {e}; building again to restore it", file=sys.stderr)
+            return self._build(targets, jobs, quiet)
 
     def _build(self, targets: list[str] | None, jobs: int, quiet: bool) -> list[NodeState]:
         names = self.selection(targets)
