@@ -393,6 +393,7 @@ class Remote:
         self.refused: set[str] = set()  # object digests and record keys found bad here
         self.off: str | None = None  # why the remote was switched off, once it failed
         self._lock = threading.Lock()
+        self._inflight: dict[str, threading.Lock] = {}  # one download per object at a time
 
     @classmethod
     def open(cls, url: str, quiet: bool = False) -> Remote:
@@ -558,6 +559,15 @@ class Remote:
                  f"({got / 1e6 / dt:.1f} MB/s) from {self.url}")
 
     def _get_object(self, store: Store, digest: str, shape) -> None:
+        with self._lock:
+            lock = self._inflight.setdefault(digest, threading.Lock())
+        with lock:  # two nodes that need the same object (publish ahead of verify) fetch it once
+            if digest in self.refused:
+                raise StoreMiss(f"remote object {keys.short(digest)} was corrupt")
+            if not store.has_object(digest):
+                self._download(store, digest, shape)
+
+    def _download(self, store: Store, digest: str, shape) -> None:
         if self.off is not None:  # another download found the remote gone
             raise StoreMiss(f"remote {self.url} failed")
         where = _fan("objects", digest)
@@ -704,28 +714,27 @@ def _objects(art: Artifact) -> list[str]:
 # ---- whole variants: push and pull ---------------------------------------------------
 
 
-def closure(sched) -> list:
-    """Every node of the planned variant with its key and outputs (a KeyError-free plan)."""
+def closure(sched, where: str) -> list:
+    """Every node of the planned variant with its key and outputs, or an error naming those
+    that have none ``where``."""
     states = sched.plan()
     missing = [s.name for s in states if not s.key or not s.outputs]
     if missing:
-        raise RemoteError(
-            f"{sched.m.name}: no record of {', '.join(missing)} here or on the remote; build it first"
-        )
+        raise RemoteError(f"{sched.m.name}: no complete record of {', '.join(missing)} {where}")
     return states
 
 
 def push_variant(sched, remote: Remote) -> dict:
     """Upload a built variant's closure: every node's record, listings and objects (views into
     source files are not objects and stay local, like the source itself)."""
-    states = closure(sched)
+    states = closure(sched, "in the local store; build it (or pull it) first")
     return remote.push(sched.store, [(s.name, s.key, s.outputs) for s in states])
 
 
 def pull_variant(sched, remote: Remote) -> list:
     """Download a variant's closure from the remote into the local store and remember it as a
     build root (so gc keeps it); a failure of the remote is an error here, not a rebuild."""
-    states = closure(sched)
+    states = closure(sched, f"here or on {remote.url}; build and push it first")
     if remote.off is not None:
         raise RemoteError(f"pull from {remote.url} failed: {remote.off}")
     for s in states:

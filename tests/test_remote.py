@@ -9,9 +9,11 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import shutil
 import socket
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -307,3 +309,13 @@ def test_push_pull_file_remote_then_build_offline(uploaded, tmp_path, monkeypatc
     p = b.run("gc", "--remote", remote.as_uri())
     assert "freed 0 records, 0 listings, 0 objects" in p.stdout
     assert tree(remote) == tree(files)
+    # Two days on, an object no record names (an upload that died before its record) goes;
+    # everything a record names stays.
+    stray_obj = remote / "objects" / "ff" / ("0" * 30)
+    stray_obj.parent.mkdir(exist_ok=True)
+    stray_obj.write_bytes(b"left by an interrupted upload")
+    for q in remote.rglob("*"):
+        os.utime(q, (time.time() - 2 * 86400,) * 2)
+    p = b.run("gc", "--remote", remote.as_uri())
+    assert "freed 0 records, 0 listings, 1 objects" in p.stdout
+    assert not stray_obj.exists() and tree(remote) == tree(files)
