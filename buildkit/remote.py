@@ -443,10 +443,10 @@ class Remote:
             return None, "not a record (malformed)"
         rec = body.get("record")
         if body.get("format") != FORMAT or body.get("key") != key or not isinstance(rec, dict) or rec.get("key") != key \
-                or not isinstance(rec.get("outputs"), dict):
+                or not isinstance(rec.get("outputs"), dict) or not all(map(keys.is_digest, rec["outputs"].values())):
             return None, "not the record of this key"
         if self.trusted is not None:
-            sig = env.get("signature") or {}
+            sig = env.get("signature") if isinstance(env.get("signature"), dict) else {}
             pub = self.trusted.get(sig.get("key", ""))
             if not sig:
                 return None, "unsigned, and trusted keys are set"
