@@ -36,17 +36,19 @@ class Scheduler(Planner):
     def build(self, targets: list[str] | None = None, jobs: int = 2, quiet: bool = False) -> list[NodeState]:
         """Run the stale nodes; independent nodes run in parallel on ``jobs`` threads.
 
-        A store entry a step finds corrupt (or gone) is a miss: it has been removed, so the
-        build runs once more, which re-runs the steps that produced it.
+        A store entry a step finds corrupt (or gone) is a miss: it has been removed (or, from
+        a remote cache, refused), so the build runs again, which re-runs the steps that produced
+        it. Each round loses at least one node's outputs, so rounds are at most the nodes.
         """
         self.check_request(targets)
         with self.store.in_use():
-            try:
-                return self._build(targets, jobs, quiet)
-            except StoreMiss as e:
-                if not quiet:
-                    print(f"buildkit: {e}; building again to restore it", file=sys.stderr)
-                return self._build(targets, jobs, quiet)
+            for _ in range(len(self.selection(targets))):
+                try:
+                    return self._build(targets, jobs, quiet)
+                except StoreMiss as e:
+                    if not quiet:
+                        print(f"buildkit: {e}; building again to restore it", file=sys.stderr)
+            return self._build(targets, jobs, quiet)
 
     def _build(self, targets: list[str] | None, jobs: int, quiet: bool) -> list[NodeState]:
         names = self.selection(targets)
@@ -113,13 +115,13 @@ class Scheduler(Planner):
         st.ingredients = ingredients(node, digests, ctx)
         st.key = action_key(st.ingredients)
         with self.store.lock(st.key):
-            rec = self.store.get_action(st.key)
+            rec = self.lookup(st.key)
             if rec is not None:
                 st.outputs = rec["outputs"]
                 why = node.step.outdated(node.params, self.artifacts(st.outputs), ctx)
                 if not why:
                     st.fresh = True
-                    reporter.line(f"[cached] {name} ({node.kind}) {keys.short(st.key)}")
+                    reporter.line(f"[cached] {name} ({node.kind}) {keys.short(st.key)}" + (" (remote)" if "remote" in rec else ""))
                     return
                 reasons = [why]
             else:
@@ -127,6 +129,7 @@ class Scheduler(Planner):
             reporter.line(f"[run]    {name} ({node.kind}): {'; '.join(reasons)}")
             st.reasons = reasons
             t = time.monotonic()
+            self.fetch_inputs(digests, name)
             inputs = {
                 slot: [self.store.get_artifact(d) for d in ds] for slot, ds in digests.items()
             }

@@ -38,6 +38,7 @@ class BuildOptions:
     release: bool = False
     push: str | None = None
     rehash: bool = False
+    remote: Any = None  # a remote.Remote: a local miss asks it (plan.Planner.lookup)
 
 
 class Progress:
