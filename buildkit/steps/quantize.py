@@ -66,9 +66,10 @@ def stored_bits(entries: dict[str, dict]) -> int:
     return 8 * sum(nbytes(e["dtype"], e["shape"]) for e in entries.values())
 
 
-def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calibration: Artifact | None = None) -> Artifact:
+def plan_roles(names: list[str], params: QuantizeParams) -> dict[str, str]:
+    """The role of every tensor name: the step's own rules first (each must match), then the
+    recipe's, first match wins. ``buildkit estimate`` calls this too, on names alone."""
     recipe = params.recipe
-    names = sorted(art.tensors)
     roles: dict[str, str] = {}
     if params.rules:
         local = Recipe(roles=recipe.roles, rules=params.rules)
@@ -78,7 +79,24 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
         if dead:
             raise StepError(f"step rule(s) {', '.join(map(repr, dead))} match no tensor; fix the pattern")
     rest = [n for n in names if n not in roles]
-    roles |= recipe.assign(rest, require_all_rules=params.require_all_rules)
+    return roles | recipe.assign(rest, require_all_rules=params.require_all_rules)
+
+
+def quantized_shapes(shape, role: Role, dtype: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """suffix -> (dtype, shape) of what ``mx.quantize`` stores for a weight of ``shape``:
+    packed uint32 codes, and scales and biases in the weight's dtype, one per group."""
+    *rows, cols = shape
+    return {
+        "weight": ("U32", (*rows, cols * role.bits // 32)),
+        "scales": (dtype, (*rows, cols // role.group_size)),
+        "biases": (dtype, (*rows, cols // role.group_size)),
+    }
+
+
+def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calibration: Artifact | None = None) -> Artifact:
+    recipe = params.recipe
+    names = sorted(art.tensors)
+    roles = plan_roles(names, params)
 
     out = Artifact(meta={})
     quant_cfg: dict[str, dict] = {}
