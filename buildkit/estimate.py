@@ -20,7 +20,7 @@ from . import checkpoint as ckpt
 from .convert import mlx_pieces
 from .errors import SourceError, UsageError
 from .steps.fetch import HF_RE, parse_fixture, source_kind
-from .steps.quantize import plan_roles, quantized_shapes
+from .steps.quantize import check_quantizable, plan_roles, quantized_shapes
 from .steps.sanitize import check_layout
 from .tensors import TensorInfo, nbytes, read_header
 
@@ -120,7 +120,8 @@ def estimate(m) -> dict:
                 n *= d
             if role.passthrough:
                 size = nbytes(t["dtype"], t["shape"])
-            else:
+            else:  # refused as quantize refuses it
+                check_quantizable(name, t["shape"], role)
                 size = sum(nbytes(d, s) for d, s in quantized_shapes(t["shape"], role, t["dtype"]).values())
             row = rows.setdefault(role_name, {
                 "step": node.name, "role": role_name,

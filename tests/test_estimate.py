@@ -98,3 +98,12 @@ def test_the_35b_sparse_fixture_estimates_as_the_published_xl(tmp_path, project,
         assert math.isclose(apparent, 2 * (35_107_181_936 + 844_640_768), rel_tol=1e-3)
     finally:
         shutil.rmtree(src)
+
+
+def test_estimate_refuses_what_quantize_refuses(project, capsys):
+    project.write_manifest("g128", 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 6, group_size = 128 }\n')
+    assert project.cli("estimate", "g128") != 0
+    assert "last dimension 64 is not a multiple of group_size 128" in capsys.readouterr().err
+    project.write_manifest("typo", 'extends = "xl"\n[recipe.rules]\n"*.mlp.gaet" = "router"\n')
+    assert project.cli("estimate", "typo") != 0
+    assert "'*.mlp.gaet' match no tensor" in capsys.readouterr().err
