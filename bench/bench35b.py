@@ -69,8 +69,9 @@ def measure(name: str, argv: list, logs: Path, limit: str | None = None) -> dict
     logs.mkdir(parents=True, exist_ok=True)
     log, tfile = logs / f"{name}.log", logs / f"{name}.time"
     cmd = ["/usr/bin/time", "-v", "-o", str(tfile), *map(str, argv)]
-    if limit:
-        cmd = ["prlimit", f"--as={limit}", *cmd]
+    if limit:  # prlimit takes bytes (a "16G" suffix made it crash)
+        n = int(limit[:-1]) * 1024 ** " KMGT".index(limit[-1].upper()) if limit[-1].isalpha() else int(limit)
+        cmd = ["prlimit", f"--as={n}", *cmd]
     os.sync()  # not billed for the previous run's write-back
     print(f"bench35b: {name}: {' '.join(map(str, argv))}", flush=True)
     with open(log, "w") as out:
