@@ -21,6 +21,7 @@ examples:
   buildkit plan xl-mtp                      what would run, and why
   buildkit explain xl-mtp quantize          the ingredients of one node's cache key
   buildkit graph xl-mtp --format mermaid    the step DAG
+  buildkit estimate xl --source DIR         size and bits per weight from headers alone
   buildkit gc                               free what no built variant still uses
 
 The store defaults to ./cache (override with --store or BUILDKIT_STORE).
@@ -329,18 +330,27 @@ def cmd_verify(args) -> int:
 
 
 def cmd_fixture(args) -> int:
-    from .fixture import FixtureSpec, generate
+    from .fixture import PRESETS, FixtureSpec, generate
 
-    fields = {k: v for k, v in vars(args).items() if k in FixtureSpec.model_fields and v is not None}
+    fields = dict(PRESETS[args.preset]) if args.preset else {}
+    fields |= {k: v for k, v in vars(args).items() if k in FixtureSpec.model_fields and v is not None}
     try:
         spec = FixtureSpec(**fields)
     except ValueError as e:
         raise UsageError(f"bad fixture spec: {e}") from None
     try:
-        path = generate(args.out, spec)
+        path = generate(args.out, spec, sparse=args.sparse)
     except (FileExistsError, ValueError) as e:
         raise UsageError(str(e)) from None
     print(path)
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    from .estimate import estimate, render
+
+    e = estimate(_manifest(args))
+    print(json.dumps(e, indent=2) if args.json else render(e))
     return 0
 
 
@@ -432,6 +442,26 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
     v.add_argument("-j", "--jobs", type=int, default=2, help="steps run in parallel (default 2)")
     remote_flag(v)
 
+    es = variant_cmd(
+        "estimate", cmd_estimate,
+        "Estimate a variant's size and bits per weight from config.json and the safetensors headers.",
+    )
+    es.formatter_class = argparse.RawDescriptionHelpFormatter
+    es.epilog = """\
+Reads no tensor data: roles are assigned exactly as quantize assigns them, to the names
+sanitize (and graft, for an MTP head) would produce. A directory source reads its shard
+headers; hf://org/repo@rev reads config.json and the headers through huggingface_hub's
+safetensors-metadata API (range reads, no weights downloaded); fixture:... uses the
+generator's plan. Bytes are the published tensors' payload; bits per weight are bytes x 8
+over source parameters, with the vision tower (as mlx_vlm counts) and text only (as mlx_lm
+counts); an MTP head is reported on its own.
+
+examples:
+  buildkit estimate xl
+  buildkit estimate xl-mtp --source hf://Qwen/Qwen3.6-35B-A3B@<sha> --json
+"""
+    es.add_argument("--json", action="store_true", help="print JSON: bits_per_weight, bits_per_weight_text, bytes, parts, roles")
+
     for name, fn, help_ in (
         ("push", cmd_push, "Upload a built variant's closure (every node's record, listings and objects) to the remote."),
         ("pull", cmd_pull, "Download a variant's closure from the remote into the local store (views into source "
@@ -487,8 +517,13 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
         description="Write a small deterministic qwen3_5_moe checkpoint (sharded bf16 safetensors + index, config.json, tokenizer, mtp.* in the last shard).",
     )
     fx.add_argument("out", help="directory to create (must not exist or be empty)")
+    fx.add_argument("--sparse", action="store_true",
+                    help="write tensors over 1 MiB as their first 4 KiB and a hole: real shapes, little disk")
     if fixture_options:
-        from .fixture import FixtureSpec
+        from .fixture import PRESETS, FixtureSpec
+
+        fx.add_argument("--preset", choices=sorted(PRESETS),
+                        help="start from a real model's dimensions (qwen3.6-35b-a3b: ~72 GB; use --sparse); options given override it")
 
         for name, f in FixtureSpec.model_fields.items():
             fx.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, help=f"(default {f.default})")

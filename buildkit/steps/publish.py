@@ -76,6 +76,20 @@ def plan_shards(tensors: dict[str, dict], limit: int) -> list[list[str]]:
     return shards + ([cur] if cur else [])
 
 
+def copy_entry(store, entry: dict, sink, buf: bytearray) -> int:
+    """A tensor's bytes to ``sink``: a store object through ``buf``; a view (a passthrough
+    tensor as its source lies: the bf16 lm_head is 1 GB in the real model) in blocks of rows,
+    so memory stays a block, not the tensor."""
+    if "view" not in entry:
+        return store.copy_tensor(entry, sink, buf)
+    done = 0
+    for block in store.iter_rows(entry, len(buf)):
+        data = memoryview(block.reshape(-1).view("u1"))
+        sink(data)
+        done += len(data)
+    return done
+
+
 def quantization_config(parts: list[Artifact]) -> dict | None:
     """Defaults from the quantization covering the most parameters, per-path entries for the rest."""
     per_path: dict[str, dict] = {}
@@ -383,7 +397,7 @@ class Publish(Step):
                         h.update(chunk)
 
                     for k in names:
-                        ctx.progress.advance(1, store.copy_tensor(tensors[k], sink, buf))
+                        ctx.progress.advance(1, copy_entry(store, tensors[k], sink, buf))
                 digest = keys.finish(h)
                 with contextlib.suppress(OSError):  # refused (some network file systems): the
                     settle(tmp / fname)  # record is racy, and the next link hashes the file first
