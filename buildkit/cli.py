@@ -158,6 +158,16 @@ def cmd_fixture(args) -> int:
     from .fixture import FixtureSpec, generate
 
     fields = {k: v for k, v in vars(args).items() if k in FixtureSpec.model_fields and v is not None}
+    if args.trained:
+        from .trained import write_trained
+
+        if fields:
+            raise UsageError(f"--trained has a fixed shape; drop --{' --'.join(sorted(fields)).replace('_', '-')}")
+        try:
+            print(write_trained(args.out))
+        except FileExistsError as e:
+            raise UsageError(str(e)) from None
+        return 0
     try:
         spec = FixtureSpec(**fields)
     except ValueError as e:
@@ -248,6 +258,10 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
         description="Write a small deterministic qwen3_5_moe checkpoint (sharded bf16 safetensors + index, config.json, tokenizer, mtp.* in the last shard).",
     )
     fx.add_argument("out", help="directory to create (must not exist or be empty)")
+    fx.add_argument(
+        "--trained", action="store_true",
+        help="write the small checkpoint trained on real text (buildkit/data/trained) instead of random weights",
+    )
     if fixture_options:
         from .fixture import FixtureSpec
 
