@@ -5,10 +5,18 @@ package and printed by its ``bible`` program. The translation's copyright has lo
 package's copyright file says so ("The copyright for the King James Version text of the Bible is
 expired"). Public domain (outside the UK's Crown letters patent, which do not restrict this use).
 
-Rerun (about 20 minutes on 2 CPU cores; CI never runs it):
+Rerun (CI never runs it; the committed run took 1445 s for 550 steps on 2 CPU cores that
+other processes shared):
 
-    apt-get install bible-kjv          # the ``bible`` program and its text
-    PYTHONPATH=. .venv/bin/python training/train_fixture.py [--steps N] [--out buildkit/data/trained]
+    apt-get install bible-kjv libopenblas0-pthread   # the corpus; a fast BLAS for mlx's matmuls
+    OPENBLAS_NUM_THREADS=2 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
+        PYTHONPATH=. .venv/bin/python training/train_fixture.py [--steps N] [--out buildkit/data/trained]
+
+The preload is only for speed: the ``mlx[cpu]`` wheel's bundled reference BLAS makes a step
+~2.5x slower here (measured on one step: 6.0 s against 2.5 s). Seeds fix the initialisation and
+the batches; the floating-point sums depend on the BLAS and its thread count, so a rerun with
+another BLAS gives close but not bit-identical weights. ``buildkit.trained.write_trained`` is
+deterministic from the committed files, which is what tests and builds use.
 
 What it does, seeded (mlx and numpy seeds; batch order and initialisation are fixed):
 1. One line per verse; every 20th verse is held out, the rest trains. A byte-level BPE of 2048
