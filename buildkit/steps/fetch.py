@@ -3,10 +3,11 @@
 Sources: a local directory; ``hf://org/repo@revision`` (huggingface_hub
 ``snapshot_download``, which honours HF_HUB_OFFLINE and the HF cache); or
 ``fixture:`` / ``fixture:seed=1,layers=4`` (a deterministic generated
-checkpoint, kept under the store); ``fixture:trained`` is the small trained checkpoint shipped in
-``buildkit/data/trained`` (``buildkit.trained``), written under the store. Safetensors shards stay where they are and
-are referenced by content digest; small files (config, tokenizer) are copied
-into the store. Paths never enter the key, only content digests do.
+checkpoint, kept under the store); or ``fixture:trained`` (the small trained
+checkpoint of ``buildkit.trained``, also written under the store). Safetensors
+shards stay where they are and are referenced by content digest; small files
+(config, tokenizer) are copied into the store. Paths never enter the key, only
+content digests do.
 """
 
 from __future__ import annotations
