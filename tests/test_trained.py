@@ -74,11 +74,11 @@ def test_xl_build_from_fixture_trained_predicts_heldout_text(tmp_path):
     p = Project(tmp_path)
     assert p.cli("build", "xl", "--source", "fixture:trained", "--out", str(p.out / "xl"), "-q") == 0
     model, _ = mlx_lm.load(str(p.out / "xl"))
-    ids = heldout_ids(p.out / "xl")
+    ids = heldout_ids(p.out / "xl")[:16]  # ~1000 tokens: mlx's quantized CPU kernels are slow
     logits = model(ids[:, :-1]).astype(mx.float32)
     nll = -mx.take_along_axis(logits - mx.logsumexp(logits, -1, keepdims=True), ids[:, 1:, None], -1)
     ppl = math.exp(float(nll.mean()))
-    assert ppl < SPEC.vocab / 20, f"held-out perplexity {ppl:.1f} (uniform would be {SPEC.vocab})"
+    assert ppl < SPEC.vocab / 20, f"xl held-out perplexity {ppl:.1f} (uniform would be {SPEC.vocab})"
 
 
 # ---- the MTP head, from the HF-layout weights --------------------------------------------
