@@ -332,8 +332,19 @@ def cmd_verify(args) -> int:
 def cmd_fixture(args) -> int:
     from .fixture import PRESETS, FixtureSpec, generate
 
-    fields = dict(PRESETS[args.preset]) if args.preset else {}
-    fields |= {k: v for k, v in vars(args).items() if k in FixtureSpec.model_fields and v is not None}
+    fields = {k: v for k, v in vars(args).items() if k in FixtureSpec.model_fields and v is not None}
+    if args.trained:
+        from .trained import write_trained
+
+        if fields or args.preset or args.sparse:
+            given = [*sorted(fields), *(["preset"] if args.preset else []), *(["sparse"] if args.sparse else [])]
+            raise UsageError(f"--trained has a fixed shape; drop --{' --'.join(given).replace('_', '-')}")
+        try:
+            print(write_trained(args.out))
+        except FileExistsError as e:
+            raise UsageError(str(e)) from None
+        return 0
+    fields = (dict(PRESETS[args.preset]) if args.preset else {}) | fields
     try:
         spec = FixtureSpec(**fields)
     except ValueError as e:
@@ -519,6 +530,10 @@ examples:
     fx.add_argument("out", help="directory to create (must not exist or be empty)")
     fx.add_argument("--sparse", action="store_true",
                     help="write tensors over 1 MiB as their first 4 KiB and a hole: real shapes, little disk")
+    fx.add_argument(
+        "--trained", action="store_true",
+        help="write the small checkpoint trained on real text (buildkit/data/trained) instead of random weights",
+    )
     if fixture_options:
         from .fixture import PRESETS, FixtureSpec
 

@@ -9,7 +9,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -274,7 +274,9 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return (b >> np.uint32(16)).astype("<u2")
 
 
-def _write_shard(path: Path, tensors: list[_Tensor], seed: int, progress, sparse: bool = False) -> None:
+def _write_shard(
+    path: Path, tensors: list[_Tensor], seed: int, progress, weights: Mapping[str, np.ndarray], sparse: bool = False
+) -> None:
     tensors = sorted(tensors, key=lambda t: t.name)  # safetensors' own header and data order
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -286,7 +288,9 @@ def _write_shard(path: Path, tensors: list[_Tensor], seed: int, progress, sparse
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for t in tensors:
-            if sparse and t.nbytes > SPARSE_REAL_BYTES:  # the first bytes real, then a hole
+            if t.name in weights:  # given bf16 bit patterns instead of noise
+                f.write(np.ascontiguousarray(weights[t.name], dtype="<u2").data)
+            elif sparse and t.nbytes > SPARSE_REAL_BYTES:  # the first bytes real, then a hole
                 start = f.tell()
                 for chunk in _values(t, seed, limit=SPARSE_HEAD_BYTES // 2):
                     f.write(_bf16(chunk).data)
@@ -327,7 +331,9 @@ _CHAT_TEMPLATE = (
 )
 
 
-def _write_tokenizer(out: Path, s: FixtureSpec) -> dict[str, int]:
+def train_tokenizer(lines: Iterable[str], vocab: int) -> tk.Tokenizer:
+    """A byte-level BPE of ``vocab`` ids (special tokens included) trained on ``lines``, with
+    Qwen3.5's pre-tokenizer; the fixture's tokenizer is this trained on a built-in paragraph."""
     tok = tk.Tokenizer(tk.models.BPE())
     tok.normalizer = tk.normalizers.NFC()
     tok.pre_tokenizer = tk.pre_tokenizers.Sequence([
@@ -337,11 +343,25 @@ def _write_tokenizer(out: Path, s: FixtureSpec) -> dict[str, int]:
     tok.post_processor = tk.processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     tok.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
-        vocab_size=s.vocab - len(SPECIAL_TOKENS), show_progress=False,
+        vocab_size=vocab - len(SPECIAL_TOKENS), show_progress=False,
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    tok.train_from_iterator(lines, trainer)
     tok.add_special_tokens([tk.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def _write_tokenizer(out: Path, s: FixtureSpec, tokenizer: str | None = None) -> dict[str, int]:
+    if tokenizer is None:
+        tok = train_tokenizer(_CORPUS.splitlines(), s.vocab)
+    else:
+        tok = tk.Tokenizer.from_str(tokenizer)
+        missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
+        if tok.get_vocab_size() != s.vocab or missing:
+            raise ValueError(
+                f"the given tokenizer has {tok.get_vocab_size()} ids (spec vocab={s.vocab})"
+                + (f" and lacks {', '.join(missing)}" if missing else "")
+            )
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     config = {
@@ -431,6 +451,9 @@ def generate(
     spec: FixtureSpec = FixtureSpec(),  # noqa: B008 (frozen)
     progress: Callable[[str], None] | None = None,
     sparse: bool = False,
+    *,
+    tokenizer: str | None = None,
+    weights: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """Write a deterministic fixture checkpoint to ``out_dir`` and return its path.
 
@@ -446,6 +469,9 @@ def generate(
     ``sparse``: tensors up to ``SPARSE_REAL_BYTES`` are written whole; of each larger one only
     the first ``SPARSE_HEAD_BYTES`` (its generated values), the rest is a hole (zeros that take
     no disk). The real model's shapes then cost ~72 GB apparent and tens of MB on disk.
+    ``tokenizer`` (a ``tokenizer.json`` text with ``spec.vocab`` ids and the special tokens)
+    replaces the built-in one; ``weights`` maps tensor names to bf16 bit patterns (uint16 of
+    the tensor's shape) written instead of noise. ``buildkit.trained`` uses both.
 
     Raises ``FileExistsError`` if ``out_dir`` exists and is not an empty directory.
     """
@@ -455,18 +481,28 @@ def generate(
             f"{out} already exists and is not empty; remove it or choose another output directory"
         )
     plan = _plan(spec)
+    weights = weights or {}
+    shapes = {t.name: t.shape for t, _ in plan}
+    for name, w in weights.items():
+        if name not in shapes:
+            raise ValueError(f"weights[{name!r}]: the spec has no such tensor")
+        if tuple(w.shape) != shapes[name] or w.dtype.itemsize != 2:
+            raise ValueError(
+                f"weights[{name!r}]: {w.dtype}{list(w.shape)}; the spec needs bf16 bit patterns "
+                f"of shape {list(shapes[name])}"
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         names = [f"model-{k + 1:05d}-of-{spec.shards:05d}.safetensors" for k in range(spec.shards)]
         for k, name in enumerate(names):
-            _write_shard(tmp / name, [t for t, i in plan if i == k], spec.seed, progress, sparse)
+            _write_shard(tmp / name, [t for t, i in plan if i == k], spec.seed, progress, weights, sparse)
         index = {
             "metadata": {"total_size": sum(t.nbytes for t, _ in plan)},
             "weight_map": {t.name: names[k] for t, k in sorted(plan, key=lambda p: p[0].name)},
         }
         _write_json(tmp / "model.safetensors.index.json", index)
-        config, generation = _configs(spec, _write_tokenizer(tmp, spec))
+        config, generation = _configs(spec, _write_tokenizer(tmp, spec, tokenizer))
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation)
         for f in tmp.iterdir():  # unseen until the rename: a digest of them is trusted at once
