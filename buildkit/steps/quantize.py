@@ -150,7 +150,7 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
 @register
 class Quantize(Step):
     kind = "quantize"
-    version = 1
+    version = 1  # data-aware bytes are versioned by dataaware.METHOD, in key_params' data_aware
     Params = QuantizeParams
     inputs = {"model": Slot(), "calibration": Slot(required=False)}  # a calibrate output
     uses_recipe = True
