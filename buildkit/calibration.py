@@ -9,7 +9,7 @@ matmuls (``_to_numpy``), the rest (norms, attention, the gated delta net) in
 mlx. The experts module records its input, the experts the router chose and
 the intermediate activations ``silu(gate x) * up x``. From those, per layer and
 expert: the number of routed tokens and the per-channel mean square of the
-inputs of gate/up and of down (``expert_stats``), the importance weights of the
+inputs of gate/up and of down, summed as the rows pass (``Routed``), the importance weights of the
 data-aware quantization (``dataaware``). Held-out tokens' routed inputs are
 kept as they are, to measure expert output error (``expert_errors``).
 
@@ -88,16 +88,27 @@ def batches(ids: list[int], seq_len: int) -> list[np.ndarray]:
 
 @dataclass
 class Routed:
-    """One stream's view of one MoE layer: inputs x [N, H], the chosen experts [N, k], and
-    the intermediate activations [M, I] with the expert of each row [M]."""
+    """One stream's view of one MoE layer: inputs x [N, H] and the chosen experts [N, k], and,
+    summed as they pass (float64), per expert: routed rows, Σ x² of its inputs [E, H] and Σ a²
+    of its intermediate activations [E, I]."""
 
     x: list[np.ndarray] = field(default_factory=list)
     experts: list[np.ndarray] = field(default_factory=list)
-    mid: list[np.ndarray] = field(default_factory=list)
-    mid_experts: list[np.ndarray] = field(default_factory=list)
+    tokens: np.ndarray | None = None
+    in_sq: np.ndarray | None = None
+    mid_sq: np.ndarray | None = None
 
-    def cat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        return tuple(np.concatenate(v) for v in (self.x, self.experts, self.mid, self.mid_experts))
+    def cat(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.concatenate(self.x), np.concatenate(self.experts)
+
+    def add(self, e: int, rows: np.ndarray, mid: np.ndarray, n_experts: int) -> None:
+        if self.tokens is None:
+            self.tokens = np.zeros(n_experts, np.int64)
+            self.in_sq = np.zeros((n_experts, rows.shape[-1]), np.float64)
+            self.mid_sq = np.zeros((n_experts, mid.shape[-1]), np.float64)
+        self.tokens[e] += len(rows)
+        self.in_sq[e] += np.square(rows).sum(0, dtype=np.float64)
+        self.mid_sq[e] += np.square(mid).sum(0, dtype=np.float64)
 
 
 def _silu(g: np.ndarray) -> np.ndarray:
@@ -142,7 +153,7 @@ def _numpy_modules():
             counts = np.bincount(flat, minlength=self.down.shape[0])
             inter = self.down.shape[-1]
             y = np.empty((len(flat), xs.shape[-1]), np.float32)
-            mids = []
+            r = self.routed
             start = 0
             for e in np.flatnonzero(counts):
                 rows = order[start : start + counts[e]]
@@ -150,14 +161,12 @@ def _numpy_modules():
                 gu = xe @ self.gate_up[e].T
                 mid = _silu(gu[:, :inter]) * gu[:, inter:]
                 y[rows] = mid @ self.down[e].T
-                mids.append(mid)
+                if r is not None:
+                    r.add(e, xe, mid, len(counts))
                 start += counts[e]
-            if self.routed is not None:
-                r = self.routed
+            if r is not None:
                 r.x.append(xs.copy())
                 r.experts.append(idx.copy())
-                r.mid.append(np.concatenate(mids) if mids else np.zeros((0, self.down.shape[-1]), np.float32))
-                r.mid_experts.append(flat)
             return mx.array(y.reshape(*a.shape[:-1], k, -1))
 
     return NpLinear, NpSwitchGLU
@@ -239,29 +248,14 @@ def moe_activations(store, art, streams: dict[str, list[int]], seq_len: int, pro
 # ---- statistics ----------------------------------------------------------------------
 
 
-def per_expert_sq_mean(rows: np.ndarray, experts: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """(rows per expert [E], per-channel mean of rows² per expert [E, C], float32), summed in
-    float64 in a fixed order (rows sorted stably by expert)."""
-    order = np.argsort(experts, kind="stable")
-    counts = np.bincount(experts, minlength=n_experts)
-    sums = np.zeros((n_experts, rows.shape[-1]), np.float64)
-    hit = counts > 0
-    if hit.any():
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])[hit]
-        sq = np.square(rows[order].astype(np.float64))
-        sums[hit] = np.add.reduceat(sq, starts, axis=0)
-    return counts, (sums / np.maximum(counts, 1)[:, None]).astype(np.float32)
-
-
 def expert_stats(routed: Routed, n_experts: int) -> dict[str, np.ndarray]:
-    """Routed-token counts and input mean squares of one MoE layer's experts."""
-    x, experts, mid, mid_experts = routed.cat()
-    k = experts.shape[-1]
-    tokens, in_sq = per_expert_sq_mean(np.repeat(x, k, axis=0), experts.reshape(-1), n_experts)
-    mid_tokens, mid_sq = per_expert_sq_mean(mid, mid_experts, n_experts)
-    if not np.array_equal(tokens, mid_tokens):
-        raise SourceError("calibration: gate/up and down_proj saw different tokens per expert (mlx_lm changed?)")
-    return {"tokens": tokens.astype(np.int64), "in_sq": in_sq, "mid_sq": mid_sq}
+    """Routed-token counts [E] and the per-channel mean squares of the inputs of gate/up [E, H]
+    and of down [E, I] of one MoE layer's experts (float32; zero where no token went)."""
+    if routed.tokens is None:
+        raise SourceError("calibration: no token reached this MoE layer (an empty calibration text?)")
+    den = np.maximum(routed.tokens, 1)[:, None]
+    return {"tokens": routed.tokens.copy(), "in_sq": (routed.in_sq / den).astype(np.float32),
+            "mid_sq": (routed.mid_sq / den).astype(np.float32)}
 
 
 def stat_name(module: str) -> str:
