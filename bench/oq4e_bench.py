@@ -78,26 +78,27 @@ def micro(experts: int, out: int, inp: int, bits: int, repeat: int) -> None:
     d = np.exp(rng.standard_normal((experts, inp))).astype(np.float32)  # heavy-tailed channel importance
     mx.eval(w)
     n = w.size
+    # CPU time, not wall: the machine is shared, and both are single-threaded here
     best_q = best_s = float("inf")
     for _ in range(repeat):
-        t = time.perf_counter()
+        t = time.process_time()
         q = mx.quantize(w, group_size=g, bits=bits)
         mx.eval(q)
-        best_q = min(best_q, time.perf_counter() - t)
+        best_q = min(best_q, time.process_time() - t)
     codes = dataaware.unpack(np.array(q[0]), bits).reshape(experts, out, inp // g, g)
     s32, b32 = (to_float32(*from_mlx(a)) for a in q[1:])
     w32 = np.array(w.astype(mx.float32)).reshape(experts, out, inp // g, g)
     for _ in range(repeat):
-        t = time.perf_counter()
+        t = time.process_time()
         res = [dataaware.search(w32[e], d[e].reshape(1, inp // g, g), bits, "BF16", (codes[e], s32[e], b32[e]))
                for e in range(experts)]
-        best_s = min(best_s, time.perf_counter() - t)
+        best_s = min(best_s, time.process_time() - t)
     err = err0 = 0.0
     for e, (qq, ss, bb, _) in enumerate(res):
         de = d[e].reshape(1, inp // g, g)
         err += float((de * np.square(ss[..., None] * qq + bb[..., None] - w32[e])).sum())
         err0 += float((de * np.square(s32[e][..., None] * codes[e] + b32[e][..., None] - w32[e])).sum())
-    print(f"\nper tensor [{experts}, {out}, {inp}] {bits}-bit g{g}, best of {repeat}; "
+    print(f"\nper tensor [{experts}, {out}, {inp}] {bits}-bit g{g}, CPU time, best of {repeat}; "
           f"search {dataaware.METHOD}, {len(dataaware.GRID)} grids, {dataaware.REFINE} refinement(s)\n")
     print("| | s per million weights | ns per weight | vs mx.quantize |\n|---|---|---|---|")
     print(f"| mx.quantize | {best_q / n * 1e6:.3f} | {best_q / n * 1e9:.1f} | 1.0 |")
@@ -113,7 +114,15 @@ def main(argv=None) -> int:
     p.add_argument("--tensor", default="8,512,1024", help="E,out,in of the microbenchmark's tensor")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--grids", type=int, help="try the search with this many grids over -1..3 (not the shipped setting)")
+    p.add_argument("--refine", type=int, help="try the search with this many refinements (not the shipped setting)")
     args = p.parse_args(argv)
+    from buildkit import dataaware
+
+    if args.grids:
+        dataaware.GRID = [-1.0 + 4.0 * i / max(args.grids - 1, 1) for i in range(args.grids)] if args.grids > 1 else [0.0]
+    if args.refine is not None:
+        dataaware.REFINE = args.refine
     micro(*map(int, args.tensor.split(",")), args.bits, args.repeat)
     if args.builds:
         spec = BASE_SPEC | {k: int(v) for k, v in (s.split("=", 1) for s in args.spec)}

@@ -129,7 +129,7 @@ def _numpy_modules():
             self.w = weight
 
         def __call__(self, x):
-            a = np.array(x, copy=False)
+            a = np.asarray(x)
             return mx.array((a.reshape(-1, a.shape[-1]) @ self.w.T).reshape(*a.shape[:-1], -1))
 
     class NpSwitchGLU(nn.Module):
@@ -144,9 +144,9 @@ def _numpy_modules():
             self.routed: Routed | None = None
 
         def __call__(self, x, indices, **kw):
-            a = np.array(x, copy=False)
+            a = np.asarray(x)
             xs = a.reshape(-1, a.shape[-1])
-            idx = np.array(indices, copy=False).reshape(xs.shape[0], -1)
+            idx = np.asarray(indices).reshape(xs.shape[0], -1)
             k = idx.shape[-1]
             order = np.argsort(idx.reshape(-1), kind="stable")
             flat = idx.reshape(-1)[order]
