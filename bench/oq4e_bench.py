@@ -36,7 +36,7 @@ BASE_SPEC = {"hidden": 1024, "layers": 4, "experts": 16, "moe_intermediate": 512
 def build(variant: str, source: Path, work: Path) -> tuple[float, dict[str, float]]:
     store = work / f"store-{variant}"
     shutil.rmtree(store, ignore_errors=True)
-    argv = [sys.executable, "-m", "buildkit.cli", "--store", str(store), "--manifests", str(BUILDKIT_ROOT / "manifests"),
+    argv = [sys.executable, "-m", "buildkit.cli", "--store", str(store), "--manifests", str(work / "manifests"),
             "build", variant, "--source", str(source), "--out", str(work / f"out-{variant}")]
     t = time.perf_counter()
     p = subprocess.run(argv, capture_output=True, text=True, cwd=BUILDKIT_ROOT)
@@ -55,8 +55,12 @@ def builds(spec: dict, work: Path) -> None:
     if not src.exists():
         subprocess.run(argv, check=True, capture_output=True, cwd=BUILDKIT_ROOT)
     size = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e6
+    # the donor head must fit the trunk: oq4e-mtp-xl with its donor read from the same fixture
+    shutil.copytree(BUILDKIT_ROOT / "manifests", work / "manifests", dirs_exist_ok=True)
+    (work / "manifests" / "bench-oq4e.toml").write_text(
+        f'extends = "oq4e-mtp-xl"\n[steps.donor_fetch.params]\nsource = "{src}"\n')
     xl = build("xl", src, work)
-    oq = build("oq4e-mtp-xl", src, work)
+    oq = build("bench-oq4e", src, work)
     print(f"\nfixture {spec} ({size:.0f} MB)\n")
     print("| step | xl | oq4e-mtp-xl |\n|---|---|---|")
     for step in dict.fromkeys([*xl[1], *oq[1]]):
