@@ -122,3 +122,26 @@ def test_roles_without_budget_bits_keep_their_keys():
     assert Role(bits=4, budget_bits=(3, 4)).key_dump()["budget_bits"] == [3, 4]
     with pytest.raises(ValueError, match="increasing order"):
         Role(bits=4, budget_bits=(4, 3))
+
+
+def test_sensitivity_key_has_its_params_and_never_a_budget():
+    from buildkit.steps.sensitivity import Sensitivity, SensitivityParams
+
+    kp = Sensitivity().key_params(SensitivityParams(bits=[8, 3, 4]), {})
+    assert kp == {"bits": [3, 4, 8], "group_size": 64, "max_rows": 64}
+
+
+def test_a_budgeted_plan_enters_quantize_key_per_tensor(measured):
+    project, (lo, hi) = measured
+    store, model = artifact(project, VARIANT, "sanitize", "model")
+    _, sens = artifact(project, VARIANT, "sensitivity")
+    node = manifest.load(VARIANT, project.manifests).nodes["quantize"]
+    params = node.params.model_copy(update={"recipe": node.params.recipe.model_copy(update={"target_bpw": hi})})
+    kp = node.step.key_params(params, {"model": [model], "sensitivity": [sens]})
+    plan = kp["plan"]
+    assert plan["budget"]["target_bpw"] == hi and plan["budget"]["sensitivity"] == sens.meta["tensors"]
+    experts = {t: r for t, r in plan["tensors"].items() if ".switch_mlp." in t}
+    assert len(experts) == 12 and set(experts.values()) == {"routed_expert@8"}  # the whole budget: 8 bits
+    assert plan["roles"]["routed_expert@8"]["bits"] == 8 and "budget_bits" not in plan["roles"]["routed_expert@8"]
+    with pytest.raises(StepError, match="needs measured sensitivities: add inputs.sensitivity"):
+        node.step.key_params(params, {"model": [model]})
