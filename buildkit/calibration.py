@@ -134,8 +134,8 @@ def _numpy_modules():
 
     class NpSwitchGLU(nn.Module):
         """mlx_lm's SwitchGLU (``down(silu(gate x) * up x)`` for each chosen expert, output
-        [..., k, H]) one expert at a time over the rows routed to it; hands what it saw to
-        ``routed`` (the MoE input, the chosen experts, the intermediate activations)."""
+        [..., k, H]) one expert at a time over the rows routed to it; ``routed`` keeps the
+        MoE input and the chosen experts, and sums each expert's x² and activations² as they pass."""
 
         def __init__(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray):
             super().__init__()
