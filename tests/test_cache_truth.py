@@ -135,7 +135,9 @@ def test_bad_output_paths_fail_before_any_step(project, tmp_path):
 
 # ---- the systematic defence: manifests and their mutations -------------------------------
 
-ROLE_BITS = {"router": 8, "attention": 8, "shared_expert": 8, "embedding": 8, "routed_expert": 6}
+XL_ROLES = __import__("tomllib").loads(XL)["recipe"]["roles"]
+ROLE_BITS = {r: v["bits"] for r, v in XL_ROLES.items() if "bits" in v}  # the quantized roles
+PASSTHROUGH = [r for r, v in XL_ROLES.items() if v.get("passthrough")]
 
 
 def effective(text: str, names: list[str]) -> dict[str, tuple]:
@@ -193,7 +195,8 @@ EXTRA = [("*.layers.0.mlp.switch_mlp.*", "attention"), ("*.layers.1.*_proj", "em
 def render(rules, bits: dict[str, int], description: str, comment: str, child: list | None) -> str:
     lines = [f"# {comment}", f'description = "{description}"', 'source = "fixture:seed=0"', "", "[recipe.roles]"]
     lines += [f"{r} = {{ bits = {b}, group_size = 64 }}" for r, b in bits.items()]
-    lines += ["keep = { passthrough = true }", "", "[recipe.rules]"]
+    lines += [f"{r} = {{ passthrough = true }}" for r in PASSTHROUGH]
+    lines += ["", "[recipe.rules]"]
     lines += [f'"{p}" = "{r}"' for p, r in rules]
     lines.append(XL[XL.index("[steps.fetch]"):])
     text = "\n".join(lines)
