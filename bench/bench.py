@@ -67,7 +67,11 @@ REPO = Path(__file__).resolve().parents[1]
 # The tree buildkit is imported from (the repository, or a snapshot put first on PYTHONPATH):
 # its manifests are the ones benchmarked, and the children import the same code.
 BUILDKIT_ROOT = Path(buildkit.__file__).resolve().parents[1]
-BUILDKIT = [sys.executable, "-c", "from buildkit.cli import entry; entry()"]  # as the `buildkit` script runs
+BUILDKIT = [
+    sys.executable,
+    "-c",
+    "from buildkit.cli import entry; entry()",
+]  # as the `buildkit` script runs
 RESULTS = REPO / "bench" / "RESULTS.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 MB, GB = 1e6, 1e9
@@ -306,7 +310,9 @@ def disk_bytes(*roots: Path) -> int:
 def written_bytes(root: Path) -> int:
     """Bytes of the files under ``root`` no other path links to: those a publish wrote, not the
     shards it hard-linked from an earlier one."""
-    return sum(st.st_size for p in root.rglob("*") if p.is_file() and (st := p.stat()).st_nlink == 1)
+    return sum(
+        st.st_size for p in root.rglob("*") if p.is_file() and (st := p.stat()).st_nlink == 1
+    )
 
 
 def store_bytes(store: Path) -> int:
@@ -411,7 +417,9 @@ def write_manifests(dest: Path, source: Path, skip_oq4e: bool = False) -> list[s
     return variants
 
 
-def noop(label: str, variants: list[str], store: Path, src: Path, out: Path, ctx: dict, *extra) -> dict:
+def noop(
+    label: str, variants: list[str], store: Path, src: Path, out: Path, ctx: dict, *extra
+) -> dict:
     """Median and max wall time of a fully cached ``buildkit build`` of each variant.
 
     Each variant first gets one untimed run (reported as ``first``): the figure is the cost of
@@ -424,7 +432,9 @@ def noop(label: str, variants: list[str], store: Path, src: Path, out: Path, ctx
     res = {}
     for v in variants:
         first = build(f"{label}-{v}-first", v, store, src, out, ctx, *extra)
-        runs = [build(f"{label}-{v}-{i}", v, store, src, out, ctx, *extra) for i in range(ctx["repeat"])]
+        runs = [
+            build(f"{label}-{v}-{i}", v, store, src, out, ctx, *extra) for i in range(ctx["repeat"])
+        ]
         for r in [first, *runs]:
             if r.ran:
                 sys.exit(f"bench: no-op build of {v} ran {r.ran}; see {r.log}")
@@ -481,7 +491,13 @@ def run_bench(args) -> dict:
         xl = build(f"cold-xl{tag}", "xl", st_i, src, out_i, ctx)
         if cold:
             evict(shards)
-        unchecked.append(asdict(build(f"cold-unchecked{tag}", UNCHECKED, st_u, src, out_u, ctx, "--target", "publish")))
+        unchecked.append(
+            asdict(
+                build(
+                    f"cold-unchecked{tag}", UNCHECKED, st_u, src, out_u, ctx, "--target", "publish"
+                )
+            )
+        )
         shutil.rmtree(st_u, ignore_errors=True)
         shutil.rmtree(out_u, ignore_errors=True)
         if cold:
@@ -489,8 +505,21 @@ def run_bench(args) -> dict:
         shutil.rmtree(work / "mlx_lm", ignore_errors=True)
         ref = measure(
             f"mlx_lm-convert{tag}",
-            [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", src, "--mlx-path", work / "mlx_lm",
-             "-q", "--q-bits", "6", "--q-group-size", "64"],
+            [
+                sys.executable,
+                "-m",
+                "mlx_lm",
+                "convert",
+                "--hf-path",
+                src,
+                "--mlx-path",
+                work / "mlx_lm",
+                "-q",
+                "--q-bits",
+                "6",
+                "--q-group-size",
+                "64",
+            ],
             logs,
         )
         pairs.append((asdict(xl), asdict(ref)))
@@ -507,7 +536,10 @@ def run_bench(args) -> dict:
     mtp = build("xl-mtp-after-xl", "xl-mtp", store, src, out, ctx)
     R["xl_mtp_after_xl"] = asdict(mtp)
     R["store_xl_mtp"] = store_bytes(store)
-    R["out_disk"] = {"xl": disk_bytes(out / "xl"), "xl+xl-mtp": disk_bytes(out / "xl", out / "xl-mtp")}
+    R["out_disk"] = {
+        "xl": disk_bytes(out / "xl"),
+        "xl+xl-mtp": disk_bytes(out / "xl", out / "xl-mtp"),
+    }
     for v in variants[2:]:
         R[f"build_{v}"] = asdict(build(f"{v}-after-xl-mtp", v, store, src, out, ctx))
 
@@ -526,7 +558,9 @@ def run_bench(args) -> dict:
     for v in variants:
         build(f"tiny-{v}", v, tiny_store, tiny_src, tiny_out, tiny_ctx)
     R["noop_tiny"] = noop("noop-tiny", variants, tiny_store, tiny_src, tiny_out, tiny_ctx)
-    R["noop_full_tiny"] = noop("noop-full-tiny", variants, tiny_store, tiny_src, tiny_out, tiny_ctx, "--full-check")
+    R["noop_full_tiny"] = noop(
+        "noop-full-tiny", variants, tiny_store, tiny_src, tiny_out, tiny_ctx, "--full-check"
+    )
     R["tiny_bytes"] = sum(p.stat().st_size for p in shard_files(tiny_src))
 
     print("3. incremental: only the MTP head's role bits change", flush=True)
@@ -631,19 +665,31 @@ def report(R: dict, M: dict) -> str:
         f"{rss_bound / MB:.0f} MB | {peak / rss_bound:.2f} | < 1.0 | {verdict(peak < rss_bound)} |",
         f"| 1 | cores used (CPU time / wall) | {xl['cpu'] / xl['wall']:.2f} | {ref['cpu'] / ref['wall']:.2f} | | "
         f"≈ {M['nproc']} | {verdict(xl['cpu'] / xl['wall'] >= 0.8 * M['nproc'])} |",
-        *([f"| 1 | cold build wall time, xl without verify and the load check (the checks' cost; not the target) | "
-            f"{mid:.1f} s | {ref['wall']:.1f} s | {mid / ref['wall']:.2f} | | |"] if unchecked else []),
+        *(
+            [
+                f"| 1 | cold build wall time, xl without verify and the load check (the checks' cost; not the target) | "
+                f"{mid:.1f} s | {ref['wall']:.1f} s | {mid / ref['wall']:.2f} | | |"
+            ]
+            if unchecked
+            else []
+        ),
         f"| 2 | no-op rebuild, slowest single `buildkit build` of {', '.join(R['variants'])} | "
         f"{noop_max:.2f} s | | | < 0.5 s | {verdict(noop_max < 0.5)} |",
         f"| 2 | no-op rebuild, all variants (sum of medians) | {noop_sum:.2f} s | {noop_tiny_sum:.2f} s on the "
         f"{R['tiny_bytes'] / MB:.1f} MB fixture | {noop_sum / noop_tiny_sum:.2f} | ≈ 1 (size-independent) | "
         f"{verdict(noop_sum < 1.5 * noop_tiny_sum + 0.05)} |",
-        *([f"| 2 | no-op with `--full-check` (every key looked up, no up-to-date record), slowest single | "
-           f"{max(v['max'] for v in R['noop_full'].values()):.2f} s | | | < 0.5 s | "
-           f"{verdict(max(v['max'] for v in R['noop_full'].values()) < 0.5)} |",
-           f"| 2 | no-op with `--full-check`, all variants (sum of medians) | {full_sum:.2f} s | {full_tiny_sum:.2f} s on the "
-           f"{R['tiny_bytes'] / MB:.1f} MB fixture | {full_sum / full_tiny_sum:.2f} | ≈ 1 (size-independent) | "
-           f"{verdict(full_sum < 1.5 * full_tiny_sum + 0.05)} |"] if "noop_full" in R else []),
+        *(
+            [
+                f"| 2 | no-op with `--full-check` (every key looked up, no up-to-date record), slowest single | "
+                f"{max(v['max'] for v in R['noop_full'].values()):.2f} s | | | < 0.5 s | "
+                f"{verdict(max(v['max'] for v in R['noop_full'].values()) < 0.5)} |",
+                f"| 2 | no-op with `--full-check`, all variants (sum of medians) | {full_sum:.2f} s | {full_tiny_sum:.2f} s on the "
+                f"{R['tiny_bytes'] / MB:.1f} MB fixture | {full_sum / full_tiny_sum:.2f} | ≈ 1 (size-independent) | "
+                f"{verdict(full_sum < 1.5 * full_tiny_sum + 0.05)} |",
+            ]
+            if "noop_full" in R
+            else []
+        ),
         f"| 2 | no-op with `--rehash` (xl) | {R['noop_rehash']['wall']:.2f} s | | | (escape hatch) | |",
         f"| 3 | incremental (MTP bits) bytes read (rchar) | {inc['rchar'] / GB:.2f} GB | {cold_inc['rchar'] / GB:.2f} GB cold | "
         f"{inc['rchar'] / cold_inc['rchar']:.2f} | ≤ {read_budget / GB:.2f} GB (MTP + publish) | "
@@ -655,9 +701,15 @@ def report(R: dict, M: dict) -> str:
         f"{inc['wall'] / cold_inc['wall']:.2f} | | |",
         f"| 4 | store footprint, xl + xl-mtp vs xl | {R['store_xl_mtp'] / MB:.0f} MB | {R['store_xl'] / MB:.0f} MB | "
         f"{footprint:.3f} | ≤ 1.05 | {verdict(footprint <= 1.05)} |",
-        *([f"| 4 | published directories on disk, xl + xl-mtp vs xl (hard links once) | "
-           f"{R['out_disk']['xl+xl-mtp'] / MB:.0f} MB | {R['out_disk']['xl'] / MB:.0f} MB | "
-           f"{R['out_disk']['xl+xl-mtp'] / R['out_disk']['xl']:.3f} | | |"] if "out_disk" in R else []),
+        *(
+            [
+                f"| 4 | published directories on disk, xl + xl-mtp vs xl (hard links once) | "
+                f"{R['out_disk']['xl+xl-mtp'] / MB:.0f} MB | {R['out_disk']['xl'] / MB:.0f} MB | "
+                f"{R['out_disk']['xl+xl-mtp'] / R['out_disk']['xl']:.3f} | | |"
+            ]
+            if "out_disk" in R
+            else []
+        ),
         f"| 5 | source hashing, cold (disk) | {h.get('buildkit_cold_gbps', float('nan')):.2f} GB/s | "
         f"{h.get('plain_cold_gbps', float('nan')):.2f} GB/s plain xxh3 | "
         f"{h.get('buildkit_cold_gbps', float('nan')) / h.get('plain_cold_gbps', float('nan')):.2f} | ≈ 1 | "
@@ -667,11 +719,22 @@ def report(R: dict, M: dict) -> str:
         "",
         "Cold pairs, each buildkit then mlx_lm.convert from an evicted source (the rows above use the pair "
         "members with the median wall time): "
-        + "; ".join(f"{a['wall']:.1f} s / {b['wall']:.1f} s ({a['wall'] / b['wall']:.2f}), "
-                    f"{a['peak_rss'] / MB:.0f} / {b['peak_rss'] / MB:.0f} MB" for a, b in pairs) + "."
-        + (" Without the checks, in the same rounds: " + ", ".join(
-            f"{u['wall']:.1f} s ({u['wall'] / b['wall']:.2f}, {u['cpu']:.1f} s CPU)" for u, (_, b) in zip(unchecked, pairs)) + "."
-           if unchecked else ""),
+        + "; ".join(
+            f"{a['wall']:.1f} s / {b['wall']:.1f} s ({a['wall'] / b['wall']:.2f}), "
+            f"{a['peak_rss'] / MB:.0f} / {b['peak_rss'] / MB:.0f} MB"
+            for a, b in pairs
+        )
+        + "."
+        + (
+            " Without the checks, in the same rounds: "
+            + ", ".join(
+                f"{u['wall']:.1f} s ({u['wall'] / b['wall']:.2f}, {u['cpu']:.1f} s CPU)"
+                for u, (_, b) in zip(unchecked, pairs)
+            )
+            + "."
+            if unchecked
+            else ""
+        ),
         "",
         f"xxh3-128 in memory: {h['in_memory_gbps']:.1f} GB/s on one core. CPU time of the cold builds: "
         f"buildkit {xl['cpu']:.1f} s, mlx_lm.convert {ref['cpu']:.1f} s (ratio {xl['cpu'] / ref['cpu']:.2f}); other "

@@ -38,7 +38,9 @@ class CalibrateParams(Params):
 @register
 class Calibrate(Step):
     kind = "calibrate"
-    version = 2  # 2: the forward's matmuls in numpy's BLAS, statistics summed per expert as rows pass
+    version = (
+        2  # 2: the forward's matmuls in numpy's BLAS, statistics summed per expert as rows pass
+    )
     Params = CalibrateParams
     inputs = {"model": Slot()}
     outputs = ("out", "heldout")
@@ -73,7 +75,9 @@ class Calibrate(Step):
                 f"it needs at least {params.heldout_every} non-blank lines"
             )
         if "tokenizer.json" not in model.files:
-            raise StepError("the model artifact has no tokenizer.json; calibration tokenizes with the source's own")
+            raise StepError(
+                "the model artifact has no tokenizer.json; calibration tokenizes with the source's own"
+            )
         tok = ctx.store.get_blob(model.files["tokenizer.json"])
         streams = {
             "calibration": cal.tokenize(tok, calib, params.max_tokens),
@@ -83,7 +87,9 @@ class Calibrate(Step):
         stats, heldout = Artifact(), Artifact()
         unreached: dict[str, list[int]] = {}
         layers = 0
-        for layer, seen in cal.moe_activations(ctx.store, model, streams, params.seq_len, ctx.progress):
+        for layer, seen in cal.moe_activations(
+            ctx.store, model, streams, params.seq_len, ctx.progress
+        ):
             s = cal.expert_stats(seen["calibration"], n_experts)
             layers += 1
             sw = layer + cal.SWITCH
