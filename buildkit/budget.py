@@ -31,7 +31,10 @@ from .tensors import ITEMSIZE, to_mlx
 
 np = lazy("numpy", __name__)
 
-PROXY = "activation-weighted reconstruction error of the tensor alone at each bits (mx.quantize, diagonal E[x^2], routed tokens)"
+PROXY = (
+    "activation-weighted reconstruction error of the tensor alone at each bits "
+    "(mx.quantize, diagonal E[x^2], routed tokens)"
+)
 
 
 def routed_weights(tensors: dict[str, dict]) -> list[str]:

@@ -135,7 +135,8 @@ def _numpy_modules():
     class NpSwitchGLU(nn.Module):
         """mlx_lm's SwitchGLU (``down(silu(gate x) * up x)`` for each chosen expert, output
         [..., k, H]) one expert at a time over the rows routed to it; ``routed`` keeps the
-        MoE input and the chosen experts, and sums each expert's x² and activations² as they pass."""
+        MoE input and the chosen experts, and sums each expert's x² and activations² as they
+        pass."""
 
         def __init__(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray):
             super().__init__()
@@ -179,7 +180,8 @@ def build_model(config: dict):
 
     if config.get("model_type") != "qwen3_5_moe":
         raise SourceError(
-            f"calibration runs qwen3_5_moe checkpoints; config.json has model_type {config.get('model_type')!r}"
+            "calibration runs qwen3_5_moe checkpoints; config.json has model_type "
+            f"{config.get('model_type')!r}"
         )
     return qwen3_5_moe.Model(qwen3_5_moe.ModelArgs.from_dict(config))
 

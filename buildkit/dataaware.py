@@ -192,8 +192,9 @@ def check_calibration(recipe, roles: dict[str, str], calibration) -> Tally:
     calibrated = sorted({r for r in roles.values() if recipe.roles[r].calibrated})
     if calibrated and calibration is None:
         raise StepError(
-            f"role(s) {', '.join(map(repr, calibrated))} are calibrated (data-aware) but the step has "
-            'no calibration input: add inputs.calibration = "<a calibrate step>", or drop calibrated = true'
+            f"role(s) {', '.join(map(repr, calibrated))} are calibrated (data-aware) but the "
+            'step has no calibration input: add inputs.calibration = "<a calibrate step>", '
+            "or drop calibrated = true"
         )
     if calibration is not None and not calibrated:
         raise StepError(
@@ -236,9 +237,9 @@ def quantize_entry(
         importance, tokens = stats
         if importance.shape != (E, C) or tokens.shape != (E,):
             raise StepError(
-                f"calibration statistics for {module} have shape {list(importance.shape)}, expected "
-                f"{[E, C]}: the calibration was made from another model; point the calibrate step's "
-                "input at this trunk's sanitize"
+                f"calibration statistics for {module} have shape {list(importance.shape)}, "
+                f"expected {[E, C]}: the calibration was made from another model; point the "
+                "calibrate step's input at this trunk's sanitize"
             )
         reached = tokens > 0
     won = 0

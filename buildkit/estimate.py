@@ -175,9 +175,11 @@ def estimate(m) -> dict:
 def render(e: dict) -> str:
     """The estimate as a table for people."""
     lines = [
-        f"{e['variant']} from {e['source']} (config.json and safetensors headers; no tensor data read)",
+        f"{e['variant']} from {e['source']} "
+        "(config.json and safetensors headers; no tensor data read)",
         "",
-        f"{'step':12} {'role':18} {'bits':>4} {'group':>5} {'tensors':>7} {'params':>16} {'bytes':>16}",
+        f"{'step':12} {'role':18} {'bits':>4} {'group':>5} "
+        f"{'tensors':>7} {'params':>16} {'bytes':>16}",
     ]
     for r in e["roles"]:
         bits = "bf16" if r["bits"] is None else str(r["bits"])

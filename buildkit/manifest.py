@@ -194,7 +194,10 @@ def _decl(file: Path, raw: dict) -> ManifestDecl:
         err = e.errors()[0]
         path = [str(x) for x in err["loc"]]
         if err["type"] == "extra_forbidden":
-            msg = f"unknown key{did_you_mean(path[-1], ManifestDecl.model_fields)}; allowed: {', '.join(ManifestDecl.model_fields)}"
+            msg = (
+                f"unknown key{did_you_mean(path[-1], ManifestDecl.model_fields)}; "
+                f"allowed: {', '.join(ManifestDecl.model_fields)}"
+            )
         else:
             msg = _invalid(err)
         raise error_at(file, path, msg) from None
@@ -287,7 +290,10 @@ def load(
             err = e.errors()[0]
             loc = [*where, *(str(x) for x in err["loc"])]
             if err["type"] == "extra_forbidden":
-                msg = f"unknown key{did_you_mean(loc[-1], StepDecl.model_fields)}; a step has kind, inputs, params"
+                msg = (
+                    f"unknown key{did_you_mean(loc[-1], StepDecl.model_fields)}; "
+                    "a step has kind, inputs, params"
+                )
             elif err["type"] == "missing":
                 msg = "missing required key"
             else:
@@ -316,7 +322,10 @@ def load(
             if step.uses_recipe and loc[3:4] == ["recipe"] and not _defines(decl.params, loc[3:]):
                 f, loc = _recipe_file(chain, loc[3:]), loc[3:]  # the [recipe] table is to blame
             if err["type"] == "extra_forbidden":
-                msg = f"unknown param{did_you_mean(loc[-1], step.Params.model_fields)} for kind {decl.kind!r}; known: {', '.join(step.Params.model_fields)}"
+                msg = (
+                    f"unknown param{did_you_mean(loc[-1], step.Params.model_fields)} "
+                    f"for kind {decl.kind!r}; known: {', '.join(step.Params.model_fields)}"
+                )
             elif err["type"] == "missing":
                 msg = f"missing required param for kind {decl.kind!r}"
             else:

@@ -71,7 +71,8 @@ def action_key(ingr: dict) -> str:
 
 
 def _diff(prefix: str, a, b, out: list) -> list:
-    """(path, old, new) for each difference; a table one side lacks is one entry, not one per field."""
+    """(path, old, new) for each difference; a table one side lacks is one entry, not one per
+    field."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
             if a.get(k, UNKNOWN) != b.get(k, UNKNOWN):
@@ -226,7 +227,8 @@ class Planner:
         return rec
 
     def fetch_inputs(self, digests: dict[str, list[str]], name: str) -> None:
-        """Bring the objects of a node's input artifacts from the remote cache, if they came from it."""
+        """Bring the objects of a node's input artifacts from the remote cache, if they came
+        from it."""
         if self.options.remote is not None:
             self.options.remote.materialize(
                 self.store, [d for ds in digests.values() for d in ds], label=f"{name} inputs"

@@ -75,7 +75,8 @@ def read_lock(path: str | Path, variant: str) -> dict:
         and isinstance(lock.get("sources", {}), dict)
     ):
         raise UsageError(
-            f"{path}: not a buildkit lock file (no nodes table); write one with `buildkit build VARIANT --release`"
+            f"{path}: not a buildkit lock file (no nodes table); "
+            "write one with `buildkit build VARIANT --release`"
         )
     if lock.get("variant") != variant:
         raise UsageError(f"{path} is the lock of variant {lock.get('variant')!r}, not {variant!r}")
@@ -103,8 +104,9 @@ def verify_against(manifest, against: str | Path, jobs: int = 2, remote=None) ->
     tools = _differ(lock.get("tools"), tool_versions())
     if tools:
         print(
-            f"buildkit: warning: tool versions differ from the lock's: {tools}. Cache keys include the "
-            "versions of libraries that change bytes, so the nodes that use them cannot reproduce "
+            f"buildkit: warning: tool versions differ from the lock's: {tools}. "
+            "Cache keys include the versions of libraries that change bytes, "
+            "so the nodes that use them cannot reproduce "
             f"the lock; install the release pins (pip install -c {PINS} -e .) and verify again",
             file=sys.stderr,
         )

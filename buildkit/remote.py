@@ -442,7 +442,8 @@ class Remote:
         print(f"buildkit: warning: {msg}", file=sys.stderr, flush=True)
 
     def _fail(self, e: Exception) -> None:
-        """The remote stopped answering: off for the rest of this process, the build goes on locally."""
+        """The remote stopped answering: off for the rest of this process, the build goes on
+        locally."""
         with self._lock:
             first, self.off = self.off is None, f"{type(e).__name__}: {e}"
         if first:
@@ -654,7 +655,8 @@ class Remote:
             if why:
                 self.refused.add(digest)
                 self._warn(
-                    f"remote object {self._where(where)} refused: {why}; the node that made it is rebuilt"
+                    f"remote object {self._where(where)} refused: {why}; "
+                    "the node that made it is rebuilt"
                 )
                 raise StoreMiss(f"remote object {keys.short(digest)} was {why}")
             dest = store.object_path(digest)
@@ -694,7 +696,8 @@ class Remote:
             sent["bytes"] += up
             dt = max(time.monotonic() - t0, 1e-6)
             self.log(
-                f"[upload] {name}: {n[0]} objects, {n[1]} listings, {self.be.traffic.puts - puts0} puts, "
+                f"[upload] {name}: {n[0]} objects, {n[1]} listings, "
+                f"{self.be.traffic.puts - puts0} puts, "
                 f"{up / 1e6:.1f} MB in {dt:.2f}s ({up / 1e6 / dt:.1f} MB/s) to {self.url}"
             )
         return sent
@@ -736,7 +739,8 @@ class Remote:
         return sum(sent for _, _, sent in results), sent_listings
 
     def _put_object(self, store: Store, digest: str, shape) -> tuple[str, str, bool]:
-        """Re-hash a local object (never send a corrupt one), then send it unless the remote has it."""
+        """Re-hash a local object (never send a corrupt one), then send it unless the remote
+        has it."""
         path = store.object_path(digest)
         xxh = keys.tensor_hasher(*shape) if shape else keys.blob_hasher()
         sha = hashlib.sha256()
@@ -747,7 +751,8 @@ class Remote:
                     sha.update(chunk)
         except FileNotFoundError:
             raise StoreMiss(
-                f"store object {keys.short(digest)} is missing locally; build again before uploading"
+                f"store object {keys.short(digest)} is missing locally; "
+                "build again before uploading"
             ) from None
         if keys.finish(xxh) != digest:
             store._quarantine(path, "content does not match its digest")

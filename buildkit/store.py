@@ -134,7 +134,8 @@ class Store:
         try:
             if size != nbytes(dtype, shape):
                 raise StoreError(
-                    f"tensor blocks add up to {size} bytes, expected {nbytes(dtype, shape)} for {dtype}{list(shape)}"
+                    f"tensor blocks add up to {size} bytes, "
+                    f"expected {nbytes(dtype, shape)} for {dtype}{list(shape)}"
                 )
             digest = keys.finish(h)
             path = self.object_path(digest)
@@ -310,7 +311,8 @@ class Store:
         return done
 
     def header(self, file_digest: str) -> tuple[Path, Header]:
-        """Path and parsed header of a source file, by content digest (headers cached per process)."""
+        """Path and parsed header of a source file, by content digest (headers cached per
+        process)."""
         path = self.sources.resolve(file_digest)
         h = self._headers.get(file_digest)
         if h is None:
@@ -328,7 +330,8 @@ class Store:
             arr = read_tensor(info, path)
         if arr.dtype != DTYPES[dtype] or arr.size != int(np.prod(shape, dtype=np.int64)):
             raise SourceError(
-                f"{path}: tensor {view['tensor']!r} no longer matches its recorded {dtype}{list(shape)}"
+                f"{path}: tensor {view['tensor']!r} no longer matches its recorded "
+                f"{dtype}{list(shape)}"
             )
         self.stats.add(read=arr.nbytes)
         return arr.reshape(shape)
@@ -622,7 +625,8 @@ class Store:
             if not ok and d in tensor_shapes:
                 ok = keys.tensor_digest(*tensor_shapes[d], data) == d
             elif not ok and d not in blobs:
-                continue  # a tensor no listing names (its build was interrupted): unread, gc frees it
+                # a tensor no listing names (its build was interrupted): unread, gc frees it
+                continue
             if not ok:
                 self._quarantine(p, "content does not match its digest")
                 bad.append(f"object {keys.short(d)}: content does not match its digest")

@@ -147,7 +147,8 @@ def read_header(path: str | Path) -> Header:
         want = nbytes(dtype, shape)
         if offs[1] - offs[0] != want:
             raise SourceError(
-                f"{where}: {dtype}{shape} needs {want} bytes but data_offsets span {offs[1] - offs[0]}"
+                f"{where}: {dtype}{shape} needs {want} bytes "
+                f"but data_offsets span {offs[1] - offs[0]}"
             )
         tensors[name] = TensorInfo(name, dtype, tuple(shape), base + offs[0], base + offs[1])
     spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.end > t.start)

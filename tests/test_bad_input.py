@@ -108,7 +108,8 @@ def test_rule_matching_nothing_fails_naming_the_pattern(project, capsys, source)
 
 
 def test_failing_quantize_exits_1_from_a_real_process(project):
-    """A tensor failing mid-quantize stops the other workers first (mlx aborts on exit otherwise)."""
+    """A tensor failing mid-quantize stops the other workers first (mlx aborts on exit
+    otherwise)."""
     project.write_manifest(
         "g128", 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 6, group_size = 128 }\n'
     )
@@ -138,7 +139,8 @@ def write_shard(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
 
 
 def edit_tensors(src: Path, fn) -> None:
-    """Rewrite every shard through ``fn(name, dtype, array) -> [(name, dtype, array), ...]``, index too."""
+    """Rewrite every shard through ``fn(name, dtype, array) -> [(name, dtype, array), ...]``,
+    index too."""
     wmap = {}
     for shard, tensors in shards(src).items():
         new = {}
@@ -364,7 +366,8 @@ def test_escaping_tensor_names_stay_header_keys(project, capsys, source):
 def test_donor_head_with_other_head_dim_is_refused(project, capsys, source):
     project.write_manifest(
         "donor",
-        'extends = "oq4e-mtp-xl"\n[steps.donor_fetch]\nparams.source = "fixture:seed=1,head_dim=64"\n',
+        'extends = "oq4e-mtp-xl"\n[steps.donor_fetch]\n'
+        'params.source = "fixture:seed=1,head_dim=64"\n',
     )
     code, err = fail(
         project, capsys, "build", "donor", "--source", str(source), "--target", "graft"

@@ -130,7 +130,8 @@ def on_line(prefix: str, then: float = 0.0):
 
 
 def temp_files(n: int):
-    """Once the child has had n temp files in the store's tmp/ (objects and records being written)."""
+    """Once the child has had n temp files in the store's tmp/ (objects and records being
+    written)."""
 
     def make(p, out):
         seen: set[str] = set()
@@ -187,7 +188,8 @@ def rounds(seconds: float) -> dict[str, list]:
 
 
 def kill_round(root: Path, clean: Clean, triggers: list) -> list[str]:
-    """Kill successive builds at ``triggers``, then finish; returns the last line seen at each kill."""
+    """Kill successive builds at ``triggers``, then finish; returns the last line seen at each
+    kill."""
     p = Project(root)
     out = p.out / "model"
     shutil.copytree(clean.project.out / OLD, out)
@@ -279,7 +281,8 @@ def test_two_processes_remembering_copies_of_one_file_both_keep_theirs(tmp_path)
                 "from buildkit.store import Store\n"
                 f"store = Store({str(root)!r})\n"
                 "def hook(event, args):\n"
-                f"    if event == 'os.rename' and str(args[1]).endswith({digest.split(':')[-1][2:]!r}):\n"
+                "    if event == 'os.rename' and "
+                f"str(args[1]).endswith({digest.split(':')[-1][2:]!r}):\n"
                 f"        open({str(held)!r}, 'w').close()\n"
                 "        time.sleep(2)\n"
                 "sys.addaudithook(hook)\n"
@@ -390,7 +393,8 @@ def test_readers_never_see_a_mix_of_two_publishes(clean, tmp_path):
 
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str):
-    """A size-limited tmpfs at ``path``; yields a function that resizes it. Skips if mounting is not allowed."""
+    """A size-limited tmpfs at ``path``; yields a function that resizes it. Skips if mounting is
+    not allowed."""
     path.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],

@@ -1,4 +1,5 @@
-"""buildkit estimate: size and bits per weight from config.json and headers, equal to the build's."""
+"""buildkit estimate: size and bits per weight from config.json and headers, equal to the
+build's."""
 
 from __future__ import annotations
 

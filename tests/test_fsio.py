@@ -1,4 +1,5 @@
-"""Durable writes: atomic_write and write_temp leave whole files or none, DirectFile's exact bytes, settle."""
+"""Durable writes: atomic_write and write_temp leave whole files or none, DirectFile's exact
+bytes, settle."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The step graph: one edge per input reference, cycle errors, deterministic order, topology, renderings."""
+"""The step graph: one edge per input reference, cycle errors, deterministic order, topology,
+renderings."""
 
 from __future__ import annotations
 
@@ -84,15 +85,16 @@ def test_cycle_error_names_the_file_line_slot_and_the_loop(project):
     assert e.value.file == f"{f.resolve()}:3"
     assert e.value.where == "steps.sanitize.inputs.source"
     assert (
-        "cycle between steps: sanitize -> quantize -> sanitize; a step cannot depend on its own output"
-        in str(e.value)
+        "cycle between steps: sanitize -> quantize -> sanitize; "
+        "a step cannot depend on its own output" in str(e.value)
     )
     with pytest.raises(ManifestError, match="cycle between steps"):
         graphs.topology(m)
 
 
 def test_cycle_closed_by_a_child_is_blamed_on_the_child(project):
-    """Of a loop's edges, the one the most derived manifest declared is where the loop was closed."""
+    """Of a loop's edges, the one the most derived manifest declared is where the loop was
+    closed."""
     project.write_manifest(
         "mid",
         'extends = "xl"\n[steps.extra]\nkind = "quantize"\ninputs = { model = "sanitize:model" }\n',

@@ -234,8 +234,8 @@ def test_deleted_action_record_reruns_the_node_with_a_reason(project, seed):
     (project.store / "actions" / key[9:11] / key[11:]).unlink()
     plan = project.run("plan", "xl").stdout
     assert (
-        f"stale quantize (quantize) {keys.short(key)}: output missing from the store (collected or corrupt)\n"
-        in plan
+        f"stale quantize (quantize) {keys.short(key)}: "
+        "output missing from the store (collected or corrupt)\n" in plan
     )
     b = project.build("xl")
     assert ran(b) == ["quantize"]  # same bytes again: verify and publish stay cached
@@ -294,7 +294,8 @@ def test_gc_frees_what_only_a_deleted_variant_used(project, seed, capsys):
     assert project.cli("gc") == 0
     assert (
         capsys.readouterr().out
-        == "freed 0.0 MB (0 bytes): 0 actions, 0 artifacts, 0 objects, 0 memos, 0 records of deleted files\n"
+        == "freed 0.0 MB (0 bytes): 0 actions, 0 artifacts, 0 objects, 0 memos, "
+        "0 records of deleted files\n"
     )
     assert ran(project.build("xl")) == []
     b = project.build("xl-mtp")

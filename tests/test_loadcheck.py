@@ -16,7 +16,10 @@ from buildkit.store import Store
 
 RAN = "load check: mlx_lm loaded the model and ran a token"
 SKIPPED = "load check: not run again"
-HEAD5 = 'extends = "xl-mtp"\n[steps.requantize.params.recipe.roles]\nrouted_expert = { bits = 5, group_size = 64 }\n'
+HEAD5 = (
+    'extends = "xl-mtp"\n[steps.requantize.params.recipe.roles]\n'
+    "routed_expert = { bits = 5, group_size = 64 }\n"
+)
 ATTN4 = 'extends = "xl-mtp"\n[recipe.roles]\nattention = { bits = 4, group_size = 64 }\n'
 
 

@@ -1,4 +1,5 @@
-"""Manifests: extends, resolution at load, every manifest error (message and exit code 2) and --help."""
+"""Manifests: extends, resolution at load, every manifest error (message and exit code 2) and
+--help."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ ERRORS = {
     "unknown step kind": (
         {"bad": 'extends = "xl"\n[steps.quantize]\nkind = "quantise"\n'},
         [
-            "{d}/bad.toml:3: steps.quantize.kind: unknown step kind 'quantise' (did you mean 'quantize'?); "
+            "{d}/bad.toml:3: steps.quantize.kind: unknown step kind 'quantise' "
+            "(did you mean 'quantize'?); "
             "known kinds: ",
             "publish, quantize, requantize",
         ],
@@ -64,7 +66,8 @@ ERRORS = {
     ),
     "wrong type in an inherited recipe": (
         {
-            "bad": 'extends = "xl"\n# 5-bit experts\n[recipe.roles]\nrouted_expert = { bits = "six" }\n'
+            "bad": 'extends = "xl"\n# 5-bit experts\n[recipe.roles]\n'
+            'routed_expert = { bits = "six" }\n'
         },
         [
             "{d}/bad.toml:4: recipe.roles.routed_expert.bits: Input should be a valid integer",
@@ -78,7 +81,8 @@ ERRORS = {
     ),
     "input slot the kind does not have": (
         {
-            "bad": 'extends = "xl"\n[steps.extra]\nkind = "quantize"\ninputs = { modle = "sanitize:model" }\n'
+            "bad": 'extends = "xl"\n[steps.extra]\nkind = "quantize"\n'
+            'inputs = { modle = "sanitize:model" }\n'
         },
         [
             "{d}/bad.toml:4: steps.extra.inputs.modle: kind 'quantize' has no input 'modle' "
@@ -87,7 +91,8 @@ ERRORS = {
     ),
     "input naming a missing step": (
         {
-            "bad": 'extends = "xl"\n[steps.extra]\nkind = "quantize"\ninputs = { model = "sanitise" }\n'
+            "bad": 'extends = "xl"\n[steps.extra]\nkind = "quantize"\n'
+            'inputs = { model = "sanitise" }\n'
         },
         [
             "{d}/bad.toml:4: steps.extra.inputs.model: input 'sanitise' names no step "
@@ -96,10 +101,12 @@ ERRORS = {
     ),
     "input naming a missing output": (
         {
-            "bad": 'extends = "xl"\n[steps.extra]\nkind = "quantize"\ninputs = { model = "sanitize:nope" }\n'
+            "bad": 'extends = "xl"\n[steps.extra]\nkind = "quantize"\n'
+            'inputs = { model = "sanitize:nope" }\n'
         },
         [
-            "{d}/bad.toml:4: steps.extra.inputs.model: step 'sanitize' (sanitize) has no output 'nope'; "
+            "{d}/bad.toml:4: steps.extra.inputs.model: step 'sanitize' (sanitize) "
+            "has no output 'nope'; "
             "its outputs: model, mtp"
         ],
     ),
@@ -113,7 +120,8 @@ ERRORS = {
     "extends loop": (
         {"bad": 'extends = "loop"\n', "loop": 'extends = "bad"\n'},
         [
-            "{d}/loop.toml:1: extends: extends loop: bad -> loop -> bad; a manifest cannot extend itself"
+            "{d}/loop.toml:1: extends: extends loop: bad -> loop -> bad; "
+            "a manifest cannot extend itself"
         ],
     ),
     "unknown extends parent": (

@@ -135,7 +135,8 @@ def test_peak_rss_does_not_grow_with_the_largest_tensor(tmp_path):
     # what grows is verify's float32 scales and biases (1/16 of the tensor) and allocator
     # noise: 15-19 MB here (0.12-0.15 x). The line is drawn at 0.25 x (32 MB).
     assert growth < (largest_l - largest_s) / 4, (
-        f"peak RSS grew {growth / MB:.0f} MB when the largest tensor grew from {largest_s / MB:.0f} "
+        f"peak RSS grew {growth / MB:.0f} MB when the largest tensor grew from "
+        f"{largest_s / MB:.0f} "
         f"to {largest_l / MB:.0f} MB ({peaks['small'] / MB:.0f} -> {peaks['large'] / MB:.0f} MB): "
         "something holds a whole tensor"
     )
@@ -147,7 +148,8 @@ import numpy as np
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                 "uordblks", "fordblks", "keepcost")]
 
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = Mallinfo2

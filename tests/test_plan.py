@@ -1,4 +1,5 @@
-"""Planning: why_changed's reasons, action keys, and a Planner's fresh/stale view of a built store."""
+"""Planning: why_changed's reasons, action keys, and a Planner's fresh/stale view of a built
+store."""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def test_a_plans_tensors_table_is_summarised_in_one_line(nodes):
     reasons = why_changed(nodes["quantize"], old, new)
     assert reasons == [
         "params.plan.tensors: 6 changed ("
-        f"{T.format(0, 'gate')} six→eight, {T.format(0, 'up')} six→eight, {T.format(1, 'gate')} six→eight"
+        f"{T.format(0, 'gate')} six→eight, {T.format(0, 'up')} six→eight, "
+        f"{T.format(1, 'gate')} six→eight"
         ", and 3 more)"
     ]
     one = copy.deepcopy(old)
@@ -171,7 +173,8 @@ def test_planner_on_a_built_store(project, seed):
     layer0 = "language_model.model.layers.0.mlp.shared_expert"
     assert reasons[-1] == (
         f"params.plan.tensors: 12 changed ({layer0}.down_proj.weight shared_expert→routed_expert, "
-        f"{layer0}.gate_proj.weight shared_expert→routed_expert, {layer0}.up_proj.weight shared_expert→routed_expert, "
+        f"{layer0}.gate_proj.weight shared_expert→routed_expert, "
+        f"{layer0}.up_proj.weight shared_expert→routed_expert, "
         "and 9 more)"
     )
     assert reasons[0].startswith(

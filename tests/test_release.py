@@ -29,7 +29,8 @@ ZERO = keys.PREFIX + "0" * 32
 
 @pytest.fixture(scope="module")
 def released(tmp_path_factory) -> Project:
-    """The default variants built with --release into one store (locks in the project's manifests/)."""
+    """The default variants built with --release into one store (locks in the project's
+    manifests/)."""
     p = Project(tmp_path_factory.mktemp("release"))
     for v in DEFAULTS:
         assert p.cli("build", v, "--release", "-q", "--out", str(p.out / v)) == 0

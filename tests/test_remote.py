@@ -69,7 +69,8 @@ def aws(server, monkeypatch):
 
 @pytest.fixture(scope="module")
 def uploaded(server, tmp_path_factory):
-    """xl built once with --remote-upload into bucket ``base`` (prefix ci) and pushed to a file remote."""
+    """xl built once with --remote-upload into bucket ``base`` (prefix ci) and pushed to a file
+    remote."""
     mp = pytest.MonkeyPatch()
     for k, v in {**CREDS, "AWS_ENDPOINT_URL": server}.items():
         mp.setenv(k, v)
@@ -181,16 +182,16 @@ def test_corrupt_remote_object_and_record_are_refused_and_rebuilt(aws, uploaded,
     b = Project(tmp_path / "reader")
     p = b.build("xl", "--remote", f"s3://{bucket}/ci", "--remote-upload")
     assert (
-        f"remote object s3://{bucket}/ci/objects/{_fan(obj)} refused: content does not match its digest"
-        in p.stderr
+        f"remote object s3://{bucket}/ci/objects/{_fan(obj)} refused: "
+        "content does not match its digest" in p.stderr
     )
     assert (
         f"remote record s3://{bucket}/ci/actions/{_fan(ref['verify']['key'])} refused: not a record"
         in p.stderr
     )
     assert (
-        f"remote object s3://{bucket}/ci/objects/{_fan(sobj)} refused: content does not match its digest"
-        in p.stderr
+        f"remote object s3://{bucket}/ci/objects/{_fan(sobj)} refused: "
+        "content does not match its digest" in p.stderr
     )
     assert {"fetch", "quantize", "verify", "publish"} <= set(ran(p)), p.stderr
     assert p.stderr.count("building again to restore it") == 2
@@ -259,8 +260,8 @@ def test_trusted_keys_refuse_unsigned_and_wrongly_signed_records(uploaded, tmp_p
     rec_path.write_bytes(canonical_json(env))
     p = Project(tmp_path / "forged").build("xl", "--remote", signed.as_uri())
     assert (
-        f"remote record {signed.as_uri()}/actions/{_fan(env['body']['key'])} refused: signature does not verify"
-        in p.stderr
+        f"remote record {signed.as_uri()}/actions/{_fan(env['body']['key'])} refused: "
+        "signature does not verify" in p.stderr
     )
     assert "quantize" in ran(p)
 

@@ -1,4 +1,5 @@
-"""Role rules: Role validation, first match wins, module-path matching, unassigned tensors and dead rules."""
+"""Role rules: Role validation, first match wins, module-path matching, unassigned tensors and
+dead rules."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Plan and build: what re-runs and why, step versions, concurrent builds, explain, the store option."""
+"""Plan and build: what re-runs and why, step versions, concurrent builds, explain, the store
+option."""
 
 from __future__ import annotations
 
@@ -107,9 +108,9 @@ def imported(
 
 
 def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):
-    """A no-op build (and a plan) decide from the store alone: numpy, mlx, mlx_lm and tokenizers are never
-    imported, not even by the scheduler's early imports, which start only for a node that runs
-    or was never built."""
+    """A no-op build (and a plan) decide from the store alone: numpy, mlx, mlx_lm and tokenizers
+    are never imported, not even by the scheduler's early imports, which start only for a node
+    that runs or was never built."""
     project.adopt(seed)
     heavy = {"numpy", "mlx", "mlx_lm", "transformers", "tokenizers"}
     p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))

@@ -1,4 +1,5 @@
-"""The source index: digests of files outside the store by stat, files by digest, hard links, forgetting."""
+"""The source index: digests of files outside the store by stat, files by digest, hard links,
+forgetting."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Safetensors I/O: header validation (file and tensor named), reads and slices, bf16 bits, sizes, dequantization."""
+"""Safetensors I/O: header validation (file and tensor named), reads and slices, bf16 bits,
+sizes, dequantization."""
 
 from __future__ import annotations
 

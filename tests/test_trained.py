@@ -30,7 +30,8 @@ def heldout_text() -> str:
 
 
 def heldout_ids(ckpt: Path, window: int = 66) -> mx.array:
-    """Held-out token ids as rows of ``window``: the training's 64-token context plus two targets."""
+    """Held-out token ids as rows of ``window``: the training's 64-token context plus two
+    targets."""
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     ids = tok.encode(heldout_text(), add_special_tokens=False).ids
     return mx.array(ids[: len(ids) // window * window]).reshape(-1, window)

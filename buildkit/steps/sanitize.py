@@ -36,7 +36,8 @@ def check_layout(config: dict, found: dict[str, tuple[str, TensorInfo]]) -> None
     for name, (_, info) in sorted(found.items()):
         if name in want and tuple(info.shape) != want[name]:
             raise SourceError(
-                f"tensor {name!r} has shape {list(info.shape)} but config.json implies {list(want[name])}"
+                f"tensor {name!r} has shape {list(info.shape)} "
+                f"but config.json implies {list(want[name])}"
             )
         if info.dtype not in FLOAT_DTYPES:
             raise SourceError(

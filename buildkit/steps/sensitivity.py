@@ -62,7 +62,8 @@ class Sensitivity(Step):
             importance, tokens = cal.stats_for(ctx.store, calibration, name.removesuffix(".weight"))
             if entry["shape"][-1] % params.group_size:
                 raise StepError(
-                    f"{name}: last dimension {entry['shape'][-1]} is not a multiple of group_size {params.group_size}"
+                    f"{name}: last dimension {entry['shape'][-1]} "
+                    f"is not a multiple of group_size {params.group_size}"
                 )
             return name, budget.measure(
                 ctx.store,

@@ -93,7 +93,8 @@ class Inspect:
         )
 
     def same_in_blocks(self, digest: str, info, entry: dict) -> tuple[bool, bool]:
-        """(stored bytes equal the source's, the source has a NaN or Inf), a block of rows at a time."""
+        """(stored bytes equal the source's, the source has a NaN or Inf), a block of rows at a
+        time."""
         path, _ = self.store.header(digest)
         rows = info.shape[0]
         row_bytes = info.nbytes // max(rows, 1)
@@ -528,7 +529,10 @@ class Verify(Step):
             )
         if checks.failed:
             details = "; ".join(
-                f"{k}: {json.dumps(checks.results[k].get('detail') or checks.results[k]['figure'], default=str)[:300]}"
+                f"{k}: "
+                + json.dumps(
+                    checks.results[k].get("detail") or checks.results[k]["figure"], default=str
+                )[:300]
                 for k in checks.failed
             )
             raise VerifyError(f"{len(checks.failed)} check(s) failed: {details}", report=blob)
