@@ -104,7 +104,8 @@ def measure(name: str, argv: list, logs: Path, limit: str | None = None) -> dict
         r["error"] = text[-2000:]
         print(f"bench35b: {name} exited {code}; see {log}", flush=True)
     print(
-        f"bench35b: {name}: {r['wall']:.1f} s wall, {r['cpu']:.1f} s CPU, peak RSS {r['peak_rss'] / 1e6:.0f} MB",
+        f"bench35b: {name}: {r['wall']:.1f} s wall, {r['cpu']:.1f} s CPU, "
+        f"peak RSS {r['peak_rss'] / 1e6:.0f} MB",
         flush=True,
     )
     return r
@@ -210,20 +211,27 @@ def report(R: dict) -> str:
 
     def row(label: str, r: dict, published: int) -> str:
         return (
-            f"| {label} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['peak_rss'] / 1e6:,.0f} | {r['rchar'] / GB:.2f} | "
-            f"{r['wchar'] / GB:.2f} | {published / GB:.2f} | {r.get('out_disk', r.get('disk', 0)) / GB:.2f} |"
+            f"| {label} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['peak_rss'] / 1e6:,.0f} | "
+            f"{r['rchar'] / GB:.2f} | "
+            f"{r['wchar'] / GB:.2f} | {published / GB:.2f} | "
+            f"{r.get('out_disk', r.get('disk', 0)) / GB:.2f} |"
             + (" exit " + str(r["exit"]) if r["exit"] else "")
         )
 
     L = [
         f"## 35B-shaped sparse source (`make bench-35b`, `bench/bench35b.py`), {M['date']}",
         "",
-        f"Machine: {M['cpu']}, {M['nproc']} cores, {M['ram_gb']} GiB; Linux {M['kernel']}; Python {M['python']}; "
-        f"mlx {M['mlx']}, mlx-lm {M['mlx-lm']}; buildkit {M['commit']}. Source: `buildkit fixture --preset "
-        f"qwen3.6-35b-a3b --sparse`, {R['source']['apparent'] / GB:.1f} GB apparent, {R['source']['disk'] / 1e6:.0f} MB on disk "
-        f"(written in {R['fixture']['wall']:.1f} s). mlx_lm.convert ran under `prlimit --as={R['mem_limit']}`.",
+        f"Machine: {M['cpu']}, {M['nproc']} cores, {M['ram_gb']} GiB; Linux {M['kernel']}; "
+        f"Python {M['python']}; "
+        f"mlx {M['mlx']}, mlx-lm {M['mlx-lm']}; buildkit {M['commit']}. "
+        "Source: `buildkit fixture --preset "
+        f"qwen3.6-35b-a3b --sparse`, {R['source']['apparent'] / GB:.1f} GB apparent, "
+        f"{R['source']['disk'] / 1e6:.0f} MB on disk "
+        f"(written in {R['fixture']['wall']:.1f} s). "
+        f"mlx_lm.convert ran under `prlimit --as={R['mem_limit']}`.",
         "",
-        "| run | wall s | CPU s | peak RSS MB | read GB | written GB | published GB | output on disk GB |",
+        "| run | wall s | CPU s | peak RSS MB | read GB | written GB | published GB "
+        "| output on disk GB |",
         "|---|---|---|---|---|---|---|---|",
     ]
     if conv:
@@ -232,7 +240,8 @@ def report(R: dict) -> str:
     L.append(row("buildkit build xl-mtp (after xl)", mtp, mtp["published"]))
     L += [
         "",
-        f"buildkit store after both: {mtp['store_disk'] / GB:.2f} GB on disk; the whole bench directory "
+        f"buildkit store after both: {mtp['store_disk'] / GB:.2f} GB on disk; "
+        "the whole bench directory "
         f"{R['disk_total'] / GB:.2f} GB (convert's output already deleted).",
         "",
         "Per-step times (s): "
@@ -247,21 +256,25 @@ def report(R: dict) -> str:
         if "bytes" in e:
             d = e["bytes"] - R[v]["published"]
             L.append(
-                f"- `buildkit estimate {v}`: {e['bytes']:,} bytes ({e['bits_per_weight']:.3f} bpw with the vision "
-                f"tower, {e['bits_per_weight_text']:.3f} text only) against {R[v]['published']:,} published tensor "
+                f"- `buildkit estimate {v}`: {e['bytes']:,} bytes "
+                f"({e['bits_per_weight']:.3f} bpw with the vision "
+                f"tower, {e['bits_per_weight_text']:.3f} text only) "
+                f"against {R[v]['published']:,} published tensor "
                 f"bytes: {'equal' if d == 0 else f'off by {d:,}'}."
             )
     L.append("")
     if conv and conv["exit"] == 0:
         ratio = xl["wall"] / conv["wall"]
         L.append(
-            f"- Target xl wall <= 0.75 x convert: {ratio:.2f} x ({xl['wall']:.1f} / {conv['wall']:.1f} s): "
+            f"- Target xl wall <= 0.75 x convert: {ratio:.2f} x "
+            f"({xl['wall']:.1f} / {conv['wall']:.1f} s): "
             f"{'met' if ratio <= 0.75 else '**MISSED**'}."
         )
     elif conv:
         L.append(f"- mlx_lm.convert did not finish (exit {conv['exit']}); no wall ratio.")
     L.append(
-        f"- Target peak RSS < 1 GB: xl {xl['peak_rss'] / 1e6:,.0f} MB, xl-mtp {mtp['peak_rss'] / 1e6:,.0f} MB: "
+        f"- Target peak RSS < 1 GB: xl {xl['peak_rss'] / 1e6:,.0f} MB, "
+        f"xl-mtp {mtp['peak_rss'] / 1e6:,.0f} MB: "
         f"{'met' if max(xl['peak_rss'], mtp['peak_rss']) < 1e9 else '**MISSED**'}."
     )
     w = xl["wchar"] / max(xl["published"], 1)

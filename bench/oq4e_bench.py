@@ -137,12 +137,14 @@ def micro(experts: int, out: int, inp: int, bits: int, repeat: int) -> None:
         )
     print(
         f"\nper tensor [{experts}, {out}, {inp}] {bits}-bit g{g}, CPU time, best of {repeat}; "
-        f"search {dataaware.METHOD}, {len(dataaware.GRID)} grids, {dataaware.REFINE} refinement(s)\n"
+        f"search {dataaware.METHOD}, {len(dataaware.GRID)} grids, "
+        f"{dataaware.REFINE} refinement(s)\n"
     )
     print("| | s per million weights | ns per weight | vs mx.quantize |\n|---|---|---|---|")
     print(f"| mx.quantize | {best_q / n * 1e6:.3f} | {best_q / n * 1e9:.1f} | 1.0 |")
     print(
-        f"| dataaware.search | {best_s / n * 1e6:.3f} | {best_s / n * 1e9:.1f} | {best_s / best_q:.1f} (target <= 2) |"
+        f"| dataaware.search | {best_s / n * 1e6:.3f} | {best_s / n * 1e9:.1f} | "
+        f"{best_s / best_q:.1f} (target <= 2) |"
     )
     print(f"\nweighted error, data-aware / data-agnostic: {err / err0:.4f}")
 

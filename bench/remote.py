@@ -125,7 +125,8 @@ def main() -> None:
     objs = objects(a / "cache")
     total = sum(p.stat().st_size for p in objs)
     print(
-        f"fixture {src_mb:.0f} MB bf16; xl built in {t_build:.1f}s; {len(objs)} objects, {total / MB:.0f} MB"
+        f"fixture {src_mb:.0f} MB bf16; xl built in {t_build:.1f}s; "
+        f"{len(objs)} objects, {total / MB:.0f} MB"
     )
 
     rows = []

@@ -10,7 +10,8 @@ other processes shared):
 
     apt-get install bible-kjv libopenblas0-pthread   # the corpus; a fast BLAS for mlx's matmuls
     OPENBLAS_NUM_THREADS=2 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
-        PYTHONPATH=. .venv/bin/python training/train_fixture.py [--steps N] [--out buildkit/data/trained]
+        PYTHONPATH=. .venv/bin/python training/train_fixture.py \
+        [--steps N] [--out buildkit/data/trained]
 
 The preload is only for speed: the ``mlx[cpu]`` wheel's bundled reference BLAS makes a step
 ~2.5x slower here (measured on one step: 6.0 s against 2.5 s). Seeds fix the initialisation and
@@ -149,7 +150,8 @@ def trunk(model, ids):
 
 
 def forward(model, head, ids):
-    """Trunk logits at positions 0..T-2 (targets ids[1:]) and head logits at 0..T-3 (targets ids[2:])."""
+    """Trunk logits at positions 0..T-2 (targets ids[1:]) and head logits at 0..T-3
+    (targets ids[2:])."""
     h, logits = trunk(model, ids[:, :-1])
     emb = model.language_model.model.embed_tokens(ids[:, 1:-1])
     g = head(mx.stop_gradient(h[:, :-1]), mx.stop_gradient(emb))
@@ -347,7 +349,8 @@ def main() -> None:
         mx.eval(loss, both.parameters(), opt.state)
         if s % 25 == 0 or s == args.steps - 1:
             print(
-                f"step {s:4d}  trunk {float(lt):.3f}  head {float(lh):.3f}  balance {float(aux):.3f}  "
+                f"step {s:4d}  trunk {float(lt):.3f}  head {float(lh):.3f}  "
+                f"balance {float(aux):.3f}  "
                 f"{time.time() - t0:.0f}s",
                 flush=True,
             )
@@ -396,7 +399,8 @@ def main() -> None:
     (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     print(
         f"held-out: loss {figures['loss']:.3f}  perplexity {figures['perplexity']:.1f} "
-        f"(vocab {spec.vocab})  acceptance {figures['acceptance']:.3f}  on {figures['heldout_tokens']} tokens"
+        f"(vocab {spec.vocab})  acceptance {figures['acceptance']:.3f}  "
+        f"on {figures['heldout_tokens']} tokens"
     )
     for name, c in figures["expert_tokens"].items():
         print(f"  {name:14s} routed tokens per expert: {c}")
