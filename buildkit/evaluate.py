@@ -111,7 +111,9 @@ class DirWeights(Weights):
         self.shapes = {k: v[4] for k, v in self.where.items()}
 
     def read(self, name):
-        from .steps.verify import mlx_layout  # the conversion sanitize does, as verify recomputes it
+        from .steps.verify import (
+            mlx_layout,  # the conversion sanitize does, as verify recomputes it
+        )
 
         hf, path, info, slc, shape = self.where[name]
         raw = read_tensor(info, path)
