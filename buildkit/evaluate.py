@@ -332,6 +332,11 @@ def sequences(tokens: list[int], seq_len: int) -> list[np.ndarray]:
 def evaluate(src: Weights, mod: Weights, tokens: list[int], seq_len: int, head: bool = True, progress=None):
     """(figures, trunks): the trunk figures and, if ``head`` and both models have one, the
     acceptance of each head on its own trunk."""
+    import mlx.core  # noqa: F401  (so that its buffer cache can be turned off before the first layer)
+
+    from .allocator import tune_imported
+
+    tune_imported()  # freed layers go back to malloc, not to a second reserve in mlx
     seqs = sequences(tokens, seq_len)
     n_layers = ckpt.text_config(src.config)["num_hidden_layers"]
     if progress:
