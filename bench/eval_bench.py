@@ -26,15 +26,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def timed(argv: list[str], cwd: Path) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS MB, stdout) of one command under /usr/bin/time -v."""
+def timed(argv: list[str], cwd: Path) -> tuple[float, float, float, str]:
+    """(wall seconds, CPU seconds (user + sys), peak RSS MB, stdout) of one command under
+    /usr/bin/time -v. The machine is shared: CPU time says what the work cost when wall
+    time says how busy the machine was."""
     p = subprocess.run(["/usr/bin/time", "-v", *argv], cwd=cwd, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed:\n{p.stderr[-3000:]}")
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", p.stderr)
     h, m, s = (float(x or 0) for x in wall.groups())
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr)[1])
-    return h * 3600 + m * 60 + s, rss / 1024, p.stdout
+    cpu = sum(float(re.search(rf"{k} time \(seconds\): ([\d.]+)", p.stderr)[1]) for k in ("User", "System"))
+    return h * 3600 + m * 60 + s, cpu, rss / 1024, p.stdout
 
 
 def main() -> None:
@@ -74,18 +77,18 @@ def main() -> None:
             if m := re.match(r"model\.language_model\.layers\.(\d+)\.", name):
                 sizes[m[1]] = sizes.get(m[1], 0) + info.nbytes
     layer = max(sizes.values())
-    step_wall, step_rss, _ = timed([*bk, "build", "xl-bench", "--source", str(src), "--target", "eval", "-q"], root)
+    step_wall, step_cpu, step_rss, _ = timed([*bk, "build", "xl-bench", "--source", str(src), "--target", "eval", "-q"], root)
     subprocess.run([*bk, "build", "xl-bench", "--source", str(src), "--out", str(root / "out" / "xl"), "-q"], cwd=root, check=True)
-    cli_wall, cli_rss, out = timed([*bk, "eval", str(root / "out" / "xl"), "--source", str(src), "--json",
+    cli_wall, cli_cpu, cli_rss, out = timed([*bk, "eval", str(root / "out" / "xl"), "--source", str(src), "--json",
                                     "--max-tokens", str(args.max_tokens)], root)
     fig = json.loads(out)
     cfg = text_config(json.loads((src / "config.json").read_text()))
     print(f"fixture: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_experts']} experts, "
           f"vocab {cfg['vocab_size']}; source {total / 1e6:.0f} MB bf16, largest decoder layer {layer / 1e6:.0f} MB "
           f"bf16 ({2 * layer / 1e6:.0f} MB as float32); {fig['tokens']} tokens")
-    print("| run | wall | peak RSS |\n|---|---|---|")
-    print(f"| eval step (`build xl-bench --target eval`, quantized beforehand) | {step_wall:.1f} s | {step_rss:.0f} MB |")
-    print(f"| `buildkit eval out/xl --source DIR` | {cli_wall:.1f} s | {cli_rss:.0f} MB |")
+    print("| run | wall | CPU (user + sys) | peak RSS |\n|---|---|---|---|")
+    print(f"| eval step (`build xl-bench --target eval`, quantized beforehand) | {step_wall:.1f} s | {step_cpu:.1f} s | {step_rss:.0f} MB |")
+    print(f"| `buildkit eval out/xl --source DIR` | {cli_wall:.1f} s | {cli_cpu:.1f} s | {cli_rss:.0f} MB |")
     print(f"figures: kld_mean {fig['kld_mean']:.5f}, kld_p99 {fig['kld_p99']:.5f}, top-1 {fig['top1_agreement']:.4f}, "
           f"ppl {fig['ppl_model']:.2f} (bf16 {fig['ppl_source']:.2f})")
 

@@ -81,6 +81,19 @@ def test_buildkit_eval_of_a_published_directory_matches_the_step(built, capsys):
         assert e[k] == step[k], k
 
 
+def test_buildkit_eval_grades_an_mlx_lm_convert_directory(built, capsys, tmp_path):
+    """Any MLX directory: mlx_lm.convert's 4-bit output of the same source (no head, no vision)."""
+    from mlx_lm import convert
+
+    p, src, *_ = built
+    convert(str(src), str(tmp_path / "q4"), quantize=True, q_bits=4, q_group_size=64)
+    e = cli_json(p, capsys, "eval", str(tmp_path / "q4"), "--source", str(src), "--json", "--max-tokens", "256")
+    assert e["kld_mean"] > 0 and math.isfinite(e["kld_p99"]) and 0 < e["top1_agreement"] < 1
+    assert "acceptance" not in e  # mlx_lm.convert drops the MTP head
+    xl = cli_json(p, capsys, "eval", str(p.out / "xl"), "--source", str(src), "--json", "--max-tokens", "256")
+    assert xl["ppl_source"] == e["ppl_source"] and xl["kld_mean"] < e["kld_mean"]  # 6/8-bit beats 4-bit
+
+
 def _mlx_lm_ppl(model, tokens: list[int]) -> float:
     nll = []
     for b in ev.sequences(tokens, 128):
