@@ -55,7 +55,7 @@ def main() -> None:
     from buildkit.fixture import FixtureSpec, generate
     from buildkit.tensors import read_header
 
-    root = Path(args.dir)
+    root = Path(args.dir).absolute()
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     spec = FixtureSpec(hidden=args.hidden, layers=args.layers, experts=args.experts,
