@@ -255,18 +255,20 @@ class Broken(ev.DirWeights):
         return a
 
 
-NORMS_TWICE = pytest.mark.xfail(strict=False, reason=(
-    "measured 64.9% -> 50.2% (-14.7 points) on the trained fixture: its head's norm offsets are near 0 "
-    "(means -0.25..0.29), so a second +1 scales activations about x2, which the next norms mostly absorb; "
-    "the real model's pre-fc norms (shifted means 0.49, 0.27) are hit harder"))
+# At least 20 points lower where the failure is real on this model. Norms shifted twice are
+# not, here: measured 64.9% -> 50.2% (-14.7 points) on the trained fixture, whose head norm
+# offsets are near 0 (means -0.25..0.29), so a second +1 scales activations about x2, which the
+# next norms mostly absorb; the real model's pre-fc norms (shifted means 0.49, 0.27) are hit
+# harder. That case must still cost at least 10 points.
+DROP = {"norms": 0.10, "fc": 0.20, "gate_up": 0.20}
 
 
 @needs_trained
-@pytest.mark.parametrize("how", [pytest.param("norms", marks=NORMS_TWICE), "fc", "gate_up"])
+@pytest.mark.parametrize("how", sorted(DROP))
 def test_trained_broken_heads_grade_lower(trained, how):
     p, src = trained
     good = eval_json(p, "xl-mtp")["acceptance"]
     text, every = trained_text()
     tokens = heldout_tokens(text.read_text(), every, (src / "tokenizer.json").read_bytes(), 1024)
     fig, _ = ev.evaluate(ev.DirWeights(src), Broken(p.out / "xl-mtp", how), tokens, 128)
-    assert fig["acceptance"] <= good - 0.20, (how, fig["acceptance"], good)
+    assert fig["acceptance"] <= good - DROP[how], (how, fig["acceptance"], good)
