@@ -85,7 +85,7 @@ class DaskExecutor:
 
     def map(self, fn: Callable, tasks: Iterable[tuple[str, tuple]], root: str, action_key: str,
             libraries: dict[str, str]) -> Iterator:
-        """``fn(store, *args)`` for each (name, args), on the cluster; results in task order."""
+        """``fn(store, *args)`` for each (name, args), submitted now; the results, in task order."""
         client = self._connect()
         where = keys.short(keys.digest_json("dask-store", root), 8)
         futures = [
@@ -93,6 +93,10 @@ class DaskExecutor:
                           key=f"{fn.__name__}-{keys.short(action_key)}-{name}-{where}")
             for name, args in tasks
         ]
+        return self._results(client, futures)
+
+    @staticmethod
+    def _results(client, futures) -> Iterator:
         try:
             for f in futures:
                 yield f.result()
