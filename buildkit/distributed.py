@@ -18,8 +18,9 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import version
+from pathlib import Path
 
-from . import keys, workers
+from . import allocator, keys, workers
 from .errors import StepError, UsageError
 
 _stores: dict[str, object] = {}
@@ -34,17 +35,35 @@ def _store(root: str):
     return s
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def run_task(root: str, libraries: dict[str, str], fn: Callable, *args):
-    """On a worker: ``fn(store, *args)`` with the store at ``root``; the objects it wrote made
-    durable before its digests go back (a listing must never name an object a crash loses)."""
+    """On a worker: ``fn(store, *args)`` with the store at ``root``. The objects its result
+    names are made durable before their digests go back (a listing must never name an object
+    a crash loses): an fsync each, as one syncfs per task waits for everything else the
+    machine writes (bench/RESULTS.md)."""
     have = {name: version(name) for name in libraries}
     if have != libraries:
         raise StepError(f"worker {os.uname().nodename} has {have}, the build needs {libraries}; "
                         f"install buildkit with -c constraints.txt on every worker")
+    if root not in _stores:  # a worker's first task: malloc as a local build has it
+        allocator.tune(force=True)
     store = _store(root)
     # On buildkit's long-lived threads, not Dask's: mlx aborts a process whose mlx thread exits.
     out = workers.pool("dask-task").submit(fn, store, *args, workers=1).result()
-    store.sync_objects()
+    allocator.tune_imported()
+    if isinstance(out, dict):
+        paths = {store.object_path(e["digest"]) for e in out.values() if isinstance(e, dict) and "digest" in e}
+        for path in sorted(paths):
+            _fsync(path)
+        for d in sorted({p.parent for p in paths}):
+            _fsync(d)
     return out
 
 
