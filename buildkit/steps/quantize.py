@@ -119,7 +119,8 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
     # dicts. Data-aware tasks share a tally, so they stay in this process.
     tasks = [(name, (name, art.tensors[name], recipe.roles[roles[name]]))
              for name in names if not recipe.roles[roles[name]].passthrough]
-    results = ctx.map(work, tasks, remote=False) if tally else ctx.map(quantize_entry, tasks)
+    calibrated = calibration is not None  # check_calibration: then some role is calibrated
+    results = ctx.map(work, tasks, remote=False) if calibrated else ctx.map(quantize_entry, tasks)
     with contextlib.closing(results):
         for name in names:
             role_name = roles[name]
