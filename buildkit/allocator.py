@@ -48,5 +48,7 @@ def tune_imported() -> None:
     """After ``tune``, once mlx is imported: its buffer cache off (malloc keeps freed buffers
     already). Without ``tune`` mlx's cache stays, as it is the only reserve then."""
     mx = sys.modules.get("mlx.core")
-    if _tuned and mx is not None:
-        mx.set_cache_limit(0)
+    # Another thread may be importing mlx still (a partial module): the next call does it.
+    set_cache_limit = getattr(mx, "set_cache_limit", None)
+    if _tuned and set_cache_limit is not None:
+        set_cache_limit(0)
