@@ -110,8 +110,9 @@ def test_two_clients_share_tasks(project, seed, cluster):
     for proc in procs:
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err
-    quantized = [k for k in tasks.runs if str(k).startswith("quantize_entry-")]
-    assert quantized and max(tasks.runs.values()) == 1, tasks.runs.most_common(3)
+    kinds = collections.Counter(str(k).split("-")[0] for k in tasks.runs)
+    assert kinds["quantize_entry"] and kinds["inspect_tensor"], kinds  # quantize and verify
+    assert max(tasks.runs.values()) == 1, tasks.runs.most_common(3)
     for v in ("xl", "xl-mtp"):
         assert_same_as_local(project, seed, v)
 
