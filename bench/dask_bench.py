@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         row("`--dask local:2` (cluster start included)", dask),
         row("`--dask tcp://` (cluster already up; client's CPU/RSS only)", tcp),
         "",
-        f"Per quantize task (compute on a worker, syncfs included), from run 3: {len(tasks)} tasks; "
+        f"Per quantize task (compute on a worker, its fsyncs included), from run 3: {len(tasks)} tasks; "
         f"{len(ex)} routed-expert tensors, median {sorted(t['seconds'] for t in ex)[len(ex) // 2]:.3f} s for "
         f"{ex[0]['bytes'] / MB:.1f} MB bf16, {rate(ex):.0f} MB/s of bf16 per worker thread; the other "
         f"{len(rest)}: {sum(t['seconds'] for t in rest):.2f} s in all, {rate(rest):.0f} MB/s.",
