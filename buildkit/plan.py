@@ -3,7 +3,8 @@
 A node's cache key is the xxh3-128 of canonical JSON over its kind, step version, params as
 they enter the key (for quantizing steps the resolved per-tensor plan, in order), the digests
 of its input artifacts, the versions of libraries that change its bytes, and a step-specific
-fingerprint (the digests of source files). A key found in the store's action cache is a hit.
+fingerprint (the digests of source files). A key found in the store's action cache is a hit
+(else in the remote cache, if one is configured: ``Planner.lookup``, ``remote.py``).
 The ingredients of the last build of each node are kept (the variant's ref, and each build
 request's root) so that every rebuild can say why. Nothing here runs a step.
 """
@@ -42,8 +43,7 @@ class NodeState:
     ingredients: dict | None = None
     outputs: dict[str, str] = field(default_factory=dict)
     ran: bool = False
-    seconds: float = 0.0  # running, including work done ahead of its gates
-    early: float = 0.0  # of which ahead of its gates (Slot.gate), overlapping them
+    seconds: float = 0.0
     stats: dict = field(default_factory=dict)
 
 
@@ -155,11 +155,9 @@ class Planner:
         nodes.update((self.store.get_root(self.request()) or {}).get("nodes", {}))
         return nodes
 
-    def input_digests(self, node: Node, states: dict[str, NodeState], gates: bool = True) -> dict[str, list[str]] | None:
+    def input_digests(self, node: Node, states: dict[str, NodeState]) -> dict[str, list[str]] | None:
         out = {}
         for slot, refs in node.inputs.items():
-            if not gates and node.step.inputs[slot].gate:
-                continue
             ds = []
             for r in refs:
                 st = states[r.node]
@@ -184,7 +182,7 @@ class Planner:
             ctx = self.context(name)
             st.ingredients = ingredients(node, digests, ctx)
             st.key = action_key(st.ingredients)
-            rec = self.store.get_action(st.key)
+            rec = self.lookup(st.key)
             if rec is None:
                 st.reasons = why_changed(node, prev.get(name, {}).get("ingredients"), st.ingredients)
                 continue
@@ -195,6 +193,19 @@ class Planner:
                 continue
             st.fresh = True
         return list(states.values())
+
+    def lookup(self, key: str) -> dict | None:
+        """The action record of a key: the local store's, else the remote cache's (its listings
+        then in the store, its objects fetched by ``fetch_inputs`` when a consumer runs)."""
+        rec = self.store.get_action(key)
+        if rec is None and self.options.remote is not None:
+            rec = self.options.remote.lookup(self.store, key)
+        return rec
+
+    def fetch_inputs(self, digests: dict[str, list[str]], name: str) -> None:
+        """Bring the objects of a node's input artifacts from the remote cache, if they came from it."""
+        if self.options.remote is not None:
+            self.options.remote.materialize(self.store, [d for ds in digests.values() for d in ds], label=f"{name} inputs")
 
     def check_request(self, targets: list[str] | None = None) -> None:
         """Every selected step's ``check_request``: a bad output path fails before any work."""

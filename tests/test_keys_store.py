@@ -250,7 +250,7 @@ def test_gc_frees_what_only_a_deleted_variant_used(project, seed, capsys):
     assert _objects(store) == xl
 
     assert project.cli("gc") == 0
-    assert capsys.readouterr().out == "freed 0.0 MB (0 bytes): 0 actions, 0 artifacts, 0 objects, 0 records of deleted files\n"
+    assert capsys.readouterr().out == "freed 0.0 MB (0 bytes): 0 actions, 0 artifacts, 0 objects, 0 memos, 0 records of deleted files\n"
     assert ran(project.build("xl")) == []
     b = project.build("xl-mtp")
     assert sorted(ran(b)) == ["graft", "publish", "requantize", "verify_head"]

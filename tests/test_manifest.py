@@ -118,7 +118,7 @@ def test_unknown_variant_on_the_command_line(project, capsys):
     assert project.cli("build", "xll") == 2
     err = capsys.readouterr().err
     assert f"{project.manifests}/xll.toml: no manifest named 'xll' (did you mean 'xl'?); known: " in err
-    assert "xl, xl-mtp" in err
+    assert "xl, xl-3bit, xl-mtp" in err
 
 
 def test_unknown_step_on_the_command_line(project, capsys):

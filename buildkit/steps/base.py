@@ -25,16 +25,10 @@ class Params(BaseModel):
 
 @dataclass(frozen=True)
 class Slot:
-    """A named input of a step. ``many`` slots take a list of node references.
-
-    A ``gate`` slot need not be ready for the step to start: a step with ``prepare`` may do
-    the work that does not depend on it while the gate's producers still run (publish
-    writes the model while verify checks it) and gets it, as usual, in ``run``.
-    """
+    """A named input of a step. ``many`` slots take a list of node references."""
 
     required: bool = True
     many: bool = False
-    gate: bool = False
 
 
 @dataclass
@@ -47,6 +41,7 @@ class BuildOptions:
     push: str | None = None
     rehash: bool = False
     dask: str | None = None  # a Dask scheduler address or local:N (``distributed.py``)
+    remote: Any = None  # a remote.Remote: a local miss asks it (plan.Planner.lookup)
 
 
 class Progress:
@@ -84,7 +79,6 @@ class Context:
     options: BuildOptions
     progress: Progress
     log_sink: Any = None
-    prepared: Any = None  # what ``Step.prepare`` returned, when the scheduler called it
     fingerprint: Any = None  # what ``Step.fingerprint`` gave for this run's key
     key: str | None = None  # this run's action key
     libraries: dict[str, str] = field(default_factory=dict)  # ``Step.libraries`` of this run
@@ -156,13 +150,6 @@ class Step:
         if own.fingerprint is not Step.fingerprint or own.outdated is not Step.outdated:
             return None
         return [], []
-
-
-    # Optional, for steps with gate slots: start before the gates are ready.
-    prepare: ClassVar[Any] = None  # (ctx, params, inputs without gate slots) -> handle for run
-
-    def discard(self, prepared: Any) -> None:
-        """Undo ``prepare`` when ``run`` will not be called (a gate failed, or a cache hit)."""
 
 
 REGISTRY: dict[str, type[Step]] = {}

@@ -76,6 +76,20 @@ def plan_shards(tensors: dict[str, dict], limit: int) -> list[list[str]]:
     return shards + ([cur] if cur else [])
 
 
+def copy_entry(store, entry: dict, sink, buf: bytearray) -> int:
+    """A tensor's bytes to ``sink``: a store object through ``buf``; a view (a passthrough
+    tensor as its source lies: the bf16 lm_head is 1 GB in the real model) in blocks of rows,
+    so memory stays a block, not the tensor."""
+    if "view" not in entry:
+        return store.copy_tensor(entry, sink, buf)
+    done = 0
+    for block in store.iter_rows(entry, len(buf)):
+        data = memoryview(block.reshape(-1).view("u1"))
+        sink(data)
+        done += len(data)
+    return done
+
+
 def quantization_config(parts: list[Artifact]) -> dict | None:
     """Defaults from the quantization covering the most parameters, per-path entries for the rest."""
     per_path: dict[str, dict] = {}
@@ -206,14 +220,14 @@ def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: lis
 
 @dataclass
 class Staged:
-    """A model written by ``Publish.prepare`` into ``tmp``, waiting for its reports."""
+    """A model written by ``Publish._stage`` into ``tmp``, checked, waiting to be swapped in."""
 
     dest: Path
     tmp: Path
     parts: list[Artifact]
     tensors: dict[str, dict]
     config: dict
-    made: Path | None = None  # the outermost directory prepare created
+    made: Path | None = None  # the outermost directory _stage created
     art: Artifact | None = None
     load_check: loadcheck.Lookup | None = None
     shards: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # name -> (digest, stat)
@@ -226,8 +240,7 @@ class Publish(Step):
     kind = "publish"
     version = 2
     Params = PublishParams
-    # The model is written and load-checked while verify runs; the reports gate the swap.
-    inputs = {"model": Slot(many=True), "source": Slot(), "report": Slot(required=False, many=True, gate=True)}
+    inputs = {"model": Slot(many=True), "source": Slot(), "report": Slot(required=False, many=True)}
 
     @property
     def writer(self) -> dict:
@@ -270,7 +283,7 @@ class Publish(Step):
         out = out_dir(params, ctx)
         return [], [out, *sorted(out.rglob("*"))]
 
-    def prepare(self, ctx: Context, params: PublishParams, inputs) -> Staged:
+    def _stage(self, ctx: Context, params: PublishParams, inputs) -> Staged:
         """Everything but the verify reports: shards, index, config and side files in a temp
         directory beside the target, checked (index parity, mlx_lm load)."""
         store = ctx.store
@@ -289,7 +302,7 @@ class Publish(Step):
             config["quantization_config"] = qcfg
         dest = out_dir(params, ctx)
         self.check_request(params, ctx)  # again: the directory may have changed since the build began
-        made = next((d for d in reversed(dest.parents) if not d.exists()), None)  # to undo on discard
+        made = next((d for d in reversed(dest.parents) if not d.exists()), None)  # to undo on _discard
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
         clear_leftovers(dest)
@@ -305,15 +318,15 @@ class Publish(Step):
             drop_idle_write_buffers()  # all written; the load check, a build's memory peak, is next
             self._check(ctx, staged, params)
         except BaseException:
-            self.discard(staged)
+            self._discard(staged)
             raise
         return staged
 
-    def discard(self, prepared: Staged | None) -> None:
+    def _discard(self, prepared: Staged | None) -> None:
         if prepared is None:
             return
         shutil.rmtree(prepared.tmp, ignore_errors=True)
-        if prepared.made is not None and not prepared.dest.exists():  # directories prepare created
+        if prepared.made is not None and not prepared.dest.exists():  # directories _stage created
             for d in [prepared.dest.parent, *prepared.dest.parent.parents]:
                 if d == prepared.made.parent:
                     break
@@ -323,12 +336,11 @@ class Publish(Step):
     def run(self, ctx: Context, params: PublishParams, inputs) -> dict[str, Artifact]:
         reports = [merge_reports([r.meta.get("report", {}) for r in inputs.get("report", [])])] if inputs.get("report") else []
         failed = [k for rep in reports for k, r in rep.get("checks", {}).items() if not r["ok"]]
-        staged: Staged | None = ctx.prepared
+        staged: Staged | None = None
         try:
             if failed:
                 raise StepError(f"refusing to publish: verify failed {', '.join(failed)}")
-            if staged is None:
-                staged = self.prepare(ctx, params, inputs)
+            staged = self._stage(ctx, params, inputs)
             art, tmp, dest = staged.art, staged.tmp, staged.dest
             files = {}
             if reports:
@@ -347,7 +359,7 @@ class Publish(Step):
                     os.rename(tmp, dest)
                 fsync_dir(dest.parent)
         finally:
-            self.discard(staged)
+            self._discard(staged)
         remember_shards(ctx.store, dest, staged.shards)
         linked = f" ({staged.linked} of {len(staged.shards)} shards linked from an earlier publish)" if staged.linked else ""
         ctx.log(f"published {len(staged.tensors)} tensors to {dest}{linked}")
@@ -385,7 +397,7 @@ class Publish(Step):
                         h.update(chunk)
 
                     for k in names:
-                        ctx.progress.advance(1, store.copy_tensor(tensors[k], sink, buf))
+                        ctx.progress.advance(1, copy_entry(store, tensors[k], sink, buf))
                 digest = keys.finish(h)
                 with contextlib.suppress(OSError):  # refused (some network file systems): the
                     settle(tmp / fname)  # record is racy, and the next link hashes the file first

@@ -41,6 +41,15 @@ def module_path(name: str) -> str:
     return name.removesuffix(".weight")
 
 
+def check_quantizable(name: str, shape, role: Role) -> None:
+    if not name.endswith(".weight") or len(shape) < 2:
+        raise StepError(f"tensor {name!r} {list(shape)} cannot be quantized (needs a 2-D or 3-D X.weight)")
+    if shape[-1] % role.group_size:
+        raise StepError(
+            f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {role.group_size}"
+        )
+
+
 def quantize_entry(store, name: str, entry: dict, role: Role, block_bytes: int = ROW_BLOCK_BYTES) -> dict[str, dict]:
     """One tensor -> its stored entries under ``role``, in blocks of rows: mx.quantize's groups
     run along the last axis, so the blocks give the bytes of quantizing the tensor whole."""
@@ -49,12 +58,7 @@ def quantize_entry(store, name: str, entry: dict, role: Role, block_bytes: int =
     import mlx.core as mx
 
     shape = entry["shape"]
-    if not name.endswith(".weight") or len(shape) < 2:
-        raise StepError(f"tensor {name!r} {shape} cannot be quantized (needs a 2-D or 3-D X.weight)")
-    if shape[-1] % role.group_size:
-        raise StepError(
-            f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {role.group_size}"
-        )
+    check_quantizable(name, shape, role)
     base = module_path(name)
 
     def blocks():
@@ -83,6 +87,17 @@ def assign_roles(names: list[str], params: QuantizeParams) -> dict[str, str]:
             raise StepError(f"step rule(s) {', '.join(map(repr, dead))} match no tensor; fix the pattern")
     rest = [n for n in names if n not in roles]
     return roles | recipe.assign(rest, require_all_rules=params.require_all_rules)
+
+
+def quantized_shapes(shape, role: Role, dtype: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """suffix -> (dtype, shape) of what ``mx.quantize`` stores for a weight of ``shape``:
+    packed uint32 codes, and scales and biases in the weight's dtype, one per group."""
+    *rows, cols = shape
+    return {
+        "weight": ("U32", (*rows, cols * role.bits // 32)),
+        "scales": (dtype, (*rows, cols // role.group_size)),
+        "biases": (dtype, (*rows, cols // role.group_size)),
+    }
 
 
 def resolved_plan(names: list[str], params: QuantizeParams) -> dict:
