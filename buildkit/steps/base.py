@@ -84,11 +84,12 @@ class Context:
     libraries: dict[str, str] = field(default_factory=dict)  # ``Step.libraries`` of this run
     executor: Any = None  # a ``distributed.DaskExecutor`` under ``build --dask``
 
-    def map(self, fn: Callable, tasks: Iterable[tuple[str, tuple]], remote: bool = True) -> Iterator:
+    def map(self, fn: Callable, tasks: Iterable[tuple[str, tuple]], local_only: bool = False) -> Iterator:
         """``fn(store, *args)`` for each task ``(name, args)``, results in task order: on two
-        local threads, or (``remote`` and ``build --dask``) as Dask tasks named by the action
-        key and ``name``. ``fn`` must be a top-level function and its results small (digests)."""
-        if self.executor is None or not remote or self.key is None:
+        local threads, or (under ``build --dask``, unless ``local_only``) as Dask tasks named by
+        the action key and ``name``. ``fn`` must be a top-level function and its results small
+        (digests)."""
+        if self.executor is None or local_only or self.key is None:
             return workers.imap("tensors", lambda t: fn(self.store, *t[1]), tasks, workers=2)
         return self.executor.map(fn, tasks, str(self.store.root), self.key, self.libraries)
 

@@ -135,7 +135,7 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
     tasks = [(name, (name, art.tensors[name], recipe.roles[roles[name]]))
              for name in names if not recipe.roles[roles[name]].passthrough]
     calibrated = calibration is not None  # check_calibration: then some role is calibrated
-    results = ctx.map(work, tasks, remote=False) if calibrated else ctx.map(quantize_entry, tasks)
+    results = ctx.map(work, tasks, local_only=True) if calibrated else ctx.map(quantize_entry, tasks)
     with contextlib.closing(results):
         for name in names:
             role_name = roles[name]
