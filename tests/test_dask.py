@@ -150,3 +150,10 @@ def test_same_key_from_two_clients_runs_once(project, seed, cluster):
     assert len(tasks.runs) == len(names) and set(tasks.runs.values()) == {1}
     local = [quantize_entry(store, *args) for _, args in todo]
     assert got[0] == local
+
+
+def test_bad_address_is_refused_before_any_step(project):
+    p = project.run("build", "xl", "--dask", "localhost:8786", check=False)
+    assert p.returncode == 2
+    assert "--dask 'localhost:8786': give a scheduler address (tcp://host:8786) or local:N" in p.stderr
+    assert "[run]" not in p.stderr
