@@ -40,7 +40,9 @@ def tune(force: bool = False) -> bool:
         mallopt = libc().mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
-    _tuned = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    _tuned = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
     return _tuned
 
 
@@ -48,7 +50,7 @@ def tune_imported() -> None:
     """After ``tune``, once mlx is imported: its buffer cache off (malloc keeps freed buffers
     already). Without ``tune`` mlx's cache stays, as it is the only reserve then."""
     mx = sys.modules.get("mlx.core")
-    # Another thread may be importing mlx still (a partial module): the next call does it.
-    set_cache_limit = getattr(mx, "set_cache_limit", None)
-    if _tuned and set_cache_limit is not None:
-        set_cache_limit(0)
+    # another thread may be importing mlx right now (a partly initialised module): skip, a later
+    # call (each step start, or that import's own) sets it
+    if _tuned and getattr(mx, "set_cache_limit", None) is not None:
+        mx.set_cache_limit(0)

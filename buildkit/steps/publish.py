@@ -172,6 +172,23 @@ def card_origin(params: PublishParams, source: dict) -> tuple[str | None, str]:
     return None, "Built from a local checkpoint directory."
 
 
+def budget_lines(b: dict | None) -> list[str]:
+    """The card's account of a bits-per-weight budget: target, result, and each budgeted
+    tensor's bits and measured sensitivity at every candidate bits."""
+    if not b:
+        return []
+    cand = sorted({int(k) for s in b["sensitivity"].values() for k in s})
+    lines = ["", "## Bits-per-weight budget", "",
+             f"Target **{b['target_bpw']}** bits per weight (this part), planned **{b['bits_per_weight']}**. "
+             f"Sensitivity: {b['proxy']}; bits chosen greedily by the largest drop in it per stored bit.", "",
+             "| tensor | bits | " + " | ".join(f"sensitivity at {c}" for c in cand) + " |",
+             "|---|---|" + "---|" * len(cand)]
+    for name, s in b["sensitivity"].items():
+        lines.append(f"| {name.removesuffix('.weight')} | {b['bits'][name]} | "
+                     + " | ".join(str(s.get(str(c), "")) for c in cand) + " |")
+    return lines
+
+
 def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: list[Artifact], reports: list[dict], bpw: float, n_tensors: int, source: dict) -> str:
     has_mtp = any(n.startswith("language_model.mtp.") for a in parts for n in a.tensors)
     tags = list(dict.fromkeys([*params.tags, *(["mtp"] if has_mtp else [])]))
@@ -206,6 +223,8 @@ def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: lis
             extra = " (calibrated)" if row.get("calibrated") else ""
             gs = "" if row.get("passthrough") else str(row.get("group_size", 64))
             lines.append(f"| {part} | {role}{extra} | {bits} | {gs} | {row['tensors']} | {row['params']:,} |")
+    for a in parts:
+        lines += budget_lines(a.meta.get("budget"))
     if reports:
         lines += ["", "## Verification", "", "| check | result | figure |", "|---|---|---|"]
         for rep in reports:
