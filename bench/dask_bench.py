@@ -38,25 +38,50 @@ MB = 1e6
 
 def timed(argv: list[str], env: dict) -> dict:
     """Run argv under /usr/bin/time -v; wall, cpu, peak RSS and the step times it printed."""
-    p = subprocess.run(["/usr/bin/time", "-v", *map(str, argv)], capture_output=True, text=True, env=env)
+    p = subprocess.run(
+        ["/usr/bin/time", "-v", *map(str, argv)], capture_output=True, text=True, env=env
+    )
     if p.returncode != 0:
         sys.exit(f"dask_bench: {' '.join(map(str, argv))} failed:\n{p.stderr[-4000:]}")
+
     def field(name):
         return re.search(rf"{re.escape(name)}: (.+)", p.stderr).group(1).strip()
+
     wall = 0.0
     for part in field("Elapsed (wall clock) time (h:mm:ss or m:ss)").split(":"):
         wall = wall * 60 + float(part)
-    steps = {m[0]: float(m[1]) for m in re.findall(r"^\[done\]\s+(\S+) .* in ([\d.]+)s", p.stderr, re.M)}
-    return {"wall": wall, "cpu": float(field("User time (seconds)")) + float(field("System time (seconds)")),
-            "rss_mb": int(field("Maximum resident set size (kbytes)")) / 1e3, "steps": steps}
+    steps = {
+        m[0]: float(m[1]) for m in re.findall(r"^\[done\]\s+(\S+) .* in ([\d.]+)s", p.stderr, re.M)
+    }
+    return {
+        "wall": wall,
+        "cpu": float(field("User time (seconds)")) + float(field("System time (seconds)")),
+        "rss_mb": int(field("Maximum resident set size (kbytes)")) / 1e3,
+        "steps": steps,
+    }
 
 
 def build(work: Path, name: str, src: Path, env: dict, *extra) -> dict:
     store, out = work / f"store-{name}", work / f"out-{name}"
     for d in (store, out):
         shutil.rmtree(d, ignore_errors=True)
-    r = timed([*BUILDKIT, "--store", store, "--manifests", work / "manifests", "build", "xl",
-               "--source", src, "--out", out, *extra], env)
+    r = timed(
+        [
+            *BUILDKIT,
+            "--store",
+            store,
+            "--manifests",
+            work / "manifests",
+            "build",
+            "xl",
+            "--source",
+            src,
+            "--out",
+            out,
+            *extra,
+        ],
+        env,
+    )
     ref = json.loads((store / "refs" / "xl.json").read_text())
     r["outputs"] = {n: v["outputs"] for n, v in ref["nodes"].items()}
     r["store"] = store
@@ -74,11 +99,15 @@ def per_task(work: Path, src: Path, env: dict) -> tuple[dict, list[dict]]:
 
         def transition(self, key, start, finish, *args, **kwargs):
             if finish == "memory" and str(key).startswith("quantize_entry-"):
-                self.seconds[str(key)] = sum(s["stop"] - s["start"] for s in kwargs.get("startstops", ())
-                                             if s["action"] == "compute")
+                self.seconds[str(key)] = sum(
+                    s["stop"] - s["start"]
+                    for s in kwargs.get("startstops", ())
+                    if s["action"] == "compute"
+                )
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster:
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
+    ) as cluster:
         times = Times()
         cluster.scheduler.add_plugin(times, name="dask-bench-times")
         r = build(work, "dask-tcp", src, env, "--dask", cluster.scheduler_address)
@@ -111,8 +140,14 @@ def task_cpu(store_dir: Path, outputs: dict) -> list[dict]:
         c, w = time.process_time(), time.perf_counter()
         quantize_entry(store, name, art.tensors[name], role)
         e = art.tensors[name]
-        out.append({"tensor": name, "cpu": time.process_time() - c, "wall": time.perf_counter() - w,
-                    "bytes": 2 * e["shape"][0] * e["shape"][1] * e["shape"][2]})
+        out.append(
+            {
+                "tensor": name,
+                "cpu": time.process_time() - c,
+                "wall": time.perf_counter() - w,
+                "bytes": 2 * e["shape"][0] * e["shape"][1] * e["shape"][2],
+            }
+        )
     return out[1:]  # the first pays mlx's import
 
 
@@ -120,17 +155,40 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=REPO / "build" / "dask-bench")
     ap.add_argument("--layers", type=int, default=6, help="fixture layers (6: ~400 MB of bf16)")
-    ap.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
+    ap.add_argument(
+        "--no-write", action="store_true", help="print the table, leave RESULTS.md alone"
+    )
     args = ap.parse_args(argv)
     work = args.work.absolute()
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     env.pop("BUILDKIT_DASK", None)
     src = work / f"fixture-l{args.layers}"
     if not src.exists():
-        subprocess.run([*BUILDKIT, "fixture", src, "--hidden", "1024", "--layers", str(args.layers),
-                        "--experts", "16", "--moe-intermediate", "512", "--vocab", "16384", "--shards", "2"],
-                       check=True, env=env)
+        subprocess.run(
+            [
+                *BUILDKIT,
+                "fixture",
+                src,
+                "--hidden",
+                "1024",
+                "--layers",
+                str(args.layers),
+                "--experts",
+                "16",
+                "--moe-intermediate",
+                "512",
+                "--vocab",
+                "16384",
+                "--shards",
+                "2",
+            ],
+            check=True,
+            env=env,
+        )
     shutil.rmtree(work / "manifests", ignore_errors=True)
     shutil.copytree(REPO / "manifests", work / "manifests", ignore=shutil.ignore_patterns("*.lock"))
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
@@ -144,8 +202,10 @@ def main(argv=None) -> int:
 
     def row(label, r):
         q = r["steps"].get("quantize", 0.0)
-        return (f"| {label} | {r['wall']:.1f} s | {r['cpu']:.1f} s | {r['cpu'] / r['wall']:.2f} | "
-                f"{r['rss_mb']:.0f} MB | {q:.1f} s |")
+        return (
+            f"| {label} | {r['wall']:.1f} s | {r['cpu']:.1f} s | {r['cpu'] / r['wall']:.2f} | "
+            f"{r['rss_mb']:.0f} MB | {q:.1f} s |"
+        )
 
     ex = [t for t in tasks if t["expert"]]
     rest = [t for t in tasks if not t["expert"]]
@@ -182,7 +242,7 @@ def main(argv=None) -> int:
         body = res.read_text()
         a, b = "<!-- dask:begin -->", "<!-- dask:end -->"
         if a in body:
-            body = body[: body.index(a)] + a + "\n" + text + "\n" + body[body.index(b):]
+            body = body[: body.index(a)] + a + "\n" + text + "\n" + body[body.index(b) :]
         else:
             body += f"\n## Distributed builds (`bench/dask_bench.py`)\n\n{a}\n{text}\n{b}\n"
         res.write_text(body)

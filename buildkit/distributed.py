@@ -50,8 +50,10 @@ def run_task(root: str, libraries: dict[str, str], fn: Callable, *args):
     machine writes (bench/RESULTS.md)."""
     have = {name: version(name) for name in libraries}
     if have != libraries:
-        raise StepError(f"worker {os.uname().nodename} has {have}, the build needs {libraries}; "
-                        f"install buildkit with -c constraints.txt on every worker")
+        raise StepError(
+            f"worker {os.uname().nodename} has {have}, the build needs {libraries}; "
+            f"install buildkit with -c constraints.txt on every worker"
+        )
     if root not in _stores:  # a worker's first task: malloc as a local build has it
         allocator.tune(force=True)
     store = _store(root)
@@ -59,7 +61,11 @@ def run_task(root: str, libraries: dict[str, str], fn: Callable, *args):
     out = workers.pool("dask-task").submit(fn, store, *args, workers=1).result()
     allocator.tune_imported()
     if isinstance(out, dict):
-        paths = {store.object_path(e["digest"]) for e in out.values() if isinstance(e, dict) and "digest" in e}
+        paths = {
+            store.object_path(e["digest"])
+            for e in out.values()
+            if isinstance(e, dict) and "digest" in e
+        }
         for path in sorted(paths):
             _fsync(path)
         for d in sorted({p.parent for p in paths}):
@@ -79,7 +85,9 @@ class DaskExecutor:
                 raise UsageError(f"--dask {address!r}: local:N needs a worker count N >= 1")
             self.workers = int(n)
         elif not address.startswith(("tcp://", "tls://")):
-            raise UsageError(f"--dask {address!r}: give a scheduler address (tcp://host:8786) or local:N")
+            raise UsageError(
+                f"--dask {address!r}: give a scheduler address (tcp://host:8786) or local:N"
+            )
         self.client = self.cluster = None
         self.lock = threading.Lock()
 
@@ -90,26 +98,48 @@ class DaskExecutor:
             try:
                 from distributed import Client, LocalCluster
             except ImportError:
-                raise UsageError("--dask needs dask.distributed: pip install distributed -c constraints.txt") from None
+                raise UsageError(
+                    "--dask needs dask.distributed: pip install distributed -c constraints.txt"
+                ) from None
             address = self.address
             if self.workers:  # one thread per worker process: a task is one tensor's mlx work
-                self.cluster = LocalCluster(n_workers=self.workers, threads_per_worker=1, processes=True,
-                                            host="127.0.0.1", dashboard_address=None)
+                self.cluster = LocalCluster(
+                    n_workers=self.workers,
+                    threads_per_worker=1,
+                    processes=True,
+                    host="127.0.0.1",
+                    dashboard_address=None,
+                )
                 address = self.cluster.scheduler_address
             try:
                 self.client = Client(address, timeout="30s")
             except OSError as e:
-                raise StepError(f"--dask: cannot reach the Dask scheduler at {address}: {e}") from None
+                raise StepError(
+                    f"--dask: cannot reach the Dask scheduler at {address}: {e}"
+                ) from None
             return self.client
 
-    def map(self, fn: Callable, tasks: Iterable[tuple[str, tuple]], root: str, action_key: str,
-            libraries: dict[str, str]) -> Iterator:
+    def map(
+        self,
+        fn: Callable,
+        tasks: Iterable[tuple[str, tuple]],
+        root: str,
+        action_key: str,
+        libraries: dict[str, str],
+    ) -> Iterator:
         """``fn(store, *args)`` for each (name, args), submitted now; the results, in task order."""
         client = self._connect()
         where = keys.short(keys.digest_json("dask-store", root), 8)
         futures = [
-            client.submit(run_task, root, libraries, fn, *args, pure=False,
-                          key=f"{fn.__name__}-{keys.short(action_key)}-{name}-{where}")
+            client.submit(
+                run_task,
+                root,
+                libraries,
+                fn,
+                *args,
+                pure=False,
+                key=f"{fn.__name__}-{keys.short(action_key)}-{name}-{where}",
+            )
             for name, args in tasks
         ]
         return self._results(client, futures)

@@ -51,8 +51,9 @@ class Tasks(SchedulerPlugin):
 
 @pytest.fixture(scope="module")
 def cluster():
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  host="127.0.0.1", dashboard_address=None) as c:
+    with distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
+    ) as c:
         plugin = Tasks(c.scheduler)
         c.scheduler.add_plugin(plugin, name="buildkit-test-tasks")
         yield c, plugin
@@ -102,9 +103,19 @@ def test_two_clients_share_tasks(project, seed, cluster):
     tasks.runs.clear()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "buildkit.cli", *project.args(
-                "build", v, "--out", str(project.out / v), "--dask", c.scheduler_address)],
-            cwd=project.root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "buildkit.cli",
+                *project.args(
+                    "build", v, "--out", str(project.out / v), "--dask", c.scheduler_address
+                ),
+            ],
+            cwd=project.root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for v in ("xl", "xl-mtp")
     ]
     for proc in procs:
@@ -125,13 +136,19 @@ def test_same_key_from_two_clients_runs_once(project, seed, cluster):
     tasks.runs.clear()
     store = Store(project.adopt(seed).store)
     art = store.get_artifact(outputs(seed, "xl")["sanitize"][1]["model"])
-    names = sorted(n for n, e in art.tensors.items()
-                   if n.endswith(".weight") and len(e["shape"]) >= 2 and e["shape"][-1] % 64 == 0)[:6]
+    names = sorted(
+        n
+        for n, e in art.tensors.items()
+        if n.endswith(".weight") and len(e["shape"]) >= 2 and e["shape"][-1] % 64 == 0
+    )[:6]
     role = Role(bits=4, group_size=64)
     todo = [(n, (n, art.tensors[n], role)) for n in names]
     execs = [DaskExecutor(c.scheduler_address) for _ in range(2)]
     try:
-        its = [ex.map(quantize_entry, todo, str(store.root), "xxh3_128:" + "ab" * 16, {}) for ex in execs]
+        its = [
+            ex.map(quantize_entry, todo, str(store.root), "xxh3_128:" + "ab" * 16, {})
+            for ex in execs
+        ]
         got: list = [None, None]
 
         def gather(i):
@@ -146,7 +163,9 @@ def test_same_key_from_two_clients_runs_once(project, seed, cluster):
         for ex in execs:
             ex.close()
     assert got[0] == got[1] and len(got[0]) == len(names)
-    assert sorted(tasks.runs) == sorted(k for k in tasks.runs if str(k).startswith("quantize_entry-abababababab-"))
+    assert sorted(tasks.runs) == sorted(
+        k for k in tasks.runs if str(k).startswith("quantize_entry-abababababab-")
+    )
     assert len(tasks.runs) == len(names) and set(tasks.runs.values()) == {1}
     local = [quantize_entry(store, *args) for _, args in todo]
     assert got[0] == local
@@ -155,5 +174,7 @@ def test_same_key_from_two_clients_runs_once(project, seed, cluster):
 def test_bad_address_is_refused_before_any_step(project):
     p = project.run("build", "xl", "--dask", "localhost:8786", check=False)
     assert p.returncode == 2
-    assert "--dask 'localhost:8786': give a scheduler address (tcp://host:8786) or local:N" in p.stderr
+    assert (
+        "--dask 'localhost:8786': give a scheduler address (tcp://host:8786) or local:N" in p.stderr
+    )
     assert "[run]" not in p.stderr
