@@ -29,11 +29,12 @@ def libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def tune() -> bool:
+def tune(force: bool = False) -> bool:
     """Set both thresholds for this process, unless it is not on glibc or malloc's own
-    environment variables are set (the user's choice stands); True if they were set."""
+    environment variables are set (the user's choice stands; ``force``: a Dask nanny's
+    is not); True if they were set."""
     global _tuned
-    if not sys.platform.startswith("linux") or any(k in os.environ for k in ENV):
+    if not sys.platform.startswith("linux") or (any(k in os.environ for k in ENV) and not force):
         return False
     try:
         mallopt = libc().mallopt

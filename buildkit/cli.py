@@ -68,6 +68,7 @@ def _scheduler(args, remote=None):
         release=getattr(args, "release", False),
         push=getattr(args, "push", None),
         rehash=getattr(args, "rehash", False),
+        dask=getattr(args, "dask", None) or None,
         remote=remote,
     )
     return Scheduler(_manifest(args), _store(args), opts)
@@ -480,6 +481,10 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
         help="decide every step by its key even if no file it depends on changed since the last successful build",
     )
     b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    b.add_argument("--dask", metavar="ADDRESS", default=os.environ.get("BUILDKIT_DASK"),
+                   help="run the per-tensor work on a Dask cluster: a scheduler (tcp://host:8786) or "
+                   "local:N (start N worker processes); every worker must see the store at the same "
+                   "path (default: $BUILDKIT_DASK, else local threads)")
     b.add_argument("--remote-upload", action="store_true",
                    help="after the build, upload every node the remote lacks (objects, listings, then the record; "
                    "signed with $BUILDKIT_SIGNING_KEY if set)")

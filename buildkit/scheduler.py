@@ -9,6 +9,7 @@ and in its request's root (what gc keeps).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import os
@@ -32,6 +33,7 @@ class Scheduler(Planner):
 
     def __init__(self, manifest: Manifest, store: Store, options: BuildOptions | None = None):
         super().__init__(manifest, store, options)
+        self.executor = None  # a distributed.DaskExecutor while a --dask build runs
 
     def build(self, targets: list[str] | None = None, jobs: int = 2, quiet: bool = False) -> list[NodeState]:
         """Run the stale nodes; independent nodes run in parallel on ``jobs`` threads.
@@ -41,7 +43,7 @@ class Scheduler(Planner):
         it. Each round loses at least one node's outputs, so rounds are at most the nodes.
         """
         self.check_request(targets)
-        with self.store.in_use():
+        with self.store.in_use(), self._dask():
             for _ in range(len(self.selection(targets))):
                 try:
                     return self._build(targets, jobs, quiet)
@@ -49,6 +51,22 @@ class Scheduler(Planner):
                     if not quiet:
                         print(f"buildkit: {e}; building again to restore it", file=sys.stderr)
             return self._build(targets, jobs, quiet)
+
+    @contextlib.contextmanager
+    def _dask(self):
+        """Under ``--dask``, a client (and a cluster, for local:N) for this build; Dask is
+        imported only then."""
+        if not self.options.dask:
+            yield
+            return
+        from .distributed import DaskExecutor
+
+        self.executor = DaskExecutor(self.options.dask)
+        try:
+            yield
+        finally:
+            self.executor.close()
+            self.executor = None
 
     def _build(self, targets: list[str] | None, jobs: int, quiet: bool) -> list[NodeState]:
         names = self.selection(targets)
@@ -111,6 +129,7 @@ class Scheduler(Planner):
         node = self.m.nodes[name]
         st = states[name]
         ctx = self.context(name, Progress(name, reporter.update), lambda node, msg: reporter.line(f"  {node}: {msg}"))
+        ctx.executor = self.executor
         digests = self.input_digests(node, states)
         st.ingredients = ingredients(node, digests, ctx)
         st.key = action_key(st.ingredients)
@@ -134,6 +153,7 @@ class Scheduler(Planner):
                 slot: [self.store.get_artifact(d) for d in ds] for slot, ds in digests.items()
             }
             ctx.fingerprint = st.ingredients["fingerprint"]
+            ctx.key, ctx.libraries = st.key, st.ingredients["libraries"]
             allocator.tune_imported()  # an earlier step imported mlx: its buffer cache off
             outputs = node.step.run(ctx, node.params, inputs)
             if set(outputs) != set(node.step.outputs):

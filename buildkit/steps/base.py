@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
+from .. import workers
 from ..artifact import Artifact
 from ..errors import UsageError, did_you_mean
 from ..store import Store
@@ -38,6 +40,7 @@ class BuildOptions:
     release: bool = False
     push: str | None = None
     rehash: bool = False
+    dask: str | None = None  # a Dask scheduler address or local:N (``distributed.py``)
     remote: Any = None  # a remote.Remote: a local miss asks it (plan.Planner.lookup)
 
 
@@ -77,6 +80,18 @@ class Context:
     progress: Progress
     log_sink: Any = None
     fingerprint: Any = None  # what ``Step.fingerprint`` gave for this run's key
+    key: str | None = None  # this run's action key
+    libraries: dict[str, str] = field(default_factory=dict)  # ``Step.libraries`` of this run
+    executor: Any = None  # a ``distributed.DaskExecutor`` under ``build --dask``
+
+    def map(self, fn: Callable, tasks: Iterable[tuple[str, tuple]], local_only: bool = False) -> Iterator:
+        """``fn(store, *args)`` for each task ``(name, args)``, results in task order: on two
+        local threads, or (under ``build --dask``, unless ``local_only``) as Dask tasks named by
+        the action key and ``name``. ``fn`` must be a top-level function and its results small
+        (digests)."""
+        if self.executor is None or local_only or self.key is None:
+            return workers.imap("tensors", lambda t: fn(self.store, *t[1]), tasks, workers=2)
+        return self.executor.map(fn, tasks, str(self.store.root), self.key, self.libraries)
 
     def log(self, msg: str) -> None:
         if self.log_sink:

@@ -11,9 +11,11 @@ writing overlap.
 
 from __future__ import annotations
 
+import contextlib
+
 from pydantic import Field, model_validator
 
-from .. import budget, dataaware, workers
+from .. import budget, dataaware
 from ..artifact import Artifact
 from ..errors import StepError
 from ..roles import Recipe, Role
@@ -144,30 +146,37 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
 
     tally = dataaware.check_calibration(recipe, roles, calibration)
 
-    def work(name: str) -> tuple[str, dict[str, dict]]:
-        role = recipe.roles[roles[name]]
+    def work(store, name: str, entry: dict, role: Role) -> dict[str, dict]:
         if role.calibrated:  # data-aware routed experts (buildkit/dataaware.py)
-            return name, dataaware.quantize_entry(ctx.store, name, art.tensors[name], role, calibration, tally)
-        return name, quantize_entry(ctx.store, name, art.tensors[name], role)
+            return dataaware.quantize_entry(store, name, entry, role, calibration, tally)
+        return quantize_entry(store, name, entry, role)
 
-    # Two workers: two tensors in memory, never the model; results are a few small dicts each.
-    for name, entries in workers.imap("tensors", work, names, workers=2):
-        role_name = roles[name]
-        role = recipe.roles[role_name]
-        src = art.tensors[name]
-        n = 1
-        for d in src["shape"]:
-            n *= d
-        out.tensors.update(entries)
-        if not role.passthrough:
-            quant_cfg[module_path(name)] = role.quant()
-        row = table.setdefault(role_name, {**role.model_dump(exclude_defaults=True), "tensors": 0, "params": 0})
-        row["tensors"] += 1
-        row["params"] += n
-        src_params += n
-        src_bits += 8 * ITEMSIZE[src["dtype"]] * n
-        out_bits += stored_bits(entries)
-        ctx.progress.advance(1, nbytes(src["dtype"], src["shape"]))
+    # Passthrough entries are kept here; the rest are tasks: on two threads (two tensors in
+    # memory, never the model) or, under --dask, on the cluster. Each result is a few small
+    # dicts. Data-aware tasks share a tally, so they stay in this process.
+    tasks = [(name, (name, art.tensors[name], recipe.roles[roles[name]]))
+             for name in names if not recipe.roles[roles[name]].passthrough]
+    calibrated = calibration is not None  # check_calibration: then some role is calibrated
+    results = ctx.map(work, tasks, local_only=True) if calibrated else ctx.map(quantize_entry, tasks)
+    with contextlib.closing(results):
+        for name in names:
+            role_name = roles[name]
+            role = recipe.roles[role_name]
+            entries = {name: art.tensors[name]} if role.passthrough else next(results)
+            src = art.tensors[name]
+            n = 1
+            for d in src["shape"]:
+                n *= d
+            out.tensors.update(entries)
+            if not role.passthrough:
+                quant_cfg[module_path(name)] = role.quant()
+            row = table.setdefault(role_name, {**role.model_dump(exclude_defaults=True), "tensors": 0, "params": 0})
+            row["tensors"] += 1
+            row["params"] += n
+            src_params += n
+            src_bits += 8 * ITEMSIZE[src["dtype"]] * n
+            out_bits += stored_bits(entries)
+            ctx.progress.advance(1, nbytes(src["dtype"], src["shape"]))
     out.meta = {
         "quantization": quant_cfg,
         "roles": roles,

@@ -18,7 +18,6 @@ from pydantic import Field
 
 from .. import calibration as cal
 from .. import checkpoint as ckpt
-from .. import workers
 from ..artifact import Artifact
 from ..errors import VerifyError
 from ..lazy import lazy
@@ -59,6 +58,19 @@ def read_raw(store, hf: str, digest: str, info) -> np.ndarray:
 
 
 BLOCK_BYTES = 1 << 20  # rows of source compared at a time: temporaries stay small and reused
+
+
+def inspect_tensor(store, item, model: dict, roles_q: dict) -> dict:
+    """``Inspect`` as a task (``Context.map``): ``model`` and ``roles_q`` need hold only the
+    entries of the MLX tensors made from ``item``'s source tensor."""
+    return Inspect(store, model, roles_q)(item)
+
+
+def task_slice(item, model: dict, roles_q: dict) -> tuple[dict, dict]:
+    """The entries and quantization records ``Inspect`` reads for one source tensor."""
+    bases = {n.removesuffix(".weight") for n, _, _ in item[3]}
+    names = {f"{b}.{k}" for b in bases for k in ("weight", "scales", "biases")} | {n for n, _, _ in item[3]}
+    return {n: model[n] for n in sorted(names) if n in model}, {b: roles_q[b] for b in sorted(bases) if b in roles_q}
 
 
 class Inspect:
@@ -443,7 +455,9 @@ class Verify(Step):
         over: list[str] = []
         split = {"checked": 0, "ok": 0}
         ctx.progress.start(len(items))
-        for r in workers.imap("tensors", Inspect(store, model, roles_q), items, workers=2):
+        # One task per source tensor, each handed only its own entries (under --dask they travel).
+        tasks = [(it[0], (it, *task_slice(it, model, roles_q))) for it in items]
+        for r in ctx.map(inspect_tensor, tasks):
             norms += r["norm"]
             passes += r["pass"]
             nonfinite += r["nonfinite"]
