@@ -33,10 +33,15 @@ def timed(argv: list[str], cwd: Path) -> tuple[float, float, float, str]:
     p = subprocess.run(["/usr/bin/time", "-v", *argv], cwd=cwd, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed:\n{p.stderr[-3000:]}")
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", p.stderr)
+    wall = re.search(
+        r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", p.stderr
+    )
     h, m, s = (float(x or 0) for x in wall.groups())
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr)[1])
-    cpu = sum(float(re.search(rf"{k} time \(seconds\): ([\d.]+)", p.stderr)[1]) for k in ("User", "System"))
+    cpu = sum(
+        float(re.search(rf"{k} time \(seconds\): ([\d.]+)", p.stderr)[1])
+        for k in ("User", "System")
+    )
     return h * 3600 + m * 60 + s, cpu, rss / 1024, p.stdout
 
 
@@ -58,16 +63,40 @@ def main() -> None:
     root = Path(args.dir).absolute()
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    spec = FixtureSpec(hidden=args.hidden, layers=args.layers, experts=args.experts,
-                       moe_intermediate=args.moe_intermediate, shared_intermediate=args.moe_intermediate,
-                       vocab=args.vocab, heads=args.hidden // 128, kv_heads=2, head_dim=128,
-                       linear_key_heads=args.hidden // 256, linear_value_heads=args.hidden // 128,
-                       linear_key_dim=128, linear_value_dim=128)
+    spec = FixtureSpec(
+        hidden=args.hidden,
+        layers=args.layers,
+        experts=args.experts,
+        moe_intermediate=args.moe_intermediate,
+        shared_intermediate=args.moe_intermediate,
+        vocab=args.vocab,
+        heads=args.hidden // 128,
+        kv_heads=2,
+        head_dim=128,
+        linear_key_heads=args.hidden // 256,
+        linear_value_heads=args.hidden // 128,
+        linear_key_dim=128,
+        linear_value_dim=128,
+    )
     src = Path(generate(root / "src", spec))
     shutil.copytree(REPO / "manifests", root / "manifests", ignore=shutil.ignore_patterns("*.lock"))
-    (root / "manifests" / "xl-bench.toml").write_text(f'extends = "xl"\n[steps.eval]\nparams.max_tokens = {args.max_tokens}\n')
-    bk = [sys.executable, "-m", "buildkit.cli", "--store", str(root / "cache"), "--manifests", str(root / "manifests")]
-    subprocess.run([*bk, "build", "xl-bench", "--source", str(src), "--target", "quantize", "-q"], cwd=root, check=True)
+    (root / "manifests" / "xl-bench.toml").write_text(
+        f'extends = "xl"\n[steps.eval]\nparams.max_tokens = {args.max_tokens}\n'
+    )
+    bk = [
+        sys.executable,
+        "-m",
+        "buildkit.cli",
+        "--store",
+        str(root / "cache"),
+        "--manifests",
+        str(root / "manifests"),
+    ]
+    subprocess.run(
+        [*bk, "build", "xl-bench", "--source", str(src), "--target", "quantize", "-q"],
+        cwd=root,
+        check=True,
+    )
 
     sizes: dict[str, int] = {}
     total = 0
@@ -77,20 +106,45 @@ def main() -> None:
             if m := re.match(r"model\.language_model\.layers\.(\d+)\.", name):
                 sizes[m[1]] = sizes.get(m[1], 0) + info.nbytes
     layer = max(sizes.values())
-    step_wall, step_cpu, step_rss, _ = timed([*bk, "build", "xl-bench", "--source", str(src), "--target", "eval", "-q"], root)
-    subprocess.run([*bk, "build", "xl-bench", "--source", str(src), "--out", str(root / "out" / "xl"), "-q"], cwd=root, check=True)
-    cli_wall, cli_cpu, cli_rss, out = timed([*bk, "eval", str(root / "out" / "xl"), "--source", str(src), "--json",
-                                    "--max-tokens", str(args.max_tokens)], root)
+    step_wall, step_cpu, step_rss, _ = timed(
+        [*bk, "build", "xl-bench", "--source", str(src), "--target", "eval", "-q"], root
+    )
+    subprocess.run(
+        [*bk, "build", "xl-bench", "--source", str(src), "--out", str(root / "out" / "xl"), "-q"],
+        cwd=root,
+        check=True,
+    )
+    cli_wall, cli_cpu, cli_rss, out = timed(
+        [
+            *bk,
+            "eval",
+            str(root / "out" / "xl"),
+            "--source",
+            str(src),
+            "--json",
+            "--max-tokens",
+            str(args.max_tokens),
+        ],
+        root,
+    )
     fig = json.loads(out)
     cfg = text_config(json.loads((src / "config.json").read_text()))
-    print(f"fixture: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_experts']} experts, "
-          f"vocab {cfg['vocab_size']}; source {total / 1e6:.0f} MB bf16, largest decoder layer {layer / 1e6:.0f} MB "
-          f"bf16 ({2 * layer / 1e6:.0f} MB as float32); {fig['tokens']} tokens")
+    print(
+        f"fixture: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_experts']} experts, "
+        f"vocab {cfg['vocab_size']}; source {total / 1e6:.0f} MB bf16, largest decoder layer {layer / 1e6:.0f} MB "
+        f"bf16 ({2 * layer / 1e6:.0f} MB as float32); {fig['tokens']} tokens"
+    )
     print("| run | wall | CPU (user + sys) | peak RSS |\n|---|---|---|---|")
-    print(f"| eval step (`build xl-bench --target eval`, quantized beforehand) | {step_wall:.1f} s | {step_cpu:.1f} s | {step_rss:.0f} MB |")
-    print(f"| `buildkit eval out/xl --source DIR` | {cli_wall:.1f} s | {cli_cpu:.1f} s | {cli_rss:.0f} MB |")
-    print(f"figures: kld_mean {fig['kld_mean']:.5f}, kld_p99 {fig['kld_p99']:.5f}, top-1 {fig['top1_agreement']:.4f}, "
-          f"ppl {fig['ppl_model']:.2f} (bf16 {fig['ppl_source']:.2f})")
+    print(
+        f"| eval step (`build xl-bench --target eval`, quantized beforehand) | {step_wall:.1f} s | {step_cpu:.1f} s | {step_rss:.0f} MB |"
+    )
+    print(
+        f"| `buildkit eval out/xl --source DIR` | {cli_wall:.1f} s | {cli_cpu:.1f} s | {cli_rss:.0f} MB |"
+    )
+    print(
+        f"figures: kld_mean {fig['kld_mean']:.5f}, kld_p99 {fig['kld_p99']:.5f}, top-1 {fig['top1_agreement']:.4f}, "
+        f"ppl {fig['ppl_model']:.2f} (bf16 {fig['ppl_source']:.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,9 @@ def _remote(args, env: bool = True):
     url = getattr(args, "remote", None) or (os.environ.get("BUILDKIT_REMOTE") if env else None)
     if not url:
         if getattr(args, "remote_upload", False):
-            raise UsageError("--remote-upload needs a remote: pass --remote URL or set BUILDKIT_REMOTE")
+            raise UsageError(
+                "--remote-upload needs a remote: pass --remote URL or set BUILDKIT_REMOTE"
+            )
         return None
     from .remote import Remote
 
@@ -100,13 +102,20 @@ def cmd_build(args) -> int:
         return code
     started = time.time_ns()
     request = _build_request(args)
-    if request is not None and not args.full_check and (rec := uptodate.check(_store_root(args), request)):
+    if (
+        request is not None
+        and not args.full_check
+        and (rec := uptodate.check(_store_root(args), request))
+    ):
         if not args.quiet:
             for name, kind, key in rec["nodes"]:
                 print(f"[cached] {name} ({kind}) {key}", file=sys.stderr)
             n = len(rec["nodes"])
-            print(f"{rec['variant']}: {n} steps, 0 ran, {n} cached in {(time.time_ns() - started) / 1e9:.2f}s "
-                  f"(up to date: {len(rec['files'])} files as the last build left them)", file=sys.stderr)
+            print(
+                f"{rec['variant']}: {n} steps, 0 ran, {n} cached in {(time.time_ns() - started) / 1e9:.2f}s "
+                f"(up to date: {len(rec['files'])} files as the last build left them)",
+                file=sys.stderr,
+            )
         return 0
     sched = _scheduler(args, remote := _remote(args))
     states = sched.build(args.target or None, jobs=args.jobs, quiet=args.quiet)
@@ -115,7 +124,10 @@ def cmd_build(args) -> int:
         # (a store entry collected meanwhile, a full disk).
         with contextlib.suppress(OSError, BuildkitError):
             if (files := sched.watched(states)) is not None:
-                report = {"variant": sched.m.name, "nodes": [[s.name, s.kind, keys.short(s.key)] for s in states]}
+                report = {
+                    "variant": sched.m.name,
+                    "nodes": [[s.name, s.kind, keys.short(s.key)] for s in states],
+                }
                 uptodate.record(sched.store.root, request, *files, report, started)
     if args.remote_upload:
         _print_sent(remote.push(sched.store, [(s.name, s.key, s.outputs) for s in states]), remote)
@@ -133,15 +145,24 @@ def cmd_build(args) -> int:
 
 def _plan_rows(sched, states) -> list[dict]:
     return [
-        {"step": s.name, "kind": s.kind, "fresh": s.fresh, "key": s.key, "reasons": s.reasons,
-         "waits_for": s.waits_for}
+        {
+            "step": s.name,
+            "kind": s.kind,
+            "fresh": s.fresh,
+            "key": s.key,
+            "reasons": s.reasons,
+            "waits_for": s.waits_for,
+        }
         for s in states
     ]
 
 
 def _print_sent(sent: dict, remote) -> None:
-    print(f"remote: sent {sent['nodes']} nodes ({sent['objects']} objects, {sent['listings']} listings, "
-          f"{sent['bytes']} bytes) to {remote.url}; {sent['skipped']} nodes already there", file=sys.stderr)
+    print(
+        f"remote: sent {sent['nodes']} nodes ({sent['objects']} objects, {sent['listings']} listings, "
+        f"{sent['bytes']} bytes) to {remote.url}; {sent['skipped']} nodes already there",
+        file=sys.stderr,
+    )
 
 
 def cmd_push(args) -> int:
@@ -162,8 +183,10 @@ def cmd_pull(args) -> int:
         raise UsageError("pull needs a remote: pass --remote URL or set BUILDKIT_REMOTE")
     states = pull_variant(_scheduler(args, remote), remote)
     t = remote.be.traffic
-    print(f"pulled {len(states)} nodes of {args.variant} from {remote.url}: {t.bytes_down} bytes in {t.gets} downloads",
-          file=sys.stderr)
+    print(
+        f"pulled {len(states)} nodes of {args.variant} from {remote.url}: {t.bytes_down} bytes in {t.gets} downloads",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -174,8 +197,17 @@ def cmd_plan(args) -> int:
     rows = _plan_rows(sched, states)
     stale = sum(not s.fresh for s in states)
     if getattr(args, "json", False):
-        print(json.dumps({"variant": sched.m.name, "request": sched.request(), "steps": rows, "to_run": stale},
-                         indent=2))
+        print(
+            json.dumps(
+                {
+                    "variant": sched.m.name,
+                    "request": sched.request(),
+                    "steps": rows,
+                    "to_run": stale,
+                },
+                indent=2,
+            )
+        )
         return 0
     for r in rows:
         status = "fresh" if r["fresh"] else "stale"
@@ -200,7 +232,9 @@ def cmd_explain(args) -> int:
         print(f"input {slot}: {', '.join(refs)}")
     rules = explain_rules(node.params)
     if rules:
-        print("rules, in the order they are tried (first match wins; a child manifest's before its parent's):")
+        print(
+            "rules, in the order they are tried (first match wins; a child manifest's before its parent's):"
+        )
         for i, (pattern, role, spec) in enumerate(rules, 1):
             print(f"  {i:2}. {pattern!r:42} -> {role} ({spec})")
     if info["ingredients"]:
@@ -218,8 +252,15 @@ def explain_rules(params) -> list[tuple[str, str, str]]:
     out = []
     for pattern, role in ordered:
         r = recipe.roles[role]
-        out.append((pattern, role, "bf16 passthrough" if r.passthrough else
-                    f"{r.bits}-bit, group {r.group_size}{', calibrated' if r.calibrated else ''}"))
+        out.append(
+            (
+                pattern,
+                role,
+                "bf16 passthrough"
+                if r.passthrough
+                else f"{r.bits}-bit, group {r.group_size}{', calibrated' if r.calibrated else ''}",
+            )
+        )
     return out
 
 
@@ -232,7 +273,13 @@ def summarise(ingredients: dict) -> dict:
     counts: dict[str, int] = {}
     for role in plan["tensors"].values():
         counts[role] = counts.get(role, 0) + 1
-    return {**ingredients, "params": {**params, "plan": {**plan, "tensors": f"{len(plan['tensors'])} tensors: {counts}"}}}
+    return {
+        **ingredients,
+        "params": {
+            **params,
+            "plan": {**plan, "tensors": f"{len(plan['tensors'])} tensors: {counts}"},
+        },
+    }
 
 
 def cmd_graph(args) -> int:
@@ -248,19 +295,27 @@ def cmd_gc(args) -> int:
     verb = "would free" if args.dry_run else "freed"
     for root in r["roots"]:
         req = root["request"]
-        print(f"{'would forget' if args.dry_run else 'forgot'} build {req.get('variant')} "
-              f"(source {req.get('source')}, out {req.get('out') or 'default'})")
+        print(
+            f"{'would forget' if args.dry_run else 'forgot'} build {req.get('variant')} "
+            f"(source {req.get('source')}, out {req.get('out') or 'default'})"
+        )
     if args.dry_run:
         for variant, nodes in sorted(r["nodes"].items()):
             print(f"{variant}:")
             for node, ks in sorted(nodes.items()):
-                print(f"  {node}: {len(ks)} action(s) {', '.join(ks[:4])}{' ...' if len(ks) > 4 else ''}")
-    print(f"{verb} {r['bytes'] / 1e6:.1f} MB ({r['bytes']} bytes): {r['actions']} actions, {r['artifacts']} artifacts, "
-          f"{r['objects']} objects, {r['memos']} memos, {r['files']} records of deleted files")
+                print(
+                    f"  {node}: {len(ks)} action(s) {', '.join(ks[:4])}{' ...' if len(ks) > 4 else ''}"
+                )
+    print(
+        f"{verb} {r['bytes'] / 1e6:.1f} MB ({r['bytes']} bytes): {r['actions']} actions, {r['artifacts']} artifacts, "
+        f"{r['objects']} objects, {r['memos']} memos, {r['files']} records of deleted files"
+    )
     remote = _remote(args, env=False)  # only an explicit --remote: never BUILDKIT_REMOTE alone
     if remote is not None:
         rr = remote.gc(args.dry_run, args.remote_max_age)
-        print(f"remote {remote.url}: {verb} {rr['actions']} records, {rr['artifacts']} listings, {rr['objects']} objects")
+        print(
+            f"remote {remote.url}: {verb} {rr['actions']} records, {rr['artifacts']} listings, {rr['objects']} objects"
+        )
     return 0
 
 
@@ -269,7 +324,9 @@ def cmd_forget(args) -> int:
     dropped = _store(args).forget(args.variant, out=out)
     for root in dropped:
         req = root["request"]
-        print(f"forgot build {req.get('variant')} (source {req.get('source')}, out {req.get('out') or 'default'})")
+        print(
+            f"forgot build {req.get('variant')} (source {req.get('source')}, out {req.get('out') or 'default'})"
+        )
     if not dropped:
         print(f"no build of {args.variant}{f' published to {out}' if out else ''} is remembered")
         return 1
@@ -299,16 +356,26 @@ def cmd_status(args) -> int:
                 req = root["request"]
                 m = manifest.load(str(p), args.manifests, source=req.get("source"))
                 out = Path(req["out"]) if req.get("out") else None
-                sched = Scheduler(m, store, BuildOptions(project_root=Path.cwd(), out_dir=out, remote=remote))
+                sched = Scheduler(
+                    m, store, BuildOptions(project_root=Path.cwd(), out_dir=out, remote=remote)
+                )
                 states = sched.plan()
                 stale = [s for s in states if not s.fresh]
-                row.update(built=True, source=req.get("source"), out=req.get("out"),
-                           when=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(root.get("built_ns", 0) / 1e9)),
-                           state="stale" if stale else "fresh",
-                           reason=f"{stale[0].name}: {stale[0].reasons[0]}" if stale else "")
+                row.update(
+                    built=True,
+                    source=req.get("source"),
+                    out=req.get("out"),
+                    when=time.strftime(
+                        "%Y-%m-%d %H:%M:%S", time.localtime(root.get("built_ns", 0) / 1e9)
+                    ),
+                    state="stale" if stale else "fresh",
+                    reason=f"{stale[0].name}: {stale[0].reasons[0]}" if stale else "",
+                )
                 figures = grades.last_results(store, p.stem)
                 if figures:
-                    row["eval"] = {k: figures[0].get(k) for k, _, _ in grades.COLUMNS if k in figures[0]}
+                    row["eval"] = {
+                        k: figures[0].get(k) for k, _, _ in grades.COLUMNS if k in figures[0]
+                    }
         except BuildkitError as e:
             row.update(state="invalid", reason=str(e).splitlines()[0])
         rows.append(row)
@@ -316,11 +383,21 @@ def cmd_status(args) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     for r in rows:
-        where = f"  source {r['source']}, out {r.get('out') or 'default'}, built {r['when']}" if r["built"] else ""
-        print(f"{r['variant']:16} {r['state']:11}{where}" + (f"\n{'':16} {r['reason']}" if r["reason"] and r["state"] != "never built" else ""))
+        where = (
+            f"  source {r['source']}, out {r.get('out') or 'default'}, built {r['when']}"
+            if r["built"]
+            else ""
+        )
+        print(
+            f"{r['variant']:16} {r['state']:11}{where}"
+            + (f"\n{'':16} {r['reason']}" if r["reason"] and r["state"] != "never built" else "")
+        )
         if r.get("eval"):
             e = r["eval"]
-            print(f"{'':16} " + ", ".join(f"{h} {f(e[k])}" for k, h, f in grades.COLUMNS if e.get(k) is not None))
+            print(
+                f"{'':16} "
+                + ", ".join(f"{h} {f(e[k])}" for k, h, f in grades.COLUMNS if e.get(k) is not None)
+            )
     return 0
 
 
@@ -332,10 +409,16 @@ def cmd_eval(args) -> int:
     p = EvalParams()
     model, source = ev.DirWeights(Path(args.model)), ev.DirWeights(Path(args.source))
     if source.quantization:
-        raise UsageError(f"--source {args.source} is quantized; point it at the bf16 source directory")
+        raise UsageError(
+            f"--source {args.source} is quantized; point it at the bf16 source directory"
+        )
     path = cal.text_path(args.text or p.text, Path.cwd())
-    tokens = heldout_tokens(path.read_text(encoding="utf-8"), p.heldout_every, source.tokenizer_json(),
-                            args.max_tokens or p.max_tokens)
+    tokens = heldout_tokens(
+        path.read_text(encoding="utf-8"),
+        p.heldout_every,
+        source.tokenizer_json(),
+        args.max_tokens or p.max_tokens,
+    )
     figures, _ = ev.evaluate(source, model, tokens, p.seq_len)
     figures["size_bytes"] = model.bytes()
     if args.json:
@@ -361,7 +444,10 @@ def cmd_compare(args) -> int:
     elif rows:
         print(grades.table(rows))
     for v in missing:
-        print(f"{v}: no eval results (never built, or its last build has no eval step)", file=sys.stderr)
+        print(
+            f"{v}: no eval results (never built, or its last build has no eval step)",
+            file=sys.stderr,
+        )
     if args.plot and rows:
         grades.plot(rows, Path(args.plot))
         print(f"wrote {args.plot}", file=sys.stderr)
@@ -385,13 +471,21 @@ def cmd_verify(args) -> int:
 def cmd_fixture(args) -> int:
     from .fixture import PRESETS, FixtureSpec, generate
 
-    fields = {k: v for k, v in vars(args).items() if k in FixtureSpec.model_fields and v is not None}
+    fields = {
+        k: v for k, v in vars(args).items() if k in FixtureSpec.model_fields and v is not None
+    }
     if args.trained:
         from .trained import write_trained
 
         if fields or args.preset or args.sparse:
-            given = [*sorted(fields), *(["preset"] if args.preset else []), *(["sparse"] if args.sparse else [])]
-            raise UsageError(f"--trained has a fixed shape; drop --{' --'.join(given).replace('_', '-')}")
+            given = [
+                *sorted(fields),
+                *(["preset"] if args.preset else []),
+                *(["sparse"] if args.sparse else []),
+            ]
+            raise UsageError(
+                f"--trained has a fixed shape; drop --{' --'.join(given).replace('_', '-')}"
+            )
         try:
             print(write_trained(args.out))
         except FileExistsError as e:
@@ -425,9 +519,19 @@ def cmd_list(args) -> int:
     for p in sorted(Path(args.manifests).glob("*.toml")):
         try:
             m = manifest.load(str(p), args.manifests)
-            inherited = f" (description inherited from {m.description_from})" if m.description_from != m.name else ""
-            rows.append({"variant": m.name, "description": m.description, "description_from": m.description_from,
-                         "line": f"{m.name:16} {m.description}{inherited}"})
+            inherited = (
+                f" (description inherited from {m.description_from})"
+                if m.description_from != m.name
+                else ""
+            )
+            rows.append(
+                {
+                    "variant": m.name,
+                    "description": m.description,
+                    "description_from": m.description_from,
+                    "line": f"{m.name:16} {m.description}{inherited}",
+                }
+            )
         except BuildkitError as e:
             rows.append({"variant": p.stem, "error": str(e), "line": f"{p.stem:16} (invalid: {e})"})
     if args.json:
@@ -447,71 +551,125 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--store", help="store directory (default: $BUILDKIT_STORE or ./cache)")
-    p.add_argument("--manifests", default="manifests", help="directory of variant manifests (default: manifests)")
+    p.add_argument(
+        "--manifests",
+        default="manifests",
+        help="directory of variant manifests (default: manifests)",
+    )
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def variant_cmd(name, fn, help_):
         s = sub.add_parser(name, help=help_, description=help_)
-        s.add_argument("variant", help="a manifest name in --manifests (e.g. xl-mtp) or a path to a .toml")
-        s.add_argument("--source", help="replace the manifest's source: a directory, hf://org/repo@revision or fixture:...")
+        s.add_argument(
+            "variant", help="a manifest name in --manifests (e.g. xl-mtp) or a path to a .toml"
+        )
+        s.add_argument(
+            "--source",
+            help="replace the manifest's source: a directory, hf://org/repo@revision or fixture:...",
+        )
         s.set_defaults(fn=fn)
         return s
 
     def remote_flag(s):
-        s.add_argument("--remote", metavar="URL",
-                       help="remote cache asked on a local miss: s3://bucket/prefix or file:///dir (default $BUILDKIT_REMOTE)")
+        s.add_argument(
+            "--remote",
+            metavar="URL",
+            help="remote cache asked on a local miss: s3://bucket/prefix or file:///dir (default $BUILDKIT_REMOTE)",
+        )
 
     def request_flags(s):
         """The flags that change what a build makes or where: build and plan take the same."""
         remote_flag(s)
-        s.add_argument("--out", help="directory publish writes to (default: the manifest's, out/VARIANT)")
-        s.add_argument("--target", action="append", help="only this step and what it needs (repeatable)")
-        s.add_argument("--release", action="store_true",
-                       help="require a pinned source revision; build also writes manifests/VARIANT.lock")
-        s.add_argument("--rehash", action="store_true", help="re-hash source files instead of trusting the stat cache")
+        s.add_argument(
+            "--out", help="directory publish writes to (default: the manifest's, out/VARIANT)"
+        )
+        s.add_argument(
+            "--target", action="append", help="only this step and what it needs (repeatable)"
+        )
+        s.add_argument(
+            "--release",
+            action="store_true",
+            help="require a pinned source revision; build also writes manifests/VARIANT.lock",
+        )
+        s.add_argument(
+            "--rehash",
+            action="store_true",
+            help="re-hash source files instead of trusting the stat cache",
+        )
 
-    b = variant_cmd("build", cmd_build, "Build a variant: run the stale steps, reuse the rest from the store.")
+    b = variant_cmd(
+        "build", cmd_build, "Build a variant: run the stale steps, reuse the rest from the store."
+    )
     request_flags(b)
     b.add_argument("-j", "--jobs", type=int, default=2, help="steps run in parallel (default 2)")
-    b.add_argument("--push", metavar="ORG/NAME", help="upload the published directory with huggingface_hub")
-    b.add_argument("--dry-run", action="store_true",
-                   help="plan only: print what would run and why, run nothing (like make -n)")
     b.add_argument(
-        "--full-check", action="store_true",
+        "--push", metavar="ORG/NAME", help="upload the published directory with huggingface_hub"
+    )
+    b.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="plan only: print what would run and why, run nothing (like make -n)",
+    )
+    b.add_argument(
+        "--full-check",
+        action="store_true",
         help="decide every step by its key even if no file it depends on changed since the last successful build",
     )
     b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
-    b.add_argument("--dask", metavar="ADDRESS", default=os.environ.get("BUILDKIT_DASK"),
-                   help="run the per-tensor work on a Dask cluster: a scheduler (tcp://host:8786) or "
-                   "local:N (start N worker processes); every worker must see the store at the same "
-                   "path (default: $BUILDKIT_DASK, else local threads)")
-    b.add_argument("--remote-upload", action="store_true",
-                   help="after the build, upload every node the remote lacks (objects, listings, then the record; "
-                   "signed with $BUILDKIT_SIGNING_KEY if set)")
+    b.add_argument(
+        "--dask",
+        metavar="ADDRESS",
+        default=os.environ.get("BUILDKIT_DASK"),
+        help="run the per-tensor work on a Dask cluster: a scheduler (tcp://host:8786) or "
+        "local:N (start N worker processes); every worker must see the store at the same "
+        "path (default: $BUILDKIT_DASK, else local threads)",
+    )
+    b.add_argument(
+        "--remote-upload",
+        action="store_true",
+        help="after the build, upload every node the remote lacks (objects, listings, then the record; "
+        "signed with $BUILDKIT_SIGNING_KEY if set)",
+    )
     b.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
 
-    pl = variant_cmd("plan", cmd_plan, "Show every step as fresh or stale, with the reason; takes build's flags.")
+    pl = variant_cmd(
+        "plan", cmd_plan, "Show every step as fresh or stale, with the reason; takes build's flags."
+    )
     request_flags(pl)
     pl.add_argument("--json", action="store_true", help="machine-readable output")
 
-    e = variant_cmd("explain", cmd_explain,
-                    "Show one step's cache key, why it is stale, its rules in the order tried, and its key's ingredients.")
+    e = variant_cmd(
+        "explain",
+        cmd_explain,
+        "Show one step's cache key, why it is stale, its rules in the order tried, and its key's ingredients.",
+    )
     e.add_argument("node", help="step name in the manifest")
     e.add_argument("--out", help="as build's --out")
-    e.add_argument("--json", action="store_true", help="everything as JSON (the full resolved plan included)")
+    e.add_argument(
+        "--json", action="store_true", help="everything as JSON (the full resolved plan included)"
+    )
     remote_flag(e)
 
     g = variant_cmd("graph", cmd_graph, "Print the step DAG.")
-    g.add_argument("--format", choices=["text", "dot", "mermaid"], default="text",
-                   help="text (one line per step), dot (Graphviz) or mermaid (default text)")
+    g.add_argument(
+        "--format",
+        choices=["text", "dot", "mermaid"],
+        default="text",
+        help="text (one line per step), dot (Graphviz) or mermaid (default text)",
+    )
 
-    v = variant_cmd("verify", cmd_verify, "Rebuild in an empty store and compare with a release lock, digest by digest.")
+    v = variant_cmd(
+        "verify",
+        cmd_verify,
+        "Rebuild in an empty store and compare with a release lock, digest by digest.",
+    )
     v.add_argument("--against", required=True, help="lock file (e.g. manifests/xl.lock)")
     v.add_argument("-j", "--jobs", type=int, default=2, help="steps run in parallel (default 2)")
     remote_flag(v)
 
     es = variant_cmd(
-        "estimate", cmd_estimate,
+        "estimate",
+        cmd_estimate,
         "Estimate a variant's size and bits per weight from config.json and the safetensors headers.",
     )
     es.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -528,62 +686,107 @@ examples:
   buildkit estimate xl
   buildkit estimate xl-mtp --source hf://Qwen/Qwen3.6-35B-A3B@<sha> --json
 """
-    es.add_argument("--json", action="store_true", help="print JSON: bits_per_weight, bits_per_weight_text, bytes, parts, roles")
+    es.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON: bits_per_weight, bits_per_weight_text, bytes, parts, roles",
+    )
 
     for name, fn, help_ in (
-        ("push", cmd_push, "Upload a built variant's closure (every node's record, listings and objects) to the remote."),
-        ("pull", cmd_pull, "Download a variant's closure from the remote into the local store (views into source "
-                           "files are not objects: the source must be here)."),
+        (
+            "push",
+            cmd_push,
+            "Upload a built variant's closure (every node's record, listings and objects) to the remote.",
+        ),
+        (
+            "pull",
+            cmd_pull,
+            "Download a variant's closure from the remote into the local store (views into source "
+            "files are not objects: the source must be here).",
+        ),
     ):
         pp = variant_cmd(name, fn, help_)
         request_flags(pp)
         pp.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
     gc = sub.add_parser(
-        "gc", help="Free store entries no remembered build reaches.",
+        "gc",
+        help="Free store entries no remembered build reaches.",
         description="Every build request (variant, source, out) is remembered until forgotten (`forget`, or "
         "--keep-last). gc removes the actions no remembered build names, then the artifacts and objects no "
         "kept action reaches, the memos (load checks, shard links: redone on demand) and the records of "
         "source files that no longer exist, and says how much it freed.",
     )
-    gc.add_argument("--dry-run", action="store_true", help="list what would be removed, by variant and step")
-    gc.add_argument("--keep-last", type=int, metavar="N", help="first forget all but the N newest builds of each variant")
-    gc.add_argument("--remote", metavar="URL",
-                    help="also clean this remote cache (never $BUILDKIT_REMOTE alone): listings and objects no remote "
-                    "record names, older than a day; records too with --remote-max-age")
-    gc.add_argument("--remote-max-age", type=float, metavar="DAYS",
-                    help="with --remote: first remove remote records older than DAYS (readers rebuild and re-upload)")
+    gc.add_argument(
+        "--dry-run", action="store_true", help="list what would be removed, by variant and step"
+    )
+    gc.add_argument(
+        "--keep-last",
+        type=int,
+        metavar="N",
+        help="first forget all but the N newest builds of each variant",
+    )
+    gc.add_argument(
+        "--remote",
+        metavar="URL",
+        help="also clean this remote cache (never $BUILDKIT_REMOTE alone): listings and objects no remote "
+        "record names, older than a day; records too with --remote-max-age",
+    )
+    gc.add_argument(
+        "--remote-max-age",
+        type=float,
+        metavar="DAYS",
+        help="with --remote: first remove remote records older than DAYS (readers rebuild and re-upload)",
+    )
     gc.set_defaults(fn=cmd_gc)
 
-    fg = sub.add_parser("forget", help="Forget a variant's builds, so gc may free them.",
-                        description="Forget the remembered builds of VARIANT (only those published to --out, if "
-                        "given); the next gc frees what no remembered build uses.")
+    fg = sub.add_parser(
+        "forget",
+        help="Forget a variant's builds, so gc may free them.",
+        description="Forget the remembered builds of VARIANT (only those published to --out, if "
+        "given); the next gc frees what no remembered build uses.",
+    )
     fg.add_argument("variant", help="variant name")
-    fg.add_argument("--out", help="only the build that published to this directory (default out/VARIANT)")
+    fg.add_argument(
+        "--out", help="only the build that published to this directory (default out/VARIANT)"
+    )
     fg.set_defaults(fn=cmd_forget)
 
     ev = sub.add_parser(
-        "eval", help="Grade any MLX model directory against a bf16 source directory (KLD, top-1, perplexity, MTP acceptance).",
+        "eval",
+        help="Grade any MLX model directory against a bf16 source directory (KLD, top-1, perplexity, MTP acceptance).",
         description="The eval step's measurement for any MLX directory (buildkit's or mlx_lm.convert's) against "
-        "a bf16 source in Hugging Face layout, each read one decoder layer at a time from its safetensors files.")
+        "a bf16 source in Hugging Face layout, each read one decoder layer at a time from its safetensors files.",
+    )
     ev.add_argument("model", help="MLX model directory")
     ev.add_argument("--source", required=True, help="bf16 source directory (Hugging Face layout)")
-    ev.add_argument("--text", help="text file whose held-out lines (every 5th) are evaluated (default: the builtin one)")
+    ev.add_argument(
+        "--text",
+        help="text file whose held-out lines (every 5th) are evaluated (default: the builtin one)",
+    )
     ev.add_argument("--max-tokens", type=int, help="at most this many tokens (default 1024)")
     ev.add_argument("--json", action="store_true", help="machine-readable output")
     ev.set_defaults(fn=cmd_eval)
 
-    cp = sub.add_parser("compare", help="Variants' eval figures side by side, from their last builds.",
-                        description="Size, bits per weight, KL divergence (mean, p99), top-1 agreement, perplexity and "
-                        "MTP acceptance of each variant's last build, with labelled comparisons (a baseline) as rows.")
+    cp = sub.add_parser(
+        "compare",
+        help="Variants' eval figures side by side, from their last builds.",
+        description="Size, bits per weight, KL divergence (mean, p99), top-1 agreement, perplexity and "
+        "MTP acceptance of each variant's last build, with labelled comparisons (a baseline) as rows.",
+    )
     cp.add_argument("variants", nargs="+", metavar="VARIANT", help="variant names")
-    cp.add_argument("--plot", metavar="FILE.png", help="also draw size against KL divergence (needs matplotlib)")
+    cp.add_argument(
+        "--plot", metavar="FILE.png", help="also draw size against KL divergence (needs matplotlib)"
+    )
     cp.add_argument("--json", action="store_true", help="machine-readable output")
     cp.set_defaults(fn=cmd_compare)
 
-    ss = sub.add_parser("status", help="Every variant: its last build, fresh or stale, and why.",
-                        description="Every variant in --manifests with its last build (source, out, when), "
-                        "planned against the store: fresh, or stale with the first reason.")
+    ss = sub.add_parser(
+        "status",
+        help="Every variant: its last build, fresh or stale, and why.",
+        description="Every variant in --manifests with its last build (source, out, when), "
+        "planned against the store: fresh, or stale with the first reason.",
+    )
     ss.add_argument("--json", action="store_true", help="machine-readable output")
     remote_flag(ss)
     ss.set_defaults(fn=cmd_status)
@@ -593,8 +796,11 @@ examples:
     chk = st_sub.add_parser("check", help="Re-hash every object; remove and report corrupt ones.")
     chk.set_defaults(fn=cmd_store_check)
 
-    ls = sub.add_parser("list", help="List the variants in --manifests.",
-                        description="Each variant in --manifests with its description (an inherited one says from where).")
+    ls = sub.add_parser(
+        "list",
+        help="List the variants in --manifests.",
+        description="Each variant in --manifests with its description (an inherited one says from where).",
+    )
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(fn=cmd_list)
 
@@ -604,20 +810,29 @@ examples:
         description="Write a small deterministic qwen3_5_moe checkpoint (sharded bf16 safetensors + index, config.json, tokenizer, mtp.* in the last shard).",
     )
     fx.add_argument("out", help="directory to create (must not exist or be empty)")
-    fx.add_argument("--sparse", action="store_true",
-                    help="write tensors over 1 MiB as their first 4 KiB and a hole: real shapes, little disk")
     fx.add_argument(
-        "--trained", action="store_true",
+        "--sparse",
+        action="store_true",
+        help="write tensors over 1 MiB as their first 4 KiB and a hole: real shapes, little disk",
+    )
+    fx.add_argument(
+        "--trained",
+        action="store_true",
         help="write the small checkpoint trained on real text (buildkit/data/trained) instead of random weights",
     )
     if fixture_options:
         from .fixture import PRESETS, FixtureSpec
 
-        fx.add_argument("--preset", choices=sorted(PRESETS),
-                        help="start from a real model's dimensions (qwen3.6-35b-a3b: ~72 GB; use --sparse); options given override it")
+        fx.add_argument(
+            "--preset",
+            choices=sorted(PRESETS),
+            help="start from a real model's dimensions (qwen3.6-35b-a3b: ~72 GB; use --sparse); options given override it",
+        )
 
         for name, f in FixtureSpec.model_fields.items():
-            fx.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, help=f"(default {f.default})")
+            fx.add_argument(
+                f"--{name.replace('_', '-')}", dest=name, type=int, help=f"(default {f.default})"
+            )
     fx.set_defaults(fn=cmd_fixture)
     return p
 

@@ -61,14 +61,23 @@ class Weights:
 
 
 def _nbytes(w: Weights, name: str) -> int:
-    return int(np.prod(w.shapes[name])) * {"BF16": 2, "F16": 2, "F32": 4, "U32": 4, "I32": 4}.get(w.names[name], 4)
+    return int(np.prod(w.shapes[name])) * {"BF16": 2, "F16": 2, "F32": 4, "U32": 4, "I32": 4}.get(
+        w.names[name], 4
+    )
 
 
 class StoreWeights(Weights):
     """Artifacts in the store (sanitize:model, graft, quantize, requantize)."""
 
-    def __init__(self, store, arts, config: dict, quantization: dict | None, tokenizer: str | None = None):
-        self.store, self.config, self.quantization, self.tok = store, config, quantization, tokenizer
+    def __init__(
+        self, store, arts, config: dict, quantization: dict | None, tokenizer: str | None = None
+    ):
+        self.store, self.config, self.quantization, self.tok = (
+            store,
+            config,
+            quantization,
+            tokenizer,
+        )
         self.entries = {k: v for a in arts for k, v in a.tensors.items()}
         self.names = {k: v["dtype"] for k, v in self.entries.items()}
         self.shapes = {k: v["shape"] for k, v in self.entries.items()}
@@ -78,7 +87,9 @@ class StoreWeights(Weights):
 
     def tokenizer_json(self):
         if self.tok is None:
-            raise SourceError("the source artifact has no tokenizer.json; evaluation tokenizes with the source's own")
+            raise SourceError(
+                "the source artifact has no tokenizer.json; evaluation tokenizes with the source's own"
+            )
         return self.store.get_blob(self.tok)
 
 
@@ -91,7 +102,9 @@ class DirWeights(Weights):
         try:
             self.config = json.loads((self.path / "config.json").read_text())
         except (OSError, ValueError) as e:
-            raise UsageError(f"{self.path}: no readable config.json ({e}); point at a model directory") from None
+            raise UsageError(
+                f"{self.path}: no readable config.json ({e}); point at a model directory"
+            ) from None
         self.quantization = self.config.get("quantization")
         self.where: dict[str, tuple] = {}  # MLX name -> (hf name, path, info, slice, shape)
         files = sorted(self.path.glob("*.safetensors"))
@@ -100,7 +113,10 @@ class DirWeights(Weights):
         for f in files:
             for name, info in read_header(f).tensors.items():
                 if hf is None:
-                    hf = name.startswith(("model.language_model.", "mtp.")) or name == "lm_head.weight"
+                    hf = (
+                        name.startswith(("model.language_model.", "mtp."))
+                        or name == "lm_head.weight"
+                    )
                 if not hf:
                     self.where[name] = (None, f, info, None, tuple(info.shape))
                 elif not name.startswith("model.visual."):
@@ -122,7 +138,9 @@ class DirWeights(Weights):
     def tokenizer_json(self):
         p = self.path / "tokenizer.json"
         if not p.is_file():
-            raise UsageError(f"{self.path}: no tokenizer.json; evaluation tokenizes with the source's own")
+            raise UsageError(
+                f"{self.path}: no tokenizer.json; evaluation tokenizes with the source's own"
+            )
         return p.read_bytes()
 
 
@@ -145,8 +163,13 @@ def _quantize(module, w: Weights, prefix: str) -> None:
             return q[path]
         return hasattr(m, "to_quantized") and f"{path}.scales" in w.names and default
 
-    nn.quantize(module, group_size=default.get("group_size", 64), bits=default.get("bits", 4),
-                mode=default.get("mode", "affine"), class_predicate=predicate)
+    nn.quantize(
+        module,
+        group_size=default.get("group_size", 64),
+        bits=default.get("bits", 4),
+        mode=default.get("mode", "affine"),
+        class_predicate=predicate,
+    )
 
 
 def _load(module, w: Weights, prefix: str) -> None:
@@ -156,7 +179,7 @@ def _load(module, w: Weights, prefix: str) -> None:
     arrays = []
     for name in sorted(n for n in w.names if n.startswith(prefix)):
         a = to_mlx(w.read(name), w.names[name])
-        arrays.append((name[len(prefix):], a.astype(mx.float32) if w.names[name] in FLOATS else a))
+        arrays.append((name[len(prefix) :], a.astype(mx.float32) if w.names[name] in FLOATS else a))
     module.load_weights(arrays, strict=True)
     mx.eval(module.parameters())
 
@@ -229,7 +252,9 @@ def rows(seqs: list[np.ndarray]):
     return [(j, r, b[r]) for j, b in enumerate(seqs) for r in range(b.shape[0])]
 
 
-def compare_outputs(src: Weights, mod: Weights, ts: Trunk, tm: Trunk, seqs: list[np.ndarray]) -> dict:
+def compare_outputs(
+    src: Weights, mod: Weights, ts: Trunk, tm: Trunk, seqs: list[np.ndarray]
+) -> dict:
     """KL, top-1 agreement and perplexities over every position that has a next token; fills
     each Trunk's ``argmax``."""
     import mlx.core as mx
@@ -286,7 +311,11 @@ def _head_class():
             self.norm = nn.RMSNorm(H, eps=eps)
 
         def __call__(self, emb, hidden):
-            x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], axis=-1))
+            x = self.fc(
+                mx.concatenate(
+                    [self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], axis=-1
+                )
+            )
             for layer in self.layers:
                 x = layer(x, mask=_mask(layer, x), cache=None)
             return self.norm(x)
@@ -329,7 +358,9 @@ def sequences(tokens: list[int], seq_len: int) -> list[np.ndarray]:
     return out
 
 
-def evaluate(src: Weights, mod: Weights, tokens: list[int], seq_len: int, head: bool = True, progress=None):
+def evaluate(
+    src: Weights, mod: Weights, tokens: list[int], seq_len: int, head: bool = True, progress=None
+):
     """(figures, trunks): the trunk figures and, if ``head`` and both models have one, the
     acceptance of each head on its own trunk."""
     import mlx.core  # noqa: F401  (so that its buffer cache can be turned off before the first layer)
@@ -351,4 +382,8 @@ def evaluate(src: Weights, mod: Weights, tokens: list[int], seq_len: int, head: 
 
 def heads(src: Weights, mod: Weights, ts: Trunk, tm: Trunk) -> dict:
     a, b = head_acceptance(mod, tm), head_acceptance(src, ts)
-    return {"acceptance": a["acceptance"], "acceptance_source": b["acceptance"], "acceptance_positions": a["positions"]}
+    return {
+        "acceptance": a["acceptance"],
+        "acceptance_source": b["acceptance"],
+        "acceptance_positions": a["positions"],
+    }

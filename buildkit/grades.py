@@ -54,9 +54,15 @@ def last_results(store: Store, variant: str) -> list[dict]:
             reports.append(outs["out"].meta.get("report", {}))
         else:
             meta = outs["out"].meta
-            published = {"bits_per_weight": meta.get("bits_per_weight"),
-                         "size_bytes": sum(s for n, s in meta.get("sizes", {}).items() if n.endswith(".safetensors"))}
-    reports.sort(key=lambda r: (bool(r.get("label")), r.get("scope") == "head"))  # trunk, head, labelled
+            published = {
+                "bits_per_weight": meta.get("bits_per_weight"),
+                "size_bytes": sum(
+                    s for n, s in meta.get("sizes", {}).items() if n.endswith(".safetensors")
+                ),
+            }
+    reports.sort(
+        key=lambda r: (bool(r.get("label")), r.get("scope") == "head")
+    )  # trunk, head, labelled
     merged = merge_evals(reports)
     if not merged:
         return []
@@ -72,10 +78,20 @@ def last_results(store: Store, variant: str) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     heads = ["variant", *(h for _, h, _ in COLUMNS)]
-    cells = [[r["variant"], *(f(r[k]) if isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) else "-"
-                              for k, _, f in COLUMNS)] for r in rows]
+    cells = [
+        [
+            r["variant"],
+            *(
+                f(r[k]) if isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) else "-"
+                for k, _, f in COLUMNS
+            ),
+        ]
+        for r in rows
+    ]
     width = [max(len(x) for x in col) for col in zip(heads, *cells)]
-    fmt = lambda xs: "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(xs, width)))  # noqa: E731
+    fmt = lambda xs: "  ".join(
+        x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(xs, width))
+    )  # noqa: E731
     return "\n".join([fmt(heads), *(fmt(c) for c in cells)])
 
 
@@ -86,7 +102,9 @@ def plot(rows: list[dict], path: Path) -> None:
     except ImportError:
         from .errors import UsageError
 
-        raise UsageError("--plot needs matplotlib: pip install 'buildkit[plot]' (or matplotlib)") from None
+        raise UsageError(
+            "--plot needs matplotlib: pip install 'buildkit[plot]' (or matplotlib)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -94,8 +112,13 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for r in pts:
         ax.scatter(r["size_bytes"] / 1e9, r["kld_mean"])
-        ax.annotate(r["variant"], (r["size_bytes"] / 1e9, r["kld_mean"]), fontsize=8,
-                    textcoords="offset points", xytext=(4, 4))
+        ax.annotate(
+            r["variant"],
+            (r["size_bytes"] / 1e9, r["kld_mean"]),
+            fontsize=8,
+            textcoords="offset points",
+            xytext=(4, 4),
+        )
     ax.set_xlabel("size (GB)")
     ax.set_ylabel("KL divergence from bf16, mean (nats)")
     ax.set_title("size against KL divergence")

@@ -35,7 +35,9 @@ class Scheduler(Planner):
         super().__init__(manifest, store, options)
         self.executor = None  # a distributed.DaskExecutor while a --dask build runs
 
-    def build(self, targets: list[str] | None = None, jobs: int = 2, quiet: bool = False) -> list[NodeState]:
+    def build(
+        self, targets: list[str] | None = None, jobs: int = 2, quiet: bool = False
+    ) -> list[NodeState]:
         """Run the stale nodes; independent nodes run in parallel on ``jobs`` threads.
 
         A store entry a step finds corrupt (or gone) is a miss: it has been removed (or, from
@@ -88,7 +90,9 @@ class Scheduler(Planner):
                             break
                         if all(p in done for p in self.topo.preds[n] if p in states):
                             remaining.discard(n)
-                            fut = pool.submit(self._run_node, n, states, prev, reporter, workers=jobs)
+                            fut = pool.submit(
+                                self._run_node, n, states, prev, reporter, workers=jobs
+                            )
                             running[fut] = n
                 if not running:
                     break
@@ -110,12 +114,20 @@ class Scheduler(Planner):
                 err = copy.copy(exc)  # the same class and fields, whatever its constructor takes
                 err.args = (f"step {n!r} ({self.m.nodes[n].kind}) failed: {exc}",)
                 raise err from exc
-            if isinstance(exc, OSError):  # the disk or the OS said no: a clear message, no traceback
+            if isinstance(
+                exc, OSError
+            ):  # the disk or the OS said no: a clear message, no traceback
                 full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                hint = "; free space (or use --store/--out on another disk) and build again" if full else ""
+                hint = (
+                    "; free space (or use --store/--out on another disk) and build again"
+                    if full
+                    else ""
+                )
                 raise StepError(f"step {n!r} ({self.m.nodes[n].kind}) failed: {exc}{hint}") from exc
             detail = "".join(traceback.format_exception(exc)).rstrip()
-            raise StepError(f"step {n!r} ({self.m.nodes[n].kind}) failed with an internal error:\n{detail}") from exc
+            raise StepError(
+                f"step {n!r} ({self.m.nodes[n].kind}) failed with an internal error:\n{detail}"
+            ) from exc
         self._record(states)
         ran = sum(s.ran for s in states.values())
         if not quiet:
@@ -125,10 +137,16 @@ class Scheduler(Planner):
             )
         return list(states.values())
 
-    def _run_node(self, name: str, states: dict[str, NodeState], prev: dict, reporter: Reporter) -> None:
+    def _run_node(
+        self, name: str, states: dict[str, NodeState], prev: dict, reporter: Reporter
+    ) -> None:
         node = self.m.nodes[name]
         st = states[name]
-        ctx = self.context(name, Progress(name, reporter.update), lambda node, msg: reporter.line(f"  {node}: {msg}"))
+        ctx = self.context(
+            name,
+            Progress(name, reporter.update),
+            lambda node, msg: reporter.line(f"  {node}: {msg}"),
+        )
         ctx.executor = self.executor
         digests = self.input_digests(node, states)
         st.ingredients = ingredients(node, digests, ctx)
@@ -140,7 +158,10 @@ class Scheduler(Planner):
                 why = node.step.outdated(node.params, self.artifacts(st.outputs), ctx)
                 if not why:
                     st.fresh = True
-                    reporter.line(f"[cached] {name} ({node.kind}) {keys.short(st.key)}" + (" (remote)" if "remote" in rec else ""))
+                    reporter.line(
+                        f"[cached] {name} ({node.kind}) {keys.short(st.key)}"
+                        + (" (remote)" if "remote" in rec else "")
+                    )
                     return
                 reasons = [why]
             else:
@@ -157,7 +178,9 @@ class Scheduler(Planner):
             allocator.tune_imported()  # an earlier step imported mlx: its buffer cache off
             outputs = node.step.run(ctx, node.params, inputs)
             if set(outputs) != set(node.step.outputs):
-                raise StepError(f"returned outputs {sorted(outputs)}, expected {list(node.step.outputs)}")
+                raise StepError(
+                    f"returned outputs {sorted(outputs)}, expected {list(node.step.outputs)}"
+                )
             st.outputs = {k: self.store.put_artifact(a) for k, a in sorted(outputs.items())}
             st.seconds = time.monotonic() - t
             st.stats = {
@@ -167,8 +190,15 @@ class Scheduler(Planner):
             }
             self.store.put_action(
                 st.key,
-                {"key": st.key, "outputs": st.outputs, "kind": node.kind, "node": name,
-                 "variant": self.m.name, "pid": os.getpid(), "stats": st.stats},
+                {
+                    "key": st.key,
+                    "outputs": st.outputs,
+                    "kind": node.kind,
+                    "node": name,
+                    "variant": self.m.name,
+                    "pid": os.getpid(),
+                    "stats": st.stats,
+                },
             )
             st.ran = True
             reporter.finish_node(name)
@@ -179,7 +209,10 @@ class Scheduler(Planner):
 
     def _keep_report(self, name: str, exc: VerifyError) -> VerifyError:
         """A failed verify's full report, kept where the user can read it."""
-        path = self.store.layout.reports / f"{self.m.name}.{name}.{keys.short(keys.blob_digest(exc.report))}.json"
+        path = (
+            self.store.layout.reports
+            / f"{self.m.name}.{name}.{keys.short(keys.blob_digest(exc.report))}.json"
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, exc.report, self.store.layout.tmp)
         return VerifyError(f"{exc}. Full report: {path}", report=exc.report)
@@ -189,7 +222,9 @@ class Scheduler(Planner):
         for n, st in states.items():
             nodes[n] = {"key": st.key, "ingredients": st.ingredients, "outputs": st.outputs}
         nodes = {n: v for n, v in nodes.items() if n in self.m.nodes}
-        self.store.set_ref(self.m.name, {"keys": {n: v["key"] for n, v in nodes.items()}, "nodes": nodes})
+        self.store.set_ref(
+            self.m.name, {"keys": {n: v["key"] for n, v in nodes.items()}, "nodes": nodes}
+        )
         root = (self.store.get_root(self.request()) or {}).get("nodes", {})
         root.update({n: {"key": st.key, "ingredients": st.ingredients} for n, st in states.items()})
         self.store.set_root(self.request(), {n: v for n, v in root.items() if n in self.m.nodes})

@@ -48,7 +48,10 @@ class Project:
         """Run the CLI in a child process (for exit codes, concurrency and kills)."""
         p = subprocess.run(
             [sys.executable, "-m", "buildkit.cli", *self.args(*argv)],
-            cwd=self.root, capture_output=True, text=True, **kw,
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            **kw,
         )
         if check and p.returncode != 0:
             raise AssertionError(f"buildkit {' '.join(argv)} exited {p.returncode}:\n{p.stderr}")

@@ -18,7 +18,16 @@ from buildkit.steps.eval import heldout_tokens
 from buildkit.store import Store
 
 TEXT = Path(__file__).resolve().parents[1] / "buildkit" / "data" / "calibration.txt"
-FIGURES = ("kld_mean", "kld_median", "kld_p99", "top1_agreement", "ppl_source", "ppl_model", "acceptance", "acceptance_source")
+FIGURES = (
+    "kld_mean",
+    "kld_median",
+    "kld_p99",
+    "top1_agreement",
+    "ppl_source",
+    "ppl_model",
+    "acceptance",
+    "acceptance_source",
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +56,15 @@ def test_figures_are_finite_and_sane(built):
     e = eval_json(p, "xl-mtp")
     assert all(math.isfinite(e[k]) for k in FIGURES)
     assert 0 <= e["kld_median"] <= e["kld_p99"] and 0 < e["kld_mean"]
-    assert 0 <= e["top1_agreement"] <= 1 and 0 <= e["acceptance"] <= 1 and 0 <= e["acceptance_source"] <= 1
+    assert (
+        0 <= e["top1_agreement"] <= 1
+        and 0 <= e["acceptance"] <= 1
+        and 0 <= e["acceptance_source"] <= 1
+    )
     assert e["ppl_model"] > 1 and e["ppl_source"] > 1
-    assert e["tokens"] == 1024 and e["positions"] == 1024 - 8  # 8 sequences of 128, none past its end
+    assert (
+        e["tokens"] == 1024 and e["positions"] == 1024 - 8
+    )  # 8 sequences of 128, none past its end
     card = (p.out / "xl-mtp" / "README.md").read_text()
     assert "## Evaluation" in card and "KL divergence KL(p_bf16 ‖ p_model), mean" in card
     assert f"{e['kld_mean']:.5f}" in card
@@ -87,11 +102,25 @@ def test_buildkit_eval_grades_an_mlx_lm_convert_directory(built, capsys, tmp_pat
 
     p, src, *_ = built
     convert(str(src), str(tmp_path / "q4"), quantize=True, q_bits=4, q_group_size=64)
-    e = cli_json(p, capsys, "eval", str(tmp_path / "q4"), "--source", str(src), "--json", "--max-tokens", "256")
+    e = cli_json(
+        p,
+        capsys,
+        "eval",
+        str(tmp_path / "q4"),
+        "--source",
+        str(src),
+        "--json",
+        "--max-tokens",
+        "256",
+    )
     assert e["kld_mean"] > 0 and math.isfinite(e["kld_p99"]) and 0 < e["top1_agreement"] < 1
     assert "acceptance" not in e  # mlx_lm.convert drops the MTP head
-    xl = cli_json(p, capsys, "eval", str(p.out / "xl"), "--source", str(src), "--json", "--max-tokens", "256")
-    assert xl["ppl_source"] == e["ppl_source"] and xl["kld_mean"] < e["kld_mean"]  # 6/8-bit beats 4-bit
+    xl = cli_json(
+        p, capsys, "eval", str(p.out / "xl"), "--source", str(src), "--json", "--max-tokens", "256"
+    )
+    assert (
+        xl["ppl_source"] == e["ppl_source"] and xl["kld_mean"] < e["kld_mean"]
+    )  # 6/8-bit beats 4-bit
 
 
 def _mlx_lm_ppl(model, tokens: list[int]) -> float:
@@ -100,7 +129,9 @@ def _mlx_lm_ppl(model, tokens: list[int]) -> float:
         for row in b:
             logits = model(mx.array(row[None]))[0].astype(mx.float32)
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            nll.append(-np.array(mx.take_along_axis(lp[:-1], mx.array(row[1:])[:, None], axis=-1))[:, 0])
+            nll.append(
+                -np.array(mx.take_along_axis(lp[:-1], mx.array(row[1:])[:, None], axis=-1))[:, 0]
+            )
     return float(np.exp(np.concatenate(nll).astype(np.float64).mean()))
 
 
@@ -144,10 +175,14 @@ def test_text_is_keyed_by_content_not_path(built, capsys):
     p, src, *_ = built
     (p.root / "held.txt").write_text(TEXT.read_text())
     p.write_manifest("xl-text", 'extends = "xl"\n[steps.eval]\nparams.text = "held.txt"\n')
-    plan = cli_json(p, capsys, "plan", "xl-text", "--source", str(src), "--out", str(p.out / "xl"), "--json")
+    plan = cli_json(
+        p, capsys, "plan", "xl-text", "--source", str(src), "--out", str(p.out / "xl"), "--json"
+    )
     assert {s["step"]: s["fresh"] for s in plan["steps"]}["eval"] is True
     (p.root / "held.txt").write_text(TEXT.read_text() + "one more line\n" * 5)
-    plan = cli_json(p, capsys, "plan", "xl-text", "--source", str(src), "--out", str(p.out / "xl"), "--json")
+    plan = cli_json(
+        p, capsys, "plan", "xl-text", "--source", str(src), "--out", str(p.out / "xl"), "--json"
+    )
     step = {s["step"]: s for s in plan["steps"]}["eval"]
     assert not step["fresh"] and "evaluation text changed" in step["reasons"][0]
 
@@ -158,7 +193,16 @@ def test_a_gate_fails_a_release_build_with_a_clear_message(built, tmp_path):
     p.write_manifest("xl-gated", 'extends = "xl"\n[steps.eval]\nparams.max_kld_mean = 1e-9\n')
     ok = p.build("xl-gated", "--source", str(src))  # gates are not in the key: xl's eval, cached
     assert "eval" in cached(ok)
-    rel = p.run("build", "xl-gated", "--source", str(src), "--out", str(p.out / "xl-gated"), "--release", check=False)
+    rel = p.run(
+        "build",
+        "xl-gated",
+        "--source",
+        str(src),
+        "--out",
+        str(p.out / "xl-gated"),
+        "--release",
+        check=False,
+    )
     assert rel.returncode == 1
     assert "release gate failed: kld_mean" in rel.stderr and "> max_kld_mean 1e-09" in rel.stderr
     assert "release gate not met by the cached figures" in rel.stderr  # why it ran again
@@ -174,23 +218,34 @@ def test_oq4e_grades_a_data_agnostic_baseline_beside_itself(built, tmp_path, cap
     assert base["tokens"] == e["tokens"] and math.isfinite(base["kld_mean"])
     assert "data-agnostic 4-bit (baseline)" in (p.out / "oq4e-mtp-xl" / "README.md").read_text()
     rows = cli_json(p, capsys, "compare", "oq4e-mtp-xl", "--json")
-    assert [r["variant"] for r in rows] == ["oq4e-mtp-xl", "oq4e-mtp-xl [data-agnostic 4-bit (baseline)]"]
+    assert [r["variant"] for r in rows] == [
+        "oq4e-mtp-xl",
+        "oq4e-mtp-xl [data-agnostic 4-bit (baseline)]",
+    ]
     assert rows[1]["size_bytes"] == rows[0]["size_bytes"]  # the same bits, other bytes
 
 
 # ---- with the trained fixture (buildkit/trained.py, from the trained-fixture branch) -------------
+
 
 def _trained_here() -> bool:
     """buildkit.trained in this checkout (an editable install elsewhere may resolve it from there)."""
     import buildkit
 
     spec = importlib.util.find_spec("buildkit.trained")
-    return spec is not None and spec.origin is not None and Path(spec.origin).parent == Path(buildkit.__file__).parent
+    return (
+        spec is not None
+        and spec.origin is not None
+        and Path(spec.origin).parent == Path(buildkit.__file__).parent
+    )
 
 
 TRAINED = _trained_here()
-needs_trained = pytest.mark.skipif(not TRAINED, reason="needs the trained fixture (buildkit.trained, branch "
-                                   "trained-fixture): on random weights these figures mean nothing")
+needs_trained = pytest.mark.skipif(
+    not TRAINED,
+    reason="needs the trained fixture (buildkit.trained, branch "
+    "trained-fixture): on random weights these figures mean nothing",
+)
 
 
 def trained_text() -> tuple[Path, int]:
@@ -210,9 +265,14 @@ def trained(tmp_path_factory):
     text, every = trained_text()
     xl = p.manifests / "xl.toml"
     line = next(ln for ln in xl.read_text().splitlines() if ln.startswith("params.text"))
-    xl.write_text(xl.read_text().replace(line, f'params.text = "{text}"\nparams.heldout_every = {every}'))
+    xl.write_text(
+        xl.read_text().replace(line, f'params.text = "{text}"\nparams.heldout_every = {every}')
+    )
     for bits in (4, 3):
-        p.write_manifest(f"xl-{bits}bit", f'extends = "xl"\n[recipe.roles]\nrouted_expert = {{ bits = {bits}, group_size = 64 }}\n')
+        p.write_manifest(
+            f"xl-{bits}bit",
+            f'extends = "xl"\n[recipe.roles]\nrouted_expert = {{ bits = {bits}, group_size = 64 }}\n',
+        )
     for v in ("xl", "xl-mtp", "xl-4bit", "xl-3bit"):
         p.build(v, "--source", str(src))
     return p, Path(src)
@@ -221,7 +281,11 @@ def trained(tmp_path_factory):
 @needs_trained
 def test_trained_kld_grows_as_bits_shrink(trained):
     p, _ = trained
-    assert eval_json(p, "xl")["kld_mean"] < eval_json(p, "xl-4bit")["kld_mean"] < eval_json(p, "xl-3bit")["kld_mean"]
+    assert (
+        eval_json(p, "xl")["kld_mean"]
+        < eval_json(p, "xl-4bit")["kld_mean"]
+        < eval_json(p, "xl-3bit")["kld_mean"]
+    )
 
 
 @needs_trained
@@ -235,7 +299,14 @@ def test_trained_head_accepts_within_three_points_of_bf16(trained):
 class Broken(ev.DirWeights):
     """The published xl-mtp with its head broken the way a converter can break it."""
 
-    NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "mtp.norm", "layernorm", "q_norm", "k_norm")
+    NORMS = (
+        "pre_fc_norm_embedding",
+        "pre_fc_norm_hidden",
+        "mtp.norm",
+        "layernorm",
+        "q_norm",
+        "k_norm",
+    )
 
     def __init__(self, path, how: str):
         super().__init__(path)
@@ -244,9 +315,18 @@ class Broken(ev.DirWeights):
     def read(self, name):
         head = name.startswith(ev.HEAD)
         if head and self.how == "gate_up" and ".switch_mlp." in name:
-            name = name.replace("gate_proj", "\0").replace("up_proj", "gate_proj").replace("\0", "up_proj")
+            name = (
+                name.replace("gate_proj", "\0")
+                .replace("up_proj", "gate_proj")
+                .replace("\0", "up_proj")
+            )
         a = super().read(name)
-        if head and self.how == "norms" and name.endswith(".weight") and any(n in name for n in self.NORMS):
+        if (
+            head
+            and self.how == "norms"
+            and name.endswith(".weight")
+            and any(n in name for n in self.NORMS)
+        ):
             f = a.view(np.uint16).astype(np.uint32) << 16
             return ((f.view(np.float32) + 1.0).view(np.uint32) >> 16).astype(np.uint16)
         if head and self.how == "fc" and name == "language_model.mtp.fc.weight":

@@ -14,15 +14,30 @@ from buildkit.tensors import read_header
 
 SPEC = FixtureSpec()
 MTP_KEYS = {
-    "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
-    *(f"mtp.layers.0.{k}" for k in (
-        "input_layernorm.weight", "post_attention_layernorm.weight",
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-        "mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
-        "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
-        "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight",
-    )),
+    "mtp.fc.weight",
+    "mtp.pre_fc_norm_embedding.weight",
+    "mtp.pre_fc_norm_hidden.weight",
+    "mtp.norm.weight",
+    *(
+        f"mtp.layers.0.{k}"
+        for k in (
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight",
+            "mlp.gate.weight",
+            "mlp.experts.gate_up_proj",
+            "mlp.experts.down_proj",
+            "mlp.shared_expert.gate_proj.weight",
+            "mlp.shared_expert.up_proj.weight",
+            "mlp.shared_expert.down_proj.weight",
+            "mlp.shared_expert_gate.weight",
+        )
+    ),
 }
 
 
@@ -83,7 +98,9 @@ def test_config_and_tokenizer_load_with_transformers(fixture_dir):
     assert sum(text["rope_parameters"]["mrope_section"]) == SPEC.head_dim // 8
     tok = AutoTokenizer.from_pretrained(fixture_dir)
     s = "Hello, world!\n  The 2048 experts don't sleep. café"
-    assert tok(s).input_ids == Tokenizer.from_file(str(fixture_dir / "tokenizer.json")).encode(s).ids
+    assert (
+        tok(s).input_ids == Tokenizer.from_file(str(fixture_dir / "tokenizer.json")).encode(s).ids
+    )
     assert tok.decode(tok(s).input_ids) == s
     assert len(tok) <= SPEC.vocab
     assert tok.eos_token == "<|im_end|>"
@@ -108,7 +125,10 @@ def test_key_set_index_and_shapes(fixture_dir):
     assert all(weight_map[k] == last for k in mtp)
 
     H, E, MI = SPEC.hidden, SPEC.experts, SPEC.moe_intermediate
-    conv = 2 * SPEC.linear_key_heads * SPEC.linear_key_dim + SPEC.linear_value_heads * SPEC.linear_value_dim
+    conv = (
+        2 * SPEC.linear_key_heads * SPEC.linear_key_dim
+        + SPEC.linear_value_heads * SPEC.linear_value_dim
+    )
     lm = "model.language_model."
     assert shapes[lm + "layers.0.linear_attn.conv1d.weight"] == [conv, 1, SPEC.conv_kernel]
     assert shapes[lm + "layers.0.mlp.experts.gate_up_proj"] == [E, 2 * MI, H]
@@ -123,7 +143,9 @@ def test_key_set_index_and_shapes(fixture_dir):
     assert shapes["model.visual.patch_embed.proj.weight"] == [SPEC.vision_hidden, 3, 2, 16, 16]
     assert shapes["model.visual.merger.linear_fc1.weight"] == [4 * SPEC.vision_hidden] * 2
     assert len(vis) == 3 + 12 * SPEC.vision_depth + 6
-    assert len(shapes) == 3 + 3 * 18 + 15 + len(vis) + 19  # embed/norm/lm_head, 3 linear, 1 full, mtp
+    assert (
+        len(shapes) == 3 + 3 * 18 + 15 + len(vis) + 19
+    )  # embed/norm/lm_head, 3 linear, 1 full, mtp
 
 
 def test_files_match_safetensors_serializer(fixture_dir):
@@ -136,11 +158,24 @@ def test_files_match_safetensors_serializer(fixture_dir):
         (n,) = struct.unpack("<Q", raw[:8])
         header = json.loads(raw[8 : 8 + n])
         arrays = {
-            k: np.frombuffer(raw, "<u2", (v["data_offsets"][1] - v["data_offsets"][0]) // 2, 8 + n + v["data_offsets"][0])
-            for k, v in header.items() if k != "__metadata__"
+            k: np.frombuffer(
+                raw,
+                "<u2",
+                (v["data_offsets"][1] - v["data_offsets"][0]) // 2,
+                8 + n + v["data_offsets"][0],
+            )
+            for k, v in header.items()
+            if k != "__metadata__"
         }
-        specs = {k: spec_cls(dtype="bfloat16", shape=header[k]["shape"], data_ptr=a.ctypes.data, data_len=a.nbytes)
-                 for k, a in arrays.items()}
+        specs = {
+            k: spec_cls(
+                dtype="bfloat16",
+                shape=header[k]["shape"],
+                data_ptr=a.ctypes.data,
+                data_len=a.nbytes,
+            )
+            for k, a in arrays.items()
+        }
         assert safetensors.serialize(specs, metadata={"format": "pt"}) == raw
 
 
@@ -149,7 +184,11 @@ def test_values(fixture_dir):
     for shard in fixture_dir.glob("*.safetensors"):
         w.update({k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(shard)).items()})
     lm = "model.language_model."
-    for k in (lm + "norm.weight", lm + "layers.3.self_attn.q_norm.weight", "mtp.pre_fc_norm_hidden.weight"):
+    for k in (
+        lm + "norm.weight",
+        lm + "layers.3.self_attn.q_norm.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+    ):
         assert np.abs(w[k]).max() < 0.5  # offsets, not 1-centred
     assert abs(w[lm + "layers.0.linear_attn.norm.weight"].mean() - 1) < 0.1  # not an offset
     a_log = w[lm + "layers.0.linear_attn.A_log"]
@@ -179,23 +218,28 @@ def test_default_is_fast(tmp_path):
 
 def test_single_shard_and_progress(tmp_path):
     lines = []
-    out = generate(tmp_path / "one", FixtureSpec(shards=1, layers=8, experts=4), progress=lines.append)
+    out = generate(
+        tmp_path / "one", FixtureSpec(shards=1, layers=8, experts=4), progress=lines.append
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
     assert len(lines) == len(index["weight_map"]) + 1
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"hidden": 100}, "hidden"),
-    ({"moe_intermediate": 96}, "moe_intermediate"),
-    ({"linear_value_heads": 3}, "linear_value_heads"),
-    ({"vision_hidden": 100}, "vision_hidden"),
-    ({"head_dim": 36, "heads": 16}, "head_dim"),
-    ({"full_attention_interval": 1}, "full_attention_interval"),
-    ({"layers": 0}, "layers"),
-    ({"vision_positions": 50}, "vision_positions"),
-    ({"shards": 500}, "shards"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"hidden": 100}, "hidden"),
+        ({"moe_intermediate": 96}, "moe_intermediate"),
+        ({"linear_value_heads": 3}, "linear_value_heads"),
+        ({"vision_hidden": 100}, "vision_hidden"),
+        ({"head_dim": 36, "heads": 16}, "head_dim"),
+        ({"full_attention_interval": 1}, "full_attention_interval"),
+        ({"layers": 0}, "layers"),
+        ({"vision_positions": 50}, "vision_positions"),
+        ({"shards": 500}, "shards"),
+    ],
+)
 def test_bad_spec_names_field(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=field):
         generate(tmp_path / "bad", FixtureSpec(**kwargs))
@@ -243,11 +287,25 @@ def test_sparse_35b_preset_from_the_command_line(tmp_path, capsys):
         on_disk = sum(f.stat().st_blocks * 512 for f in files)
         assert apparent > 71.5e9 and on_disk < 100e6
         tc = json.loads((out / "config.json").read_text())["text_config"]
-        assert (tc["hidden_size"], tc["num_hidden_layers"], tc["num_experts"], tc["vocab_size"]) == (2048, 40, 256, 248320)
-        assert json.loads((out / "config.json").read_text())["vision_config"]["intermediate_size"] == 4304
+        assert (
+            tc["hidden_size"],
+            tc["num_hidden_layers"],
+            tc["num_experts"],
+            tc["vocab_size"],
+        ) == (2048, 40, 256, 248320)
+        assert (
+            json.loads((out / "config.json").read_text())["vision_config"]["intermediate_size"]
+            == 4304
+        )
         shards = sorted(out.glob("*.safetensors"))
         assert len(shards) == PRESETS["qwen3.6-35b-a3b"]["shards"] == 26
-        mtp = [k for k, v in json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].items() if k.startswith("mtp.")]
+        mtp = [
+            k
+            for k, v in json.loads((out / "model.safetensors.index.json").read_text())[
+                "weight_map"
+            ].items()
+            if k.startswith("mtp.")
+        ]
         assert len(mtp) == 19
         h = read_header(shards[0])
         big = next(i for i in h.tensors.values() if i.nbytes > 1 << 20)

@@ -41,8 +41,13 @@ def test_mlx_vlm_loads_the_vision_tower_quantized_by_the_recipe(loaded):
                 m = getattr(m, part)
             assert isinstance(m, nn.QuantizedLinear) and (m.bits, m.group_size) == (6, 64), path
         # the real model's linear_fc2 takes 4304 inputs (not a multiple of 64): bf16
-        assert type(block.mlp.linear_fc2) is nn.Linear and block.mlp.linear_fc2.weight.dtype == mx.bfloat16
-    assert isinstance(tower.merger.linear_fc1, nn.QuantizedLinear) and isinstance(tower.merger.linear_fc2, nn.QuantizedLinear)
+        assert (
+            type(block.mlp.linear_fc2) is nn.Linear
+            and block.mlp.linear_fc2.weight.dtype == mx.bfloat16
+        )
+    assert isinstance(tower.merger.linear_fc1, nn.QuantizedLinear) and isinstance(
+        tower.merger.linear_fc2, nn.QuantizedLinear
+    )
     assert type(tower.pos_embed) is nn.Embedding  # position embedding and conv patch embedding bf16
     assert tower.patch_embed.proj.weight.dtype == mx.bfloat16
 

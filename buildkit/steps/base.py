@@ -84,7 +84,9 @@ class Context:
     libraries: dict[str, str] = field(default_factory=dict)  # ``Step.libraries`` of this run
     executor: Any = None  # a ``distributed.DaskExecutor`` under ``build --dask``
 
-    def map(self, fn: Callable, tasks: Iterable[tuple[str, tuple]], local_only: bool = False) -> Iterator:
+    def map(
+        self, fn: Callable, tasks: Iterable[tuple[str, tuple]], local_only: bool = False
+    ) -> Iterator:
         """``fn(store, *args)`` for each task ``(name, args)``, results in task order: on two
         local threads, or (under ``build --dask``, unless ``local_only``) as Dask tasks named by
         the action key and ``name``. ``fn`` must be a top-level function and its results small
@@ -139,7 +141,9 @@ class Step:
         """For steps with side effects: a reason to re-run despite a cache hit, or None."""
         return None
 
-    def run(self, ctx: Context, params: Params, inputs: dict[str, list[Artifact]]) -> dict[str, Artifact]:
+    def run(
+        self, ctx: Context, params: Params, inputs: dict[str, list[Artifact]]
+    ) -> dict[str, Artifact]:
         raise NotImplementedError
 
     def watch(self, params: Params, ctx: Context) -> tuple[list[Path], list[Path]] | None:

@@ -62,8 +62,15 @@ def gate_failures(params: EvalParams, report: dict) -> list[str]:
 def model_size(parts: list[Artifact]) -> dict:
     """Stored bytes and bits per weight (stored bits / source weights) of the model parts."""
     n = sum(r["params"] for a in parts for r in a.meta.get("role_table", {}).values())
-    bits = sum(a.meta.get("bits_per_weight", 0) * sum(r["params"] for r in a.meta.get("role_table", {}).values()) for a in parts)
-    return {"size_bytes": sum(a.tensor_bytes() for a in parts), "bits_per_weight": round(bits / n, 4) if n else None}
+    bits = sum(
+        a.meta.get("bits_per_weight", 0)
+        * sum(r["params"] for r in a.meta.get("role_table", {}).values())
+        for a in parts
+    )
+    return {
+        "size_bytes": sum(a.tensor_bytes() for a in parts),
+        "bits_per_weight": round(bits / n, 4) if n else None,
+    }
 
 
 def weights(ctx: Context, inputs) -> tuple[ev.StoreWeights, ev.StoreWeights]:
@@ -72,8 +79,10 @@ def weights(ctx: Context, inputs) -> tuple[ev.StoreWeights, ev.StoreWeights]:
     src = inputs["source"]
     config = src[0].meta["config"]
     tok = src[0].files.get("tokenizer.json")
-    return (ev.StoreWeights(ctx.store, src, config, None, tok),
-            ev.StoreWeights(ctx.store, inputs["model"], config, quantization_config(inputs["model"])))
+    return (
+        ev.StoreWeights(ctx.store, src, config, None, tok),
+        ev.StoreWeights(ctx.store, inputs["model"], config, quantization_config(inputs["model"])),
+    )
 
 
 def _put_trunks(store, trunks, tokens: list[int]) -> Artifact:
@@ -83,7 +92,9 @@ def _put_trunks(store, trunks, tokens: list[int]) -> Artifact:
         for j, (x0, h) in enumerate(zip(t.x0, t.h)):
             art.tensors[f"{who}.x0.{j}"] = store.put_tensor("F32", np.array(x0))
             art.tensors[f"{who}.h.{j}"] = store.put_tensor("F32", np.array(h))
-        art.tensors[f"{who}.argmax"] = store.put_tensor("I32", np.concatenate(t.argmax).astype(np.int32))
+        art.tensors[f"{who}.argmax"] = store.put_tensor(
+            "I32", np.concatenate(t.argmax).astype(np.int32)
+        )
     return art
 
 
@@ -133,8 +144,12 @@ class Eval(Step):
     def watch(self, params: EvalParams, ctx: Context):
         return [cal.text_path(params.text, ctx.options.project_root)], []
 
-    def outdated(self, params: EvalParams, outputs: dict[str, Artifact], ctx: Context) -> str | None:
-        if ctx.options.release and (bad := gate_failures(params, outputs["out"].meta.get("report", {}))):
+    def outdated(
+        self, params: EvalParams, outputs: dict[str, Artifact], ctx: Context
+    ) -> str | None:
+        if ctx.options.release and (
+            bad := gate_failures(params, outputs["out"].meta.get("report", {}))
+        ):
             return f"release gate not met by the cached figures ({'; '.join(bad)}): run to fail the release"
         return None
 
@@ -142,11 +157,15 @@ class Eval(Step):
         src, mod = weights(ctx, inputs)
         if params.scope == "head":
             if not inputs.get("trunk"):
-                raise StepError("scope 'head' grades heads on an eval node's trunks: give input trunk = \"eval:trunk\"")
+                raise StepError(
+                    "scope 'head' grades heads on an eval node's trunks: give input trunk = \"eval:trunk\""
+                )
             ts, tm = _get_trunks(ctx.store, inputs["trunk"][0])
             for who, w in (("model", mod), ("source", src)):
                 if not w.has_head():
-                    raise StepError(f"scope 'head': the {who} input has no MTP head (language_model.mtp.* tensors)")
+                    raise StepError(
+                        f"scope 'head': the {who} input has no MTP head (language_model.mtp.* tensors)"
+                    )
             report = {"tokens": inputs["trunk"][0].meta["tokens"], **ev.heads(src, mod, ts, tm)}
             trunk = Artifact(meta={"tokens": report["tokens"]})
         else:
@@ -159,12 +178,23 @@ class Eval(Step):
             if isinstance(v, float) and not math.isfinite(v):
                 raise StepError(f"eval: {k} is {v}; the forward pass is not finite")
         blob = json.dumps(report, indent=2, sort_keys=True).encode()
-        ctx.log("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items() if v != ""))
+        ctx.log(
+            "  ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in report.items()
+                if v != ""
+            )
+        )
         if bad := gate_failures(params, report):
             if ctx.options.release:
-                raise StepError(f"release gate failed: {'; '.join(bad)} (params of step {ctx.node!r})")
+                raise StepError(
+                    f"release gate failed: {'; '.join(bad)} (params of step {ctx.node!r})"
+                )
             ctx.log(f"warning: gate not met ({'; '.join(bad)}); a --release build fails here")
-        return {"out": Artifact(files={"eval.json": ctx.store.put_blob(blob)}, meta={"report": report}), "trunk": trunk}
+        return {
+            "out": Artifact(files={"eval.json": ctx.store.put_blob(blob)}, meta={"report": report}),
+            "trunk": trunk,
+        }
 
     @staticmethod
     def _tokens(ctx: Context, params: EvalParams, src: ev.StoreWeights) -> list[int]:
@@ -176,10 +206,14 @@ class Eval(Step):
         return heldout_tokens(text, params.heldout_every, src.tokenizer_json(), params.max_tokens)
 
 
-def heldout_tokens(text: str, heldout_every: int, tokenizer_json: bytes, max_tokens: int) -> list[int]:
+def heldout_tokens(
+    text: str, heldout_every: int, tokenizer_json: bytes, max_tokens: int
+) -> list[int]:
     """The held-out lines of a text (calibration's split), tokenized with the source's tokenizer."""
     _, held = cal.split_lines(text, heldout_every)
     tokens = cal.tokenize(tokenizer_json, held, max_tokens)
     if len(tokens) < 2:
-        raise StepError(f"the text has {len(held)} held-out lines, {len(tokens)} tokens; evaluation needs more")
+        raise StepError(
+            f"the text has {len(held)} held-out lines, {len(tokens)} tokens; evaluation needs more"
+        )
     return tokens

@@ -51,7 +51,9 @@ def parse_fixture(source: str):
     for part in filter(None, body.split(",")):
         k, sep, val = part.partition("=")
         if not sep or not val.lstrip("-").isdigit():
-            raise ValueError(f"fixture source takes name=integer pairs (or is {TRAINED}), got {part!r}")
+            raise ValueError(
+                f"fixture source takes name=integer pairs (or is {TRAINED}), got {part!r}"
+            )
         fields[k.strip()] = int(val)
     return FixtureSpec(**fields)
 
@@ -97,21 +99,31 @@ class Fetch(Step):
 
             rev = m["rev"] or "main"
             if not PINNED.match(rev):
-                ctx.log(f"warning: {params.source} is not pinned to a commit: this build is not "
-                        "reproducible (the revision can move); pin it as hf://org/repo@<commit sha>")
+                ctx.log(
+                    f"warning: {params.source} is not pinned to a commit: this build is not "
+                    "reproducible (the revision can move); pin it as hf://org/repo@<commit sha>"
+                )
             try:
                 # A pinned commit already in the HF cache needs no network (and keeps no-op
                 # builds fast); anything else asks the Hub (or fails offline with its reason).
                 if not PINNED.match(rev):
                     raise LookupError(rev)
-                path = Path(snapshot_download(m["repo"], revision=rev, allow_patterns=HF_PATTERNS, local_files_only=True))
+                path = Path(
+                    snapshot_download(
+                        m["repo"], revision=rev, allow_patterns=HF_PATTERNS, local_files_only=True
+                    )
+                )
             except Exception:
                 try:
-                    path = Path(snapshot_download(m["repo"], revision=rev, allow_patterns=HF_PATTERNS))
+                    path = Path(
+                        snapshot_download(m["repo"], revision=rev, allow_patterns=HF_PATTERNS)
+                    )
                 except Exception as e:  # hub errors come in many types; all mean "cannot fetch"
                     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-                        hint = ("HF_HUB_OFFLINE is set and this revision is not in the local HF cache: "
-                                "download it on a machine online (or unset HF_HUB_OFFLINE)")
+                        hint = (
+                            "HF_HUB_OFFLINE is set and this revision is not in the local HF cache: "
+                            "download it on a machine online (or unset HF_HUB_OFFLINE)"
+                        )
                     else:
                         hint = "Offline? Set HF_HUB_OFFLINE=1 to use the local HF cache"
                     raise SourceError(
@@ -122,7 +134,9 @@ class Fetch(Step):
             from ..fixture import generate
 
             spec = parse_fixture(params.source)
-            path = ctx.store.layout.fixtures / keys.short(keys.digest_json("fixture", spec.model_dump()), 16)
+            path = ctx.store.layout.fixtures / keys.short(
+                keys.digest_json("fixture", spec.model_dump()), 16
+            )
             if not (path / "config.json").exists():
                 ctx.log(f"generating fixture checkpoint {params.source} in {path}")
                 generate(path, spec)
@@ -139,23 +153,30 @@ class Fetch(Step):
         if not path.is_absolute():
             path = ctx.options.project_root / path
         if not path.is_dir():  # the user named it: bad input, not a bad checkpoint (exit 2)
-            raise UsageError(f"source {params.source!r}: no such directory ({path}); pass --source with a "
-                             "model directory, hf://org/repo@<sha> or fixture:seed=N")
+            raise UsageError(
+                f"source {params.source!r}: no such directory ({path}); pass --source with a "
+                "model directory, hf://org/repo@<sha> or fixture:seed=N"
+            )
         return path, {"type": "local"}
 
     def _files(self, root: Path) -> list[Path]:
         files = sorted(
-            p for p in root.rglob("*")
+            p
+            for p in root.rglob("*")
             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
         )
         if not any(p.suffix == ".safetensors" for p in files):
-            raise SourceError(f"{root}: no *.safetensors files; is this a Hugging Face model directory?")
+            raise SourceError(
+                f"{root}: no *.safetensors files; is this a Hugging Face model directory?"
+            )
         if not (root / "config.json").exists():
             raise SourceError(f"{root}: config.json is missing")
         return files
 
     @staticmethod
-    def _digests(ctx: Context, root: Path, files: list[Path], rehash: bool = False) -> dict[str, str]:
+    def _digests(
+        ctx: Context, root: Path, files: list[Path], rehash: bool = False
+    ) -> dict[str, str]:
         """Content digest of each file, by its path relative to ``root``."""
         digests = ctx.store.sources.digest_files(files, rehash=rehash)
         return {str(p.relative_to(root)): d for p, d in zip(files, digests)}
@@ -167,7 +188,9 @@ class Fetch(Step):
     def watch(self, params: FetchParams, ctx: Context) -> tuple[list[Path], list[Path]] | None:
         """The source's files and directories (their mtimes change when files come or go); a
         hub revision that is not a commit may move without any local file changing."""
-        if source_kind(params.source) == "hf" and not PINNED.match(HF_RE.match(params.source)["rev"] or ""):
+        if source_kind(params.source) == "hf" and not PINNED.match(
+            HF_RE.match(params.source)["rev"] or ""
+        ):
             return None
         root, _ = self.resolve(params, ctx)
         files = self._files(root)
@@ -184,9 +207,13 @@ class Fetch(Step):
         art = Artifact(meta={"source": meta})
         files = self._files(root)
         digests = self._digests(ctx, root, files)
-        if ctx.fingerprint is not None and digests != ctx.fingerprint:  # the key was made from those
+        if (
+            ctx.fingerprint is not None and digests != ctx.fingerprint
+        ):  # the key was made from those
             changed = self.describe_fingerprint_change(ctx.fingerprint, digests)
-            raise SourceError(f"{root}: source files changed after this build hashed them ({changed}); run again")
+            raise SourceError(
+                f"{root}: source files changed after this build hashed them ({changed}); run again"
+            )
         ctx.progress.start(len(files), unit="files")
         for p in files:
             rel = str(p.relative_to(root))

@@ -26,7 +26,9 @@ def check_compatible(trunk_cfg: dict, head_cfg: dict) -> dict:
     diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
     if diff:
         lines = "; ".join(f"{k}: trunk {x} vs head {y}" for k, (x, y) in sorted(diff.items()))
-        raise SourceError(f"MTP head is incompatible with the trunk ({len(diff)} field(s) differ): {lines}")
+        raise SourceError(
+            f"MTP head is incompatible with the trunk ({len(diff)} field(s) differ): {lines}"
+        )
     return a
 
 
@@ -41,7 +43,9 @@ class Graft(Step):
         head, trunk = inputs["head"][0], inputs["trunk"][0]
         signature = check_compatible(trunk.meta["config"], head.meta["config"])
         if not head.tensors:
-            raise SourceError("the head artifact holds no mtp.* tensors (config has mtp_num_hidden_layers = 0?)")
+            raise SourceError(
+                "the head artifact holds no mtp.* tensors (config has mtp_num_hidden_layers = 0?)"
+            )
         out = Artifact(meta={"signature": signature, "fused": {}})
         ctx.progress.start(len(head.tensors))
         for name, entry in sorted(head.tensors.items()):

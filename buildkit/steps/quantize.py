@@ -26,14 +26,18 @@ from .base import Context, Params, Slot, Step, library_version, register
 
 class QuantizeParams(Params):
     recipe: Recipe
-    rules: dict[str, str] = Field(default_factory=dict)  # step-local rules, tried first, must all match
+    rules: dict[str, str] = Field(
+        default_factory=dict
+    )  # step-local rules, tried first, must all match
     require_all_rules: bool = True  # every recipe rule must match some tensor of this input
 
     @model_validator(mode="after")
     def _roles_exist(self):
         for pattern, role in self.rules.items():
             if role not in self.recipe.roles:
-                raise ValueError(f"rule {pattern!r} names unknown role {role!r}; roles: {', '.join(self.recipe.roles)}")
+                raise ValueError(
+                    f"rule {pattern!r} names unknown role {role!r}; roles: {', '.join(self.recipe.roles)}"
+                )
         return self
 
 
@@ -43,14 +47,18 @@ def module_path(name: str) -> str:
 
 def check_quantizable(name: str, shape, role: Role) -> None:
     if not name.endswith(".weight") or len(shape) < 2:
-        raise StepError(f"tensor {name!r} {list(shape)} cannot be quantized (needs a 2-D or 3-D X.weight)")
+        raise StepError(
+            f"tensor {name!r} {list(shape)} cannot be quantized (needs a 2-D or 3-D X.weight)"
+        )
     if shape[-1] % role.group_size:
         raise StepError(
             f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {role.group_size}"
         )
 
 
-def quantize_entry(store, name: str, entry: dict, role: Role, block_bytes: int = ROW_BLOCK_BYTES) -> dict[str, dict]:
+def quantize_entry(
+    store, name: str, entry: dict, role: Role, block_bytes: int = ROW_BLOCK_BYTES
+) -> dict[str, dict]:
     """One tensor -> its stored entries under ``role``, in blocks of rows: mx.quantize's groups
     run along the last axis, so the blocks give the bytes of quantizing the tensor whole."""
     if role.passthrough:
@@ -63,8 +71,16 @@ def quantize_entry(store, name: str, entry: dict, role: Role, block_bytes: int =
 
     def blocks():
         for block in store.iter_rows(entry, block_bytes):
-            q = mx.quantize(to_mlx(block, entry["dtype"]), group_size=role.group_size, bits=role.bits, mode=role.mode)
-            yield {f"{base}.{suffix}": from_mlx(arr) for suffix, arr in zip(("weight", "scales", "biases"), q)}
+            q = mx.quantize(
+                to_mlx(block, entry["dtype"]),
+                group_size=role.group_size,
+                bits=role.bits,
+                mode=role.mode,
+            )
+            yield {
+                f"{base}.{suffix}": from_mlx(arr)
+                for suffix, arr in zip(("weight", "scales", "biases"), q)
+            }
 
     return store.put_row_blocks(shape[0], blocks(), f"{base}.weight")
 
@@ -84,7 +100,9 @@ def assign_roles(names: list[str], params: QuantizeParams) -> dict[str, str]:
         roles = {n: h[1] for n, h in hits.items() if h}
         dead = sorted(set(params.rules) - {h[0] for h in hits.values() if h})
         if dead:
-            raise StepError(f"step rule(s) {', '.join(map(repr, dead))} match no tensor; fix the pattern")
+            raise StepError(
+                f"step rule(s) {', '.join(map(repr, dead))} match no tensor; fix the pattern"
+            )
     rest = [n for n in names if n not in roles]
     return roles | recipe.assign(rest, require_all_rules=params.require_all_rules)
 
@@ -100,7 +118,9 @@ def quantized_shapes(shape, role: Role, dtype: str) -> dict[str, tuple[str, tupl
     }
 
 
-def resolved_plan(tensors: dict[str, dict], params: QuantizeParams, sensitivity: Artifact | None = None) -> dict:
+def resolved_plan(
+    tensors: dict[str, dict], params: QuantizeParams, sensitivity: Artifact | None = None
+) -> dict:
     """What a quantizing step does to each tensor, as it enters the key: the roles used (with
     bits, group size, mode) and which tensors take each, in sorted order. Rule syntax and order
     reach the key only through what they resolve to. Under a budget (``recipe.target_bpw``),
@@ -117,10 +137,14 @@ def resolved_plan(tensors: dict[str, dict], params: QuantizeParams, sensitivity:
                 f"recipe.target_bpw = {recipe.target_bpw} needs measured sensitivities: add "
                 'inputs.sensitivity = "<a sensitivity step>" to this quantizing step'
             )
-        bits, summary = budget.plan(tensors, roles, recipe.roles, recipe.target_bpw, sensitivity.meta["tensors"])
+        bits, summary = budget.plan(
+            tensors, roles, recipe.roles, recipe.target_bpw, sensitivity.meta["tensors"]
+        )
         for name, b in bits.items():
             derived = f"{roles[name]}@{b}"
-            table[derived] = recipe.roles[roles[name]].model_copy(update={"bits": b, "budget_bits": None})
+            table[derived] = recipe.roles[roles[name]].model_copy(
+                update={"bits": b, "budget_bits": None}
+            )
             roles[name] = derived
     used = sorted(set(roles.values()))
     plan = {
@@ -132,8 +156,13 @@ def resolved_plan(tensors: dict[str, dict], params: QuantizeParams, sensitivity:
     return plan
 
 
-def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calibration: Artifact | None = None,
-                      sensitivity: Artifact | None = None) -> Artifact:
+def quantize_artifact(
+    ctx: Context,
+    art: Artifact,
+    params: QuantizeParams,
+    calibration: Artifact | None = None,
+    sensitivity: Artifact | None = None,
+) -> Artifact:
     names = sorted(art.tensors)
     plan = resolved_plan(art.tensors, params, sensitivity)
     roles = plan["tensors"]
@@ -154,10 +183,15 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
     # Passthrough entries are kept here; the rest are tasks: on two threads (two tensors in
     # memory, never the model) or, under --dask, on the cluster. Each result is a few small
     # dicts. Data-aware tasks share a tally, so they stay in this process.
-    tasks = [(name, (name, art.tensors[name], recipe.roles[roles[name]]))
-             for name in names if not recipe.roles[roles[name]].passthrough]
+    tasks = [
+        (name, (name, art.tensors[name], recipe.roles[roles[name]]))
+        for name in names
+        if not recipe.roles[roles[name]].passthrough
+    ]
     calibrated = calibration is not None  # check_calibration: then some role is calibrated
-    results = ctx.map(work, tasks, local_only=True) if calibrated else ctx.map(quantize_entry, tasks)
+    results = (
+        ctx.map(work, tasks, local_only=True) if calibrated else ctx.map(quantize_entry, tasks)
+    )
     with contextlib.closing(results):
         for name in names:
             role_name = roles[name]
@@ -170,7 +204,9 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
             out.tensors.update(entries)
             if not role.passthrough:
                 quant_cfg[module_path(name)] = role.quant()
-            row = table.setdefault(role_name, {**role.model_dump(exclude_defaults=True), "tensors": 0, "params": 0})
+            row = table.setdefault(
+                role_name, {**role.model_dump(exclude_defaults=True), "tensors": 0, "params": 0}
+            )
             row["tensors"] += 1
             row["params"] += n
             src_params += n
@@ -186,14 +222,20 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
     }
     if "budget" in plan:
         b = plan["budget"]
-        out.meta["budget"] = b | {"bits": {n: recipe.roles[roles[n]].bits for n in b["sensitivity"]}}
+        out.meta["budget"] = b | {
+            "bits": {n: recipe.roles[roles[n]].bits for n in b["sensitivity"]}
+        }
         ctx.log(f"budget: target {b['target_bpw']} bits per weight, planned {b['bits_per_weight']}")
     if tally:
         out.meta["calibration"] = tally.summary()
-        ctx.log(f"data-aware: {tally.expert_slices} expert slices; "
-                f"{out.meta['calibration']['fallback_experts']} experts reached by no calibration token fell back")
-    ctx.log(f"{len(quant_cfg)} quantized, {len(names) - len(quant_cfg)} passthrough, "
-            f"{out.meta['bits_per_weight']:.3f} bits per weight")
+        ctx.log(
+            f"data-aware: {tally.expert_slices} expert slices; "
+            f"{out.meta['calibration']['fallback_experts']} experts reached by no calibration token fell back"
+        )
+    ctx.log(
+        f"{len(quant_cfg)} quantized, {len(names) - len(quant_cfg)} passthrough, "
+        f"{out.meta['bits_per_weight']:.3f} bits per weight"
+    )
     return out
 
 
@@ -203,7 +245,11 @@ class Quantize(Step):
     version = 1  # data-aware bytes are versioned by dataaware.METHOD, in key_params' data_aware
     Params = QuantizeParams
     # calibration: a calibrate output; sensitivity: a sensitivity output (for recipe.target_bpw)
-    inputs = {"model": Slot(), "calibration": Slot(required=False), "sensitivity": Slot(required=False)}
+    inputs = {
+        "model": Slot(),
+        "calibration": Slot(required=False),
+        "sensitivity": Slot(required=False),
+    }
     uses_recipe = True
 
     def libraries(self) -> dict[str, str]:
@@ -212,14 +258,18 @@ class Quantize(Step):
     def key_params(self, params: QuantizeParams, inputs: dict[str, list[Artifact]]) -> dict:
         """The resolved per-tensor plan, not the rules: two manifests whose rules resolve alike
         share a key, and any difference in what a tensor becomes changes it."""
-        plan = resolved_plan(inputs["model"][0].tensors, params, (inputs.get("sensitivity") or [None])[0])
+        plan = resolved_plan(
+            inputs["model"][0].tensors, params, (inputs.get("sensitivity") or [None])[0]
+        )
         d = {"plan": plan, "require_all_rules": params.require_all_rules}
         if any(v["calibrated"] for v in plan["roles"].values()):
             d["data_aware"] = dataaware.key()  # the search's version and the numpy it runs on
         return d
 
     def run(self, ctx: Context, params: QuantizeParams, inputs) -> dict[str, Artifact]:
-        calibration, sensitivity = ((inputs.get(k) or [None])[0] for k in ("calibration", "sensitivity"))
+        calibration, sensitivity = (
+            (inputs.get(k) or [None])[0] for k in ("calibration", "sensitivity")
+        )
         return {"out": quantize_artifact(ctx, inputs["model"][0], params, calibration, sensitivity)}
 
 

@@ -69,8 +69,12 @@ def inspect_tensor(store, item, model: dict, roles_q: dict) -> dict:
 def task_slice(item, model: dict, roles_q: dict) -> tuple[dict, dict]:
     """The entries and quantization records ``Inspect`` reads for one source tensor."""
     bases = {n.removesuffix(".weight") for n, _, _ in item[3]}
-    names = {f"{b}.{k}" for b in bases for k in ("weight", "scales", "biases")} | {n for n, _, _ in item[3]}
-    return {n: model[n] for n in sorted(names) if n in model}, {b: roles_q[b] for b in sorted(bases) if b in roles_q}
+    names = {f"{b}.{k}" for b in bases for k in ("weight", "scales", "biases")} | {
+        n for n, _, _ in item[3]
+    }
+    return {n: model[n] for n in sorted(names) if n in model}, {
+        b: roles_q[b] for b in sorted(bases) if b in roles_q
+    }
 
 
 class Inspect:
