@@ -89,9 +89,12 @@ def table(rows: list[dict]) -> str:
         for r in rows
     ]
     width = [max(len(x) for x in col) for col in zip(heads, *cells)]
-    fmt = lambda xs: "  ".join(
-        x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(xs, width))
-    )  # noqa: E731
+
+    def fmt(xs):
+        return "  ".join(
+            x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(xs, width))
+        )
+
     return "\n".join([fmt(heads), *(fmt(c) for c in cells)])
 
 
