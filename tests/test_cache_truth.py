@@ -311,3 +311,27 @@ def test_cosmetic_edits_change_no_key(planned):
             "keep = { passthrough = true }", "keep = { passthrough = true }\nunused = { bits = 2 }"
         )
     ) == key(base)
+
+
+def test_status_shows_every_variant_with_its_last_build(project, seed):
+    """status: every manifest, its last build request (source, out, when), fresh or stale and the
+    first reason; --json for scripts."""
+    project.adopt(seed)
+    rows = {r["variant"]: r for r in json.loads(project.run("status", "--json").stdout)}
+    assert set(rows) == {p.stem for p in project.manifests.glob("*.toml")}
+    assert (
+        rows["xl"]["built"]
+        and rows["xl"]["state"] == "fresh"
+        and rows["xl"]["source"] == "fixture:seed=0"
+    )
+    assert rows["oq4e-mtp-xl"]["state"] == "never built"
+    xl = project.manifests / "xl.toml"
+    xl.write_text(
+        xl.read_text().replace("embedding     = { bits = 8,", "embedding     = { bits = 4,")
+    )
+    rows = {r["variant"]: r for r in json.loads(project.run("status", "--json").stdout)}
+    assert rows["xl"]["state"] == "stale" and rows["xl"]["reason"].startswith(
+        "quantize: params.plan.roles.embedding"
+    )
+    text = project.run("status").stdout
+    assert "xl " in text and "stale" in text and "quantize: params.plan.roles.embedding" in text

@@ -284,3 +284,10 @@ def test_hf_source_from_offline_cache(tmp_path, monkeypatch):
     assert "publish" in ran(r)
     bad = p.run("build", "xl", "--release", "--source", "hf://Qwen/Tiny@main", check=False, env=full_env)
     assert bad.returncode == 2 and "pinned revision" in bad.stderr
+    # Outside --release an unpinned revision builds, and says the build is not reproducible.
+    moving = p.run("plan", "xl", "--source", "hf://Qwen/Tiny@main", env=full_env)
+    assert "is not pinned to a commit: this build is not reproducible" in moving.stderr
+    # A revision the offline cache lacks: the error does not advise setting what is set.
+    gone = p.run("plan", "xl", "--source", "hf://Qwen/Absent@main", check=False, env=full_env)
+    assert gone.returncode == 1 and "HF_HUB_OFFLINE is set" in gone.stderr
+    assert "Set HF_HUB_OFFLINE=1" not in gone.stderr
