@@ -213,9 +213,11 @@ def main(argv=None) -> int:
     def rate(ts):
         return sum(t["bytes"] for t in ts) / max(sum(t["seconds"] for t in ts), 1e-9) / MB
 
+    serial_rate = sum(t["bytes"] for t in cpu) / sum(t["cpu"] for t in cpu) / MB
     lines = [
-        f"Run of {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, {os.cpu_count()} cores; fixture "
-        f"{size / MB:.0f} MB bf16 ({args.layers} layers, 16 experts, hidden 1024), page cache warm; "
+        f"Run of {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, "
+        f"{os.cpu_count()} cores; fixture {size / MB:.0f} MB bf16 "
+        f"({args.layers} layers, 16 experts, hidden 1024), page cache warm; "
         f"`xl`, cold store. Outputs identical in all three runs: {'yes' if same else '**NO**'}.",
         "",
         "| run | wall | CPU | cores | peak RSS (one process) | quantize step |",
@@ -224,14 +226,16 @@ def main(argv=None) -> int:
         row("`--dask local:2` (cluster start included)", dask),
         row("`--dask tcp://` (cluster already up; client's CPU/RSS only)", tcp),
         "",
-        f"Per quantize task (compute on a worker, its fsyncs included), from run 3: {len(tasks)} tasks; "
-        f"{len(ex)} routed-expert tensors, median {sorted(t['seconds'] for t in ex)[len(ex) // 2]:.3f} s for "
-        f"{ex[0]['bytes'] / MB:.1f} MB bf16, {rate(ex):.0f} MB/s of bf16 per worker thread; the other "
-        f"{len(rest)}: {sum(t['seconds'] for t in rest):.2f} s in all, {rate(rest):.0f} MB/s.",
+        "Per quantize task (compute on a worker, its fsyncs included), from run 3: "
+        f"{len(tasks)} tasks; {len(ex)} routed-expert tensors, "
+        f"median {sorted(t['seconds'] for t in ex)[len(ex) // 2]:.3f} s for "
+        f"{ex[0]['bytes'] / MB:.1f} MB bf16, {rate(ex):.0f} MB/s of bf16 per worker thread; "
+        f"the other {len(rest)}: {sum(t['seconds'] for t in rest):.2f} s in all, "
+        f"{rate(rest):.0f} MB/s.",
         "",
         f"The same routed-expert tasks run one at a time in the bench process ({len(cpu)}): "
         f"{sum(t['cpu'] for t in cpu):.2f} s CPU, {sum(t['wall'] for t in cpu):.2f} s wall for "
-        f"{sum(t['bytes'] for t in cpu) / MB:.0f} MB: {sum(t['bytes'] for t in cpu) / sum(t['cpu'] for t in cpu) / MB:.0f} "
+        f"{sum(t['bytes'] for t in cpu) / MB:.0f} MB: {serial_rate:.0f} "
         f"MB of bf16 per CPU second.",
     ]
     text = "\n".join(lines)

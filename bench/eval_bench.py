@@ -130,19 +130,23 @@ def main() -> None:
     fig = json.loads(out)
     cfg = text_config(json.loads((src / "config.json").read_text()))
     print(
-        f"fixture: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_experts']} experts, "
-        f"vocab {cfg['vocab_size']}; source {total / 1e6:.0f} MB bf16, largest decoder layer {layer / 1e6:.0f} MB "
+        f"fixture: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
+        f"{cfg['num_experts']} experts, vocab {cfg['vocab_size']}; "
+        f"source {total / 1e6:.0f} MB bf16, largest decoder layer {layer / 1e6:.0f} MB "
         f"bf16 ({2 * layer / 1e6:.0f} MB as float32); {fig['tokens']} tokens"
     )
     print("| run | wall | CPU (user + sys) | peak RSS |\n|---|---|---|---|")
     print(
-        f"| eval step (`build xl-bench --target eval`, quantized beforehand) | {step_wall:.1f} s | {step_cpu:.1f} s | {step_rss:.0f} MB |"
+        "| eval step (`build xl-bench --target eval`, quantized beforehand) | "
+        f"{step_wall:.1f} s | {step_cpu:.1f} s | {step_rss:.0f} MB |"
     )
     print(
-        f"| `buildkit eval out/xl --source DIR` | {cli_wall:.1f} s | {cli_cpu:.1f} s | {cli_rss:.0f} MB |"
+        f"| `buildkit eval out/xl --source DIR` | {cli_wall:.1f} s | {cli_cpu:.1f} s | "
+        f"{cli_rss:.0f} MB |"
     )
     print(
-        f"figures: kld_mean {fig['kld_mean']:.5f}, kld_p99 {fig['kld_p99']:.5f}, top-1 {fig['top1_agreement']:.4f}, "
+        f"figures: kld_mean {fig['kld_mean']:.5f}, kld_p99 {fig['kld_p99']:.5f}, "
+        f"top-1 {fig['top1_agreement']:.4f}, "
         f"ppl {fig['ppl_model']:.2f} (bf16 {fig['ppl_source']:.2f})"
     )
 

@@ -112,7 +112,8 @@ def cmd_build(args) -> int:
                 print(f"[cached] {name} ({kind}) {key}", file=sys.stderr)
             n = len(rec["nodes"])
             print(
-                f"{rec['variant']}: {n} steps, 0 ran, {n} cached in {(time.time_ns() - started) / 1e9:.2f}s "
+                f"{rec['variant']}: {n} steps, 0 ran, "
+                f"{n} cached in {(time.time_ns() - started) / 1e9:.2f}s "
                 f"(up to date: {len(rec['files'])} files as the last build left them)",
                 file=sys.stderr,
             )
@@ -159,7 +160,8 @@ def _plan_rows(sched, states) -> list[dict]:
 
 def _print_sent(sent: dict, remote) -> None:
     print(
-        f"remote: sent {sent['nodes']} nodes ({sent['objects']} objects, {sent['listings']} listings, "
+        f"remote: sent {sent['nodes']} nodes "
+        f"({sent['objects']} objects, {sent['listings']} listings, "
         f"{sent['bytes']} bytes) to {remote.url}; {sent['skipped']} nodes already there",
         file=sys.stderr,
     )
@@ -184,7 +186,8 @@ def cmd_pull(args) -> int:
     states = pull_variant(_scheduler(args, remote), remote)
     t = remote.be.traffic
     print(
-        f"pulled {len(states)} nodes of {args.variant} from {remote.url}: {t.bytes_down} bytes in {t.gets} downloads",
+        f"pulled {len(states)} nodes of {args.variant} from {remote.url}: "
+        f"{t.bytes_down} bytes in {t.gets} downloads",
         file=sys.stderr,
     )
     return 0
@@ -233,7 +236,8 @@ def cmd_explain(args) -> int:
     rules = explain_rules(node.params)
     if rules:
         print(
-            "rules, in the order they are tried (first match wins; a child manifest's before its parent's):"
+            "rules, in the order they are tried "
+            "(first match wins; a child manifest's before its parent's):"
         )
         for i, (pattern, role, spec) in enumerate(rules, 1):
             print(f"  {i:2}. {pattern!r:42} -> {role} ({spec})")
@@ -304,17 +308,20 @@ def cmd_gc(args) -> int:
             print(f"{variant}:")
             for node, ks in sorted(nodes.items()):
                 print(
-                    f"  {node}: {len(ks)} action(s) {', '.join(ks[:4])}{' ...' if len(ks) > 4 else ''}"
+                    f"  {node}: {len(ks)} action(s) "
+                    f"{', '.join(ks[:4])}{' ...' if len(ks) > 4 else ''}"
                 )
     print(
-        f"{verb} {r['bytes'] / 1e6:.1f} MB ({r['bytes']} bytes): {r['actions']} actions, {r['artifacts']} artifacts, "
+        f"{verb} {r['bytes'] / 1e6:.1f} MB ({r['bytes']} bytes): "
+        f"{r['actions']} actions, {r['artifacts']} artifacts, "
         f"{r['objects']} objects, {r['memos']} memos, {r['files']} records of deleted files"
     )
     remote = _remote(args, env=False)  # only an explicit --remote: never BUILDKIT_REMOTE alone
     if remote is not None:
         rr = remote.gc(args.dry_run, args.remote_max_age)
         print(
-            f"remote {remote.url}: {verb} {rr['actions']} records, {rr['artifacts']} listings, {rr['objects']} objects"
+            f"remote {remote.url}: {verb} {rr['actions']} records, "
+            f"{rr['artifacts']} listings, {rr['objects']} objects"
         )
     return 0
 
@@ -325,7 +332,8 @@ def cmd_forget(args) -> int:
     for root in dropped:
         req = root["request"]
         print(
-            f"forgot build {req.get('variant')} (source {req.get('source')}, out {req.get('out') or 'default'})"
+            f"forgot build {req.get('variant')} "
+            f"(source {req.get('source')}, out {req.get('out') or 'default'})"
         )
     if not dropped:
         print(f"no build of {args.variant}{f' published to {out}' if out else ''} is remembered")
@@ -565,7 +573,8 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
         )
         s.add_argument(
             "--source",
-            help="replace the manifest's source: a directory, hf://org/repo@revision or fixture:...",
+            help="replace the manifest's source: a directory, "
+            "hf://org/repo@revision or fixture:...",
         )
         s.set_defaults(fn=fn)
         return s
@@ -574,7 +583,8 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
         s.add_argument(
             "--remote",
             metavar="URL",
-            help="remote cache asked on a local miss: s3://bucket/prefix or file:///dir (default $BUILDKIT_REMOTE)",
+            help="remote cache asked on a local miss: s3://bucket/prefix or file:///dir "
+            "(default $BUILDKIT_REMOTE)",
         )
 
     def request_flags(s):
@@ -613,7 +623,8 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
     b.add_argument(
         "--full-check",
         action="store_true",
-        help="decide every step by its key even if no file it depends on changed since the last successful build",
+        help="decide every step by its key even if no file it depends on changed "
+        "since the last successful build",
     )
     b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     b.add_argument(
@@ -627,8 +638,8 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
     b.add_argument(
         "--remote-upload",
         action="store_true",
-        help="after the build, upload every node the remote lacks (objects, listings, then the record; "
-        "signed with $BUILDKIT_SIGNING_KEY if set)",
+        help="after the build, upload every node the remote lacks "
+        "(objects, listings, then the record; signed with $BUILDKIT_SIGNING_KEY if set)",
     )
     b.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
 
@@ -641,7 +652,8 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
     e = variant_cmd(
         "explain",
         cmd_explain,
-        "Show one step's cache key, why it is stale, its rules in the order tried, and its key's ingredients.",
+        "Show one step's cache key, why it is stale, its rules in the order tried, "
+        "and its key's ingredients.",
     )
     e.add_argument("node", help="step name in the manifest")
     e.add_argument("--out", help="as build's --out")
@@ -670,7 +682,8 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
     es = variant_cmd(
         "estimate",
         cmd_estimate,
-        "Estimate a variant's size and bits per weight from config.json and the safetensors headers.",
+        "Estimate a variant's size and bits per weight "
+        "from config.json and the safetensors headers.",
     )
     es.formatter_class = argparse.RawDescriptionHelpFormatter
     es.epilog = """\
@@ -696,7 +709,8 @@ examples:
         (
             "push",
             cmd_push,
-            "Upload a built variant's closure (every node's record, listings and objects) to the remote.",
+            "Upload a built variant's closure "
+            "(every node's record, listings and objects) to the remote.",
         ),
         (
             "pull",
@@ -712,9 +726,10 @@ examples:
     gc = sub.add_parser(
         "gc",
         help="Free store entries no remembered build reaches.",
-        description="Every build request (variant, source, out) is remembered until forgotten (`forget`, or "
-        "--keep-last). gc removes the actions no remembered build names, then the artifacts and objects no "
-        "kept action reaches, the memos (load checks, shard links: redone on demand) and the records of "
+        description="Every build request (variant, source, out) is remembered until forgotten "
+        "(`forget`, or --keep-last). gc removes the actions no remembered build names, "
+        "then the artifacts and objects no kept action reaches, the memos "
+        "(load checks, shard links: redone on demand) and the records of "
         "source files that no longer exist, and says how much it freed.",
     )
     gc.add_argument(
@@ -729,14 +744,16 @@ examples:
     gc.add_argument(
         "--remote",
         metavar="URL",
-        help="also clean this remote cache (never $BUILDKIT_REMOTE alone): listings and objects no remote "
-        "record names, older than a day; records too with --remote-max-age",
+        help="also clean this remote cache (never $BUILDKIT_REMOTE alone): "
+        "listings and objects no remote record names, older than a day; "
+        "records too with --remote-max-age",
     )
     gc.add_argument(
         "--remote-max-age",
         type=float,
         metavar="DAYS",
-        help="with --remote: first remove remote records older than DAYS (readers rebuild and re-upload)",
+        help="with --remote: first remove remote records older than DAYS "
+        "(readers rebuild and re-upload)",
     )
     gc.set_defaults(fn=cmd_gc)
 
@@ -754,9 +771,11 @@ examples:
 
     ev = sub.add_parser(
         "eval",
-        help="Grade any MLX model directory against a bf16 source directory (KLD, top-1, perplexity, MTP acceptance).",
-        description="The eval step's measurement for any MLX directory (buildkit's or mlx_lm.convert's) against "
-        "a bf16 source in Hugging Face layout, each read one decoder layer at a time from its safetensors files.",
+        help="Grade any MLX model directory against a bf16 source directory "
+        "(KLD, top-1, perplexity, MTP acceptance).",
+        description="The eval step's measurement for any MLX directory "
+        "(buildkit's or mlx_lm.convert's) against a bf16 source in Hugging Face layout, "
+        "each read one decoder layer at a time from its safetensors files.",
     )
     ev.add_argument("model", help="MLX model directory")
     ev.add_argument("--source", required=True, help="bf16 source directory (Hugging Face layout)")
@@ -771,8 +790,9 @@ examples:
     cp = sub.add_parser(
         "compare",
         help="Variants' eval figures side by side, from their last builds.",
-        description="Size, bits per weight, KL divergence (mean, p99), top-1 agreement, perplexity and "
-        "MTP acceptance of each variant's last build, with labelled comparisons (a baseline) as rows.",
+        description="Size, bits per weight, KL divergence (mean, p99), top-1 agreement, "
+        "perplexity and MTP acceptance of each variant's last build, "
+        "with labelled comparisons (a baseline) as rows.",
     )
     cp.add_argument("variants", nargs="+", metavar="VARIANT", help="variant names")
     cp.add_argument(
@@ -799,7 +819,8 @@ examples:
     ls = sub.add_parser(
         "list",
         help="List the variants in --manifests.",
-        description="Each variant in --manifests with its description (an inherited one says from where).",
+        description="Each variant in --manifests with its description "
+        "(an inherited one says from where).",
     )
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(fn=cmd_list)
@@ -807,7 +828,9 @@ examples:
     fx = sub.add_parser(
         "fixture",
         help="Write a small deterministic qwen3_5_moe checkpoint in Hugging Face layout.",
-        description="Write a small deterministic qwen3_5_moe checkpoint (sharded bf16 safetensors + index, config.json, tokenizer, mtp.* in the last shard).",
+        description="Write a small deterministic qwen3_5_moe checkpoint "
+        "(sharded bf16 safetensors + index, config.json, tokenizer, "
+        "mtp.* in the last shard).",
     )
     fx.add_argument("out", help="directory to create (must not exist or be empty)")
     fx.add_argument(
@@ -818,7 +841,8 @@ examples:
     fx.add_argument(
         "--trained",
         action="store_true",
-        help="write the small checkpoint trained on real text (buildkit/data/trained) instead of random weights",
+        help="write the small checkpoint trained on real text (buildkit/data/trained) "
+        "instead of random weights",
     )
     if fixture_options:
         from .fixture import PRESETS, FixtureSpec
@@ -826,7 +850,8 @@ examples:
         fx.add_argument(
             "--preset",
             choices=sorted(PRESETS),
-            help="start from a real model's dimensions (qwen3.6-35b-a3b: ~72 GB; use --sparse); options given override it",
+            help="start from a real model's dimensions (qwen3.6-35b-a3b: ~72 GB; use --sparse); "
+            "options given override it",
         )
 
         for name, f in FixtureSpec.model_fields.items():

@@ -88,7 +88,8 @@ class StoreWeights(Weights):
     def tokenizer_json(self):
         if self.tok is None:
             raise SourceError(
-                "the source artifact has no tokenizer.json; evaluation tokenizes with the source's own"
+                "the source artifact has no tokenizer.json; "
+                "evaluation tokenizes with the source's own"
             )
         return self.store.get_blob(self.tok)
 
@@ -263,7 +264,7 @@ def compare_outputs(
     kl, agree, nll_s, nll_m = [], [], [], []
     for j, r, s in rows(seqs):
         s = s[None]
-        lp = [_logprobs(o(t.h[j][r])) for o, t in zip(heads, (ts, tm))]
+        lp = [_logprobs(o(t.h[j][r])) for o, t in zip(heads, (ts, tm), strict=False)]
         am = [mx.argmax(x, axis=-1) for x in lp]
         k = mx.sum(mx.exp(lp[0]) * (lp[0] - lp[1]), axis=-1)
         nxt = mx.array(s[0, 1:])[:, None]
@@ -336,7 +337,7 @@ def head_acceptance(w: Weights, t: Trunk) -> dict:
     out = Output(w)
     hits = total = 0
     ams = iter(t.argmax)
-    for x0, h in zip(t.x0, t.h):
+    for x0, h in zip(t.x0, t.h, strict=False):
         pred = mx.argmax(out(head(x0[:, 1:], h[:, :-1])), axis=-1)  # token t+2 for t = 0..L-2
         mx.eval(pred)
         for r in range(h.shape[0]):

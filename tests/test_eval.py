@@ -225,11 +225,12 @@ def test_oq4e_grades_a_data_agnostic_baseline_beside_itself(built, tmp_path, cap
     assert rows[1]["size_bytes"] == rows[0]["size_bytes"]  # the same bits, other bytes
 
 
-# ---- with the trained fixture (buildkit/trained.py, from the trained-fixture branch) -------------
+# ---- with the trained fixture (buildkit/trained.py, from the trained-fixture branch) ------------
 
 
 def _trained_here() -> bool:
-    """buildkit.trained in this checkout (an editable install elsewhere may resolve it from there)."""
+    """buildkit.trained in this checkout (an editable install elsewhere may resolve it from
+    there)."""
     import buildkit
 
     spec = importlib.util.find_spec("buildkit.trained")
@@ -249,7 +250,8 @@ needs_trained = pytest.mark.skipif(
 
 
 def trained_text() -> tuple[Path, int]:
-    """The trained fixture's own held-out verses (every other line of them), else the builtin text."""
+    """The trained fixture's own held-out verses (every other line of them), else the
+    builtin text."""
     from buildkit.trained import DATA
 
     return (DATA / "heldout.txt", 2) if (DATA / "heldout.txt").is_file() else (TEXT, 5)
@@ -271,7 +273,8 @@ def trained(tmp_path_factory):
     for bits in (4, 3):
         p.write_manifest(
             f"xl-{bits}bit",
-            f'extends = "xl"\n[recipe.roles]\nrouted_expert = {{ bits = {bits}, group_size = 64 }}\n',
+            f'extends = "xl"\n[recipe.roles]\n'
+            f"routed_expert = {{ bits = {bits}, group_size = 64 }}\n",
         )
     for v in ("xl", "xl-mtp", "xl-4bit", "xl-3bit"):
         p.build(v, "--source", str(src))

@@ -88,8 +88,8 @@ def weights(ctx: Context, inputs) -> tuple[ev.StoreWeights, ev.StoreWeights]:
 def _put_trunks(store, trunks, tokens: list[int]) -> Artifact:
     art = Artifact(meta={"tokens": len(tokens)})
     art.tensors["tokens"] = store.put_tensor("I32", np.array(tokens, np.int32))
-    for who, t in zip(("source", "model"), trunks):
-        for j, (x0, h) in enumerate(zip(t.x0, t.h)):
+    for who, t in zip(("source", "model"), trunks, strict=False):
+        for j, (x0, h) in enumerate(zip(t.x0, t.h, strict=False)):
             art.tensors[f"{who}.x0.{j}"] = store.put_tensor("F32", np.array(x0))
             art.tensors[f"{who}.h.{j}"] = store.put_tensor("F32", np.array(h))
         art.tensors[f"{who}.argmax"] = store.put_tensor(
@@ -150,7 +150,10 @@ class Eval(Step):
         if ctx.options.release and (
             bad := gate_failures(params, outputs["out"].meta.get("report", {}))
         ):
-            return f"release gate not met by the cached figures ({'; '.join(bad)}): run to fail the release"
+            return (
+                f"release gate not met by the cached figures ({'; '.join(bad)}): "
+                "run to fail the release"
+            )
         return None
 
     def run(self, ctx: Context, params: EvalParams, inputs) -> dict[str, Artifact]:
@@ -158,13 +161,15 @@ class Eval(Step):
         if params.scope == "head":
             if not inputs.get("trunk"):
                 raise StepError(
-                    "scope 'head' grades heads on an eval node's trunks: give input trunk = \"eval:trunk\""
+                    "scope 'head' grades heads on an eval node's trunks: "
+                    'give input trunk = "eval:trunk"'
                 )
             ts, tm = _get_trunks(ctx.store, inputs["trunk"][0])
             for who, w in (("model", mod), ("source", src)):
                 if not w.has_head():
                     raise StepError(
-                        f"scope 'head': the {who} input has no MTP head (language_model.mtp.* tensors)"
+                        f"scope 'head': the {who} input has no MTP head "
+                        "(language_model.mtp.* tensors)"
                     )
             report = {"tokens": inputs["trunk"][0].meta["tokens"], **ev.heads(src, mod, ts, tm)}
             trunk = Artifact(meta={"tokens": report["tokens"]})

@@ -127,7 +127,8 @@ class Fetch(Step):
                     else:
                         hint = "Offline? Set HF_HUB_OFFLINE=1 to use the local HF cache"
                     raise SourceError(
-                        f"cannot fetch {params.source}: {e}. {hint}, or pass --source with a local directory"
+                        f"cannot fetch {params.source}: {e}. {hint}, "
+                        "or pass --source with a local directory"
                     ) from e
             return path, {"type": "hf", "repo": m["repo"], "revision": path.name}
         if kind == "fixture":
@@ -179,7 +180,7 @@ class Fetch(Step):
     ) -> dict[str, str]:
         """Content digest of each file, by its path relative to ``root``."""
         digests = ctx.store.sources.digest_files(files, rehash=rehash)
-        return {str(p.relative_to(root)): d for p, d in zip(files, digests)}
+        return {str(p.relative_to(root)): d for p, d in zip(files, digests, strict=False)}
 
     def fingerprint(self, params: FetchParams, ctx: Context) -> dict:
         root, _ = self.resolve(params, ctx)

@@ -36,7 +36,8 @@ class QuantizeParams(Params):
         for pattern, role in self.rules.items():
             if role not in self.recipe.roles:
                 raise ValueError(
-                    f"rule {pattern!r} names unknown role {role!r}; roles: {', '.join(self.recipe.roles)}"
+                    f"rule {pattern!r} names unknown role {role!r}; "
+                    f"roles: {', '.join(self.recipe.roles)}"
                 )
         return self
 
@@ -52,7 +53,8 @@ def check_quantizable(name: str, shape, role: Role) -> None:
         )
     if shape[-1] % role.group_size:
         raise StepError(
-            f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {role.group_size}"
+            f"tensor {name!r}: last dimension {shape[-1]} "
+            f"is not a multiple of group_size {role.group_size}"
         )
 
 
@@ -79,7 +81,7 @@ def quantize_entry(
             )
             yield {
                 f"{base}.{suffix}": from_mlx(arr)
-                for suffix, arr in zip(("weight", "scales", "biases"), q)
+                for suffix, arr in zip(("weight", "scales", "biases"), q, strict=False)
             }
 
     return store.put_row_blocks(shape[0], blocks(), f"{base}.weight")
@@ -230,7 +232,8 @@ def quantize_artifact(
         out.meta["calibration"] = tally.summary()
         ctx.log(
             f"data-aware: {tally.expert_slices} expert slices; "
-            f"{out.meta['calibration']['fallback_experts']} experts reached by no calibration token fell back"
+            f"{out.meta['calibration']['fallback_experts']} experts "
+            "reached by no calibration token fell back"
         )
     ctx.log(
         f"{len(quant_cfg)} quantized, {len(names) - len(quant_cfg)} passthrough, "
