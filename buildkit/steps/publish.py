@@ -44,8 +44,7 @@ from .base import Context, Params, Slot, Step, register
 STAMP = ".buildkit-publish.json"
 COPY_CHUNK = 8 << 20
 SKIP_SOURCE_FILES = {"config.json", "model.safetensors.index.json", "README.md", ".gitattributes"}
-HEAD_PREFIX = "language_model.mtp."  # where oMLX finds the head, in the model's own index
-DRAFTER_DIR = "mtp"  # the head again, as mlx_vlm's standalone drafter (docs/architecture.md)
+HEAD_PREFIX, DRAFTER_DIR = ckpt.HEAD_PREFIX, ckpt.DRAFTER_DIR
 DRAFTER_SHARD = f"{DRAFTER_DIR}/model.safetensors"
 PROCESSOR_FILES = ("preprocessor_config.json",)
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
@@ -397,8 +396,8 @@ class Publish(Step):
         try:
             if params.load_check:
                 staged.load_check = loadcheck.lookup(store, config, tensors, self.writer)
-                if staged.load_check.record is None:
-                    loadcheck.warm()  # while the shards are written
+                if staged.load_check.to_run:
+                    loadcheck.warm(staged.load_check.to_run)  # while the shards are written
             staged.art = self._write(ctx, params, staged, src)
             drop_idle_write_buffers()  # all written; the load check, a build's memory peak, is next
             self._check(ctx, staged, params)
