@@ -86,14 +86,15 @@ def vlm_importable() -> bool:
     return importlib.util.find_spec("mlx_vlm") is not None
 
 
-def vlm_keys(config: dict, tensors: dict[str, dict], writer: dict) -> dict[str, str]:
+def vlm_keys(config: dict, tensors: dict[str, dict], writer: dict, files: dict[str, str] | None = None) -> dict[str, str]:
     """Memo keys of the mlx_vlm parts this model needs: ``model`` (all but the head, the config
-    without the head's entries) and, for a model with an MTP head, ``drafter``."""
+    without the head's entries, the side files: tokenizer, template, processor configs) and,
+    for a model with an MTP head, ``drafter``."""
     versions = {d: metadata.version(d) for d in ("mlx", "mlx-vlm")}
     body = {k: v for k, v in tensors.items() if not k.startswith(HEAD_PREFIX)}
     cfg = {k: {p: q for p, q in v.items() if not p.startswith(HEAD_PREFIX)} if k in QUANT_KEYS and isinstance(v, dict) else v
            for k, v in config.items()}
-    out = {"model": keys.digest_json("loadcheck-vlm", [VERSION, versions, writer, cfg, body])}
+    out = {"model": keys.digest_json("loadcheck-vlm", [VERSION, versions, writer, cfg, body, files or {}])}
     if len(body) < len(tensors):
         read = {k: v for k, v in tensors.items() if k.startswith(HEAD_PREFIX) or _module(k) in BOUND}
         out["drafter"] = keys.digest_json("loadcheck-drafter", [VERSION, versions, writer, config, read])
@@ -110,6 +111,7 @@ class Lookup:
     n_read: int
     record: dict | None
     vlm: dict[str, tuple[str, dict | None]] = field(default_factory=dict)
+    image: bool = True  # False: the source lacks what an image prompt needs; mlx_vlm runs text
 
     @property
     def to_run(self) -> list[str]:
@@ -118,12 +120,16 @@ class Lookup:
         return ([MODULE] if self.record is None else []) + (list(VLM_MODULES) if vlm else [])
 
 
-def lookup(store: Store, config: dict, tensors: dict[str, dict], writer: dict) -> Lookup:
+def lookup(store: Store, config: dict, tensors: dict[str, dict], writer: dict,
+           files: dict[str, str] | None = None, image: bool = True) -> Lookup:
+    """``files``: the side files published with the model (name -> digest); ``image``: whether
+    they hold what an image prompt needs (else mlx_vlm's part runs a text prompt)."""
     key, n_read = memo_key(store, config, tensors, writer)
     vlm = {}
     if vlm_importable():
-        vlm = {part: (k, store.get_memo(f"loadcheck-{part}", k)) for part, k in vlm_keys(config, tensors, writer).items()}
-    return Lookup(key, n_read, store.get_memo("loadcheck", key), vlm)
+        files = (files or {}) | {"image prompt": image}
+        vlm = {part: (k, store.get_memo(f"loadcheck-{part}", k)) for part, k in vlm_keys(config, tensors, writer, files).items()}
+    return Lookup(key, n_read, store.get_memo("loadcheck", key), vlm, image)
 
 
 def warm(modules: list[str] | None = None) -> None:
@@ -219,11 +225,11 @@ def _check_vlm(store: Store, path: Path, config: dict, found: Lookup, log: Calla
         return False
     ran = False
     for part, (key, record) in found.vlm.items():
-        what = "image prompt" if part == "model" else f"MTP drafter {DRAFTER_DIR}/"
+        what = ("image prompt" if found.image else "text prompt") if part == "model" else f"MTP drafter {DRAFTER_DIR}/"
         if record is not None:
             log(f"client check (mlx_vlm, {what}): not run again: mlx_vlm read the same bytes before ({record['summary']})")
             continue
-        res = check_vlm_loads(path) if part == "model" else check_drafter_loads(path)
+        res = check_vlm_loads(path, found.image) if part == "model" else check_drafter_loads(path)
         log(f"client check (mlx_vlm, {what}): {res['summary']}")
         store.put_memo(f"loadcheck-{part}", key, {"summary": res["summary"]})
         ran = True
@@ -239,11 +245,11 @@ def _test_image():
     return Image.fromarray(rgb.astype(np.uint8))
 
 
-def check_vlm_loads(path: Path) -> dict:
+def check_vlm_loads(path: Path, image: bool = True) -> dict:
     """Load with mlx_vlm and run an image prompt: the chat template must place the image, the
     processor make pixels of it, the tokenizer's image token match ``image_token_id``, and the
-    vision tower and the language model give finite logits. Streamed layer by layer, in float32
-    on the CPU, as ``check_loads``. Returns a one-line summary."""
+    vision tower and the language model give finite logits (``image=False``: a text prompt).
+    Streamed layer by layer, in float32 on the CPU, as ``check_loads``. Returns a summary."""
     import mlx.core as mx
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.utils import load, prepare_inputs
@@ -252,12 +258,15 @@ def check_vlm_loads(path: Path) -> dict:
         model, processor = load(str(path), lazy=True)
         cfg = model.config
         image_token = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", None)
-        prompt = apply_chat_template(processor, cfg, "Describe the image.", num_images=1)
-        inputs = prepare_inputs(processor, images=[_test_image()], prompts=prompt, image_token_index=image_token)
+        if image:
+            prompt = apply_chat_template(processor, cfg, "Describe the image.", num_images=1)
+            inputs = prepare_inputs(processor, images=[_test_image()], prompts=prompt, image_token_index=image_token)
+        else:
+            inputs = prepare_inputs(processor, prompts="Hello")
         ids = inputs["input_ids"]
         n_image = int((ids == image_token).sum().item()) if image_token is not None else 0
-        if n_image == 0:
-            raise StepError(f"the prompt holds no image token (id {image_token}): check the chat template, "
+        if image and n_image == 0:
+            raise StepError(f"the image prompt holds no image token (id {image_token}): check the chat template, "
                             "preprocessor_config.json and the tokenizer's <|image_pad|> against config.json")
         if mx.default_device() == mx.cpu:
             model.set_dtype(mx.float32)
@@ -265,15 +274,18 @@ def check_vlm_loads(path: Path) -> dict:
             if isinstance(m.get("layers"), list):
                 m["layers"][:] = [_Streamed(layer) for layer in m["layers"]]
         extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-        out = model(ids, inputs["pixel_values"], mask=inputs.get("attention_mask"), **extra)
+        out = model(ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra)
         logits = getattr(out, "logits", out)
         mx.eval(logits)
     except StepError:
         raise
     except Exception as e:
-        raise StepError(f"mlx_vlm cannot run an image prompt on the published model: {type(e).__name__}: {e}") from e
+        raise StepError(f"mlx_vlm cannot run {'an image' if image else 'a text'} prompt on the published model: "
+                        f"{type(e).__name__}: {e}") from e
     if not bool(mx.isfinite(logits).all().item()):
-        raise StepError("mlx_vlm runs an image prompt on the published model but its logits are not finite")
+        raise StepError("mlx_vlm runs a prompt on the published model but its logits are not finite")
+    if not image:
+        return {"summary": f"{list(logits.shape)} logits, finite (no image: the source lacks processor files)"}
     grid = inputs["image_grid_thw"].tolist()[0]
     return {"summary": f"{IMAGE_SIDE}x{IMAGE_SIDE} image as a {grid} patch grid, {n_image} image tokens, "
                        f"{list(logits.shape)} logits, finite"}

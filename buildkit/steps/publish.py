@@ -390,12 +390,14 @@ class Publish(Step):
         tmp.mkdir()
         staged = Staged(dest, tmp, parts, tensors, config, made, source=src.meta.get("source", {}))
         tok_cfg = json.loads(store.get_blob(src.files["tokenizer_config.json"])) if "tokenizer_config.json" in src.files else {}
-        if missing := missing_for_images(config, src.files, tok_cfg):
+        missing = missing_for_images(config, src.files, tok_cfg)
+        if missing:
             ctx.log(f"warning: the source has a vision tower (vision_config) but no {' and no '.join(missing)}: "
                     "mlx_vlm loads the model but cannot run an image prompt; add them to the source")
         try:
             if params.load_check:
-                staged.load_check = loadcheck.lookup(store, config, tensors, self.writer)
+                side = {k: v for k, v in src.files.items() if k not in SKIP_SOURCE_FILES and "/" not in k}
+                staged.load_check = loadcheck.lookup(store, config, tensors, self.writer, side, image=not missing)
                 if staged.load_check.to_run:
                     loadcheck.warm(staged.load_check.to_run)  # while the shards are written
             staged.art = self._write(ctx, params, staged, src)
