@@ -24,6 +24,7 @@ the head, the trunk's embeddings and lm_head it binds to, and the config.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -132,9 +133,20 @@ def lookup(store: Store, config: dict, tensors: dict[str, dict], writer: dict,
     return Lookup(key, n_read, store.get_memo("loadcheck", key), vlm, image)
 
 
+_warming: list = []  # the futures of warm's imports, waited for before the check imports
+
+
 def warm(modules: list[str] | None = None) -> None:
     """Import mlx_lm (and mlx_vlm) on a spare thread (~1.2 s, mostly transformers) for a check to come."""
-    lazy.import_ahead(modules or [MODULE])
+    _warming.append(lazy.import_ahead(modules or [MODULE]))
+
+
+def _imported() -> None:
+    # Importing a package while another thread is still initialising it can hand back the
+    # half-made module (mlx_vlm's circular imports do): let the spare thread finish first.
+    while _warming:
+        with contextlib.suppress(Exception):
+            _warming.pop().result()
 
 
 def check(
@@ -145,6 +157,7 @@ def check(
     ``config`` and ``tensors`` (name -> store entry) describe what ``path`` holds; ``writer``
     names the code that wrote it (a step kind and version); ``found`` is ``lookup``'s answer
     for them, asked before the files were written (to import mlx_lm meanwhile, or not)."""
+    _imported()
     ran = _check_mlx_lm(store, path, config, tensors, writer, found, log)
     return _check_vlm(store, path, config, found, log) or ran
 
