@@ -260,3 +260,27 @@ def test_cards_say_how_each_client_uses_the_model(built: Project):
         assert "below 0.5" in card
         assert "--draft-model path/to/this/model/mtp --draft-kind mtp" in card
         assert "LM Studio" in card and "ignore the head" in card
+
+
+# --- publish's client check ---------------------------------------------------------------------
+
+def test_new_head_bits_rerun_only_the_drafter_part_of_the_client_check(built: Project, tmp_path):
+    p = Project(tmp_path).adopt(built)
+    p.write_manifest("head5", 'extends = "xl-mtp"\n[steps.requantize.params.recipe.roles]\n'
+                              'routed_expert = { bits = 5, group_size = 64 }\n')
+    res = p.build("head5")
+    assert "client check (mlx_vlm, image prompt): not run again" in res.stderr
+    assert "client check (mlx_vlm, MTP drafter mtp/): loaded as kind 'mtp', 7 norms as published" in res.stderr
+
+
+def test_the_client_check_fails_a_drafter_whose_norms_mlx_vlm_would_shift_again(built: Project, tmp_path):
+    from buildkit import loadcheck
+    from buildkit.errors import StepError
+
+    d = shutil.copytree(built.out / "xl-mtp", tmp_path / "m")
+    w = mx.load(str(d / "mtp" / "model.safetensors"))
+    mx.save_safetensors(str(d / "mtp" / "model.safetensors"), {f"mtp.{k}": v for k, v in w.items()},
+                        metadata={"format": "mlx"})
+    with pytest.raises(StepError, match="changes 7 of the drafter's norms as it loads them"):
+        loadcheck.check_drafter_loads(d)
+    assert "7 norms as published" in loadcheck.check_drafter_loads(built.out / "xl-mtp")["summary"]
