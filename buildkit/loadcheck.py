@@ -316,7 +316,8 @@ def check_drafter_loads(path: Path) -> dict:
         drafter, kind = load_drafter(str(where), kind="mtp")
         if kind != "mtp":
             raise StepError(f"mlx_vlm takes {where} for a {kind!r} drafter, not 'mtp'")
-        published = mx.load(str(where / "model.safetensors"))
+        # the file's names as the drafter's loader maps them (it strips a Hugging Face ``mtp.``)
+        published = {k.removeprefix("mtp."): v for k, v in mx.load(str(where / "model.safetensors")).items()}
         params = dict(_flatten(drafter.parameters()))
         norms = [k for k in published if k.endswith(".weight") and "norm" in k.rsplit(".", 2)[-2]]
         moved = [k for k in norms if not bool(mx.array_equal(params[k], published[k]).item())]
