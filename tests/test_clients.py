@@ -284,3 +284,19 @@ def test_the_client_check_fails_a_drafter_whose_norms_mlx_vlm_would_shift_again(
     with pytest.raises(StepError, match="changes 7 of the drafter's norms as it loads them"):
         loadcheck.check_drafter_loads(d)
     assert "7 norms as published" in loadcheck.check_drafter_loads(built.out / "xl-mtp")["summary"]
+
+
+def test_the_cards_mlx_vlm_command_runs_an_image_prompt_with_the_drafter(built: Project, tmp_path):
+    import subprocess
+    import sys
+
+    out = built.out / "xl-mtp"
+    an_image().save(tmp_path / "photo.png")
+    p = subprocess.run(
+        [sys.executable, "-m", "mlx_vlm.generate", "--model", str(out), "--draft-model", str(out / "mtp"),
+         "--draft-kind", "mtp", "--image", str(tmp_path / "photo.png"), "--prompt", "Describe this image.",
+         "--max-tokens", "4", "--temperature", "0"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "Speculative decoding:" in p.stdout + p.stderr
