@@ -300,3 +300,19 @@ def test_the_cards_mlx_vlm_command_runs_an_image_prompt_with_the_drafter(built: 
     )
     assert p.returncode == 0, p.stderr
     assert "Speculative decoding:" in p.stdout + p.stderr
+
+
+def test_without_mlx_vlm_the_check_says_what_it_did_not_check(built: Project, monkeypatch):
+    from buildkit import loadcheck
+    from buildkit.steps.publish import Publish
+    from buildkit.store import Store
+
+    monkeypatch.setattr(loadcheck, "vlm_importable", lambda: False)
+    store = Store(built.store)
+    cfg = json.loads((built.out / "xl-mtp" / "config.json").read_text())
+    found = loadcheck.lookup(store, cfg, {}, Publish().writer)
+    assert found.vlm == {} and "mlx_vlm.utils" not in found.to_run
+    lines: list[str] = []
+    assert loadcheck._check_vlm(store, built.out / "xl-mtp", cfg, found, lines.append) is False
+    assert lines == ["client check: mlx_vlm is not installed: the image prompt and the MTP drafter are not "
+                     "checked (install mlx-vlm to check them)"]
