@@ -159,7 +159,7 @@ def check(
     for them, asked before the files were written (to import mlx_lm meanwhile, or not)."""
     _imported()
     ran = _check_mlx_lm(store, path, config, tensors, writer, found, log)
-    return _check_vlm(store, path, config, found, log) or ran
+    return _check_vlm(store, path, found, log) or ran
 
 
 def _check_mlx_lm(store: Store, path: Path, config: dict, tensors: dict[str, dict], writer: dict, found: Lookup, log) -> bool:
@@ -231,7 +231,7 @@ def check_loads(path: Path) -> dict:
     return {"logits_shape": list(logits.shape), "dtype": str(logits.dtype).removeprefix("mlx.core."), "parameters": names}
 
 
-def _check_vlm(store: Store, path: Path, config: dict, found: Lookup, log: Callable[[str], None]) -> bool:
+def _check_vlm(store: Store, path: Path, found: Lookup, log: Callable[[str], None]) -> bool:
     if not found.vlm:
         log("client check: mlx_vlm is not installed: the image prompt and the MTP drafter are not checked "
             "(install mlx-vlm to check them)")

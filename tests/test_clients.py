@@ -313,6 +313,6 @@ def test_without_mlx_vlm_the_check_says_what_it_did_not_check(built: Project, mo
     found = loadcheck.lookup(store, cfg, {}, Publish().writer)
     assert found.vlm == {} and "mlx_vlm.utils" not in found.to_run
     lines: list[str] = []
-    assert loadcheck._check_vlm(store, built.out / "xl-mtp", cfg, found, lines.append) is False
+    assert loadcheck._check_vlm(store, built.out / "xl-mtp", found, lines.append) is False
     assert lines == ["client check: mlx_vlm is not installed: the image prompt and the MTP drafter are not "
                      "checked (install mlx-vlm to check them)"]
