@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 BUILDKIT := $(BIN)/buildkit
 JOBS    ?= 2
 
-.PHONY: install xl xl-mtp oq4e-mtp-xl all fixture test lint bench release clean
+.PHONY: install xl xl-mtp oq4e-mtp-xl all fixture test lint bench bench-35b release clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m compileall -q buildkit  # edits since install: time bytecode, not compiles
 	$(BIN)/python bench/bench.py
+
+# The real model's shapes (sparse source, ~65 GB free disk, ~10 min); not in CI.
+bench-35b: $(STAMP)
+	$(BIN)/python -m compileall -q buildkit
+	$(BIN)/python bench/bench35b.py
 
 release: $(STAMP)
 	$(BUILDKIT) build xl --release

@@ -54,11 +54,11 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 
-import tomllib
 import xxhash
 
 import buildkit

@@ -47,6 +47,7 @@ def tune_imported() -> None:
     """After ``tune``, once mlx is imported: its buffer cache off (malloc keeps freed buffers
     already). Without ``tune`` mlx's cache stays, as it is the only reserve then."""
     mx = sys.modules.get("mlx.core")
-    set_limit = getattr(mx, "set_cache_limit", None)  # None while another thread still imports mlx
-    if _tuned and set_limit is not None:
-        set_limit(0)
+    # another thread may be importing mlx right now (a partly initialised module): skip, a later
+    # call (each step start, or that import's own) sets it
+    if _tuned and getattr(mx, "set_cache_limit", None) is not None:
+        mx.set_cache_limit(0)

@@ -21,6 +21,7 @@ examples:
   buildkit plan xl-mtp                      what would run, and why
   buildkit explain xl-mtp quantize          the ingredients of one node's cache key
   buildkit graph xl-mtp --format mermaid    the step DAG
+  buildkit estimate xl --source DIR         size and bits per weight from headers alone
   buildkit gc                               free what no built variant still uses
 
 The store defaults to ./cache (override with --store or BUILDKIT_STORE).
@@ -43,7 +44,19 @@ def _manifest(args):
     return manifest.load(args.variant, args.manifests, source=getattr(args, "source", None))
 
 
-def _scheduler(args):
+def _remote(args, env: bool = True):
+    """The remote cache of ``--remote`` (else ``BUILDKIT_REMOTE`` if ``env``), or None."""
+    url = getattr(args, "remote", None) or (os.environ.get("BUILDKIT_REMOTE") if env else None)
+    if not url:
+        if getattr(args, "remote_upload", False):
+            raise UsageError("--remote-upload needs a remote: pass --remote URL or set BUILDKIT_REMOTE")
+        return None
+    from .remote import Remote
+
+    return Remote.open(url, quiet=getattr(args, "quiet", False))
+
+
+def _scheduler(args, remote=None):
     from .scheduler import Scheduler
     from .steps.base import BuildOptions
 
@@ -53,6 +66,7 @@ def _scheduler(args):
         release=getattr(args, "release", False),
         push=getattr(args, "push", None),
         rehash=getattr(args, "rehash", False),
+        remote=remote,
     )
     return Scheduler(_manifest(args), _store(args), opts)
 
@@ -60,7 +74,7 @@ def _scheduler(args):
 def _build_request(args) -> dict | None:
     """What a plain build's result depends on besides files (``uptodate.py``); None for a
     build that must plan (a target, a release, a push, a re-hash)."""
-    if args.target or args.release or args.push or args.rehash:
+    if args.target or args.release or args.push or args.rehash or args.remote_upload:
         return None
     return {
         "variant": args.variant,
@@ -91,7 +105,7 @@ def cmd_build(args) -> int:
             print(f"{rec['variant']}: {n} steps, 0 ran, {n} cached in {(time.time_ns() - started) / 1e9:.2f}s "
                   f"(up to date: {len(rec['files'])} files as the last build left them)", file=sys.stderr)
         return 0
-    sched = _scheduler(args)
+    sched = _scheduler(args, remote := _remote(args))
     states = sched.build(args.target or None, jobs=args.jobs, quiet=args.quiet)
     if request is not None:
         # Only a shortcut for the next build: this one is done, whatever happens to the record
@@ -100,6 +114,8 @@ def cmd_build(args) -> int:
             if (files := sched.watched(states)) is not None:
                 report = {"variant": sched.m.name, "nodes": [[s.name, s.kind, keys.short(s.key)] for s in states]}
                 uptodate.record(sched.store.root, request, *files, report, started)
+    if args.remote_upload:
+        _print_sent(remote.push(sched.store, [(s.name, s.key, s.outputs) for s in states]), remote)
     if args.release:
         from .release import write_lock
 
@@ -120,8 +136,36 @@ def _plan_rows(sched, states) -> list[dict]:
     ]
 
 
+def _print_sent(sent: dict, remote) -> None:
+    print(f"remote: sent {sent['nodes']} nodes ({sent['objects']} objects, {sent['listings']} listings, "
+          f"{sent['bytes']} bytes) to {remote.url}; {sent['skipped']} nodes already there", file=sys.stderr)
+
+
+def cmd_push(args) -> int:
+    from .remote import push_variant
+
+    remote = _remote(args)
+    if remote is None:
+        raise UsageError("push needs a remote: pass --remote URL or set BUILDKIT_REMOTE")
+    _print_sent(push_variant(_scheduler(args), remote), remote)  # planned from the local store only
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from .remote import pull_variant
+
+    remote = _remote(args)
+    if remote is None:
+        raise UsageError("pull needs a remote: pass --remote URL or set BUILDKIT_REMOTE")
+    states = pull_variant(_scheduler(args, remote), remote)
+    t = remote.be.traffic
+    print(f"pulled {len(states)} nodes of {args.variant} from {remote.url}: {t.bytes_down} bytes in {t.gets} downloads",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_plan(args) -> int:
-    sched = _scheduler(args)
+    sched = _scheduler(args, _remote(args))
     sched.check_request(args.target or None)
     states = sched.plan(args.target or None)
     rows = _plan_rows(sched, states)
@@ -140,7 +184,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    sched = _scheduler(args)
+    sched = _scheduler(args, _remote(args))
     info = sched.explain(args.node)
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True, default=str))
@@ -210,6 +254,10 @@ def cmd_gc(args) -> int:
                 print(f"  {node}: {len(ks)} action(s) {', '.join(ks[:4])}{' ...' if len(ks) > 4 else ''}")
     print(f"{verb} {r['bytes'] / 1e6:.1f} MB ({r['bytes']} bytes): {r['actions']} actions, {r['artifacts']} artifacts, "
           f"{r['objects']} objects, {r['memos']} memos, {r['files']} records of deleted files")
+    remote = _remote(args, env=False)  # only an explicit --remote: never BUILDKIT_REMOTE alone
+    if remote is not None:
+        rr = remote.gc(args.dry_run, args.remote_max_age)
+        print(f"remote {remote.url}: {verb} {rr['actions']} records, {rr['artifacts']} listings, {rr['objects']} objects")
     return 0
 
 
@@ -232,6 +280,7 @@ def cmd_status(args) -> int:
     from .steps.base import BuildOptions
 
     store = _store(args)
+    remote = _remote(args)
     last: dict[str, dict] = {}
     for root in store.roots():  # oldest first: the last one wins
         last[root["request"].get("variant")] = root
@@ -247,7 +296,7 @@ def cmd_status(args) -> int:
                 req = root["request"]
                 m = manifest.load(str(p), args.manifests, source=req.get("source"))
                 out = Path(req["out"]) if req.get("out") else None
-                sched = Scheduler(m, store, BuildOptions(project_root=Path.cwd(), out_dir=out))
+                sched = Scheduler(m, store, BuildOptions(project_root=Path.cwd(), out_dir=out, remote=remote))
                 states = sched.plan()
                 stale = [s for s in states if not s.fresh]
                 row.update(built=True, source=req.get("source"), out=req.get("out"),
@@ -277,22 +326,42 @@ def cmd_store_check(args) -> int:
 def cmd_verify(args) -> int:
     from .release import verify_against
 
-    return verify_against(_manifest(args), args.against, args.jobs)
+    return verify_against(_manifest(args), args.against, args.jobs, remote=_remote(args))
 
 
 def cmd_fixture(args) -> int:
-    from .fixture import FixtureSpec, generate
+    from .fixture import PRESETS, FixtureSpec, generate
 
     fields = {k: v for k, v in vars(args).items() if k in FixtureSpec.model_fields and v is not None}
+    if args.trained:
+        from .trained import write_trained
+
+        if fields or args.preset or args.sparse:
+            given = [*sorted(fields), *(["preset"] if args.preset else []), *(["sparse"] if args.sparse else [])]
+            raise UsageError(f"--trained has a fixed shape; drop --{' --'.join(given).replace('_', '-')}")
+        try:
+            print(write_trained(args.out))
+        except FileExistsError as e:
+            raise UsageError(str(e)) from None
+        return 0
+    fields = (dict(PRESETS[args.preset]) if args.preset else {}) | fields
     try:
         spec = FixtureSpec(**fields)
     except ValueError as e:
         raise UsageError(f"bad fixture spec: {e}") from None
     try:
-        path = generate(args.out, spec)
+        path = generate(args.out, spec, sparse=args.sparse)
     except (FileExistsError, ValueError) as e:
         raise UsageError(str(e)) from None
     print(path)
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    from .estimate import estimate, render
+
+    e = estimate(_manifest(args))
+    print(json.dumps(e, indent=2) if args.json else render(e))
     return 0
 
 
@@ -335,8 +404,13 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
         s.set_defaults(fn=fn)
         return s
 
+    def remote_flag(s):
+        s.add_argument("--remote", metavar="URL",
+                       help="remote cache asked on a local miss: s3://bucket/prefix or file:///dir (default $BUILDKIT_REMOTE)")
+
     def request_flags(s):
         """The flags that change what a build makes or where: build and plan take the same."""
+        remote_flag(s)
         s.add_argument("--out", help="directory publish writes to (default: the manifest's, out/VARIANT)")
         s.add_argument("--target", action="append", help="only this step and what it needs (repeatable)")
         s.add_argument("--release", action="store_true",
@@ -354,6 +428,9 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
         help="decide every step by its key even if no file it depends on changed since the last successful build",
     )
     b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    b.add_argument("--remote-upload", action="store_true",
+                   help="after the build, upload every node the remote lacks (objects, listings, then the record; "
+                   "signed with $BUILDKIT_SIGNING_KEY if set)")
     b.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
 
     pl = variant_cmd("plan", cmd_plan, "Show every step as fresh or stale, with the reason; takes build's flags.")
@@ -365,6 +442,7 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
     e.add_argument("node", help="step name in the manifest")
     e.add_argument("--out", help="as build's --out")
     e.add_argument("--json", action="store_true", help="everything as JSON (the full resolved plan included)")
+    remote_flag(e)
 
     g = variant_cmd("graph", cmd_graph, "Print the step DAG.")
     g.add_argument("--format", choices=["text", "dot", "mermaid"], default="text",
@@ -373,6 +451,36 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
     v = variant_cmd("verify", cmd_verify, "Rebuild in an empty store and compare with a release lock, digest by digest.")
     v.add_argument("--against", required=True, help="lock file (e.g. manifests/xl.lock)")
     v.add_argument("-j", "--jobs", type=int, default=2, help="steps run in parallel (default 2)")
+    remote_flag(v)
+
+    es = variant_cmd(
+        "estimate", cmd_estimate,
+        "Estimate a variant's size and bits per weight from config.json and the safetensors headers.",
+    )
+    es.formatter_class = argparse.RawDescriptionHelpFormatter
+    es.epilog = """\
+Reads no tensor data: roles are assigned exactly as quantize assigns them, to the names
+sanitize (and graft, for an MTP head) would produce. A directory source reads its shard
+headers; hf://org/repo@rev reads config.json and the headers through huggingface_hub's
+safetensors-metadata API (range reads, no weights downloaded); fixture:... uses the
+generator's plan. Bytes are the published tensors' payload; bits per weight are bytes x 8
+over source parameters, with the vision tower (as mlx_vlm counts) and text only (as mlx_lm
+counts); an MTP head is reported on its own.
+
+examples:
+  buildkit estimate xl
+  buildkit estimate xl-mtp --source hf://Qwen/Qwen3.6-35B-A3B@<sha> --json
+"""
+    es.add_argument("--json", action="store_true", help="print JSON: bits_per_weight, bits_per_weight_text, bytes, parts, roles")
+
+    for name, fn, help_ in (
+        ("push", cmd_push, "Upload a built variant's closure (every node's record, listings and objects) to the remote."),
+        ("pull", cmd_pull, "Download a variant's closure from the remote into the local store (views into source "
+                           "files are not objects: the source must be here)."),
+    ):
+        pp = variant_cmd(name, fn, help_)
+        request_flags(pp)
+        pp.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
     gc = sub.add_parser(
         "gc", help="Free store entries no remembered build reaches.",
@@ -383,6 +491,11 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
     )
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed, by variant and step")
     gc.add_argument("--keep-last", type=int, metavar="N", help="first forget all but the N newest builds of each variant")
+    gc.add_argument("--remote", metavar="URL",
+                    help="also clean this remote cache (never $BUILDKIT_REMOTE alone): listings and objects no remote "
+                    "record names, older than a day; records too with --remote-max-age")
+    gc.add_argument("--remote-max-age", type=float, metavar="DAYS",
+                    help="with --remote: first remove remote records older than DAYS (readers rebuild and re-upload)")
     gc.set_defaults(fn=cmd_gc)
 
     fg = sub.add_parser("forget", help="Forget a variant's builds, so gc may free them.",
@@ -396,6 +509,7 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
                         description="Every variant in --manifests with its last build (source, out, when), "
                         "planned against the store: fresh, or stale with the first reason.")
     ss.add_argument("--json", action="store_true", help="machine-readable output")
+    remote_flag(ss)
     ss.set_defaults(fn=cmd_status)
 
     st = sub.add_parser("store", help="Store maintenance.", description="Store maintenance.")
@@ -414,8 +528,17 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
         description="Write a small deterministic qwen3_5_moe checkpoint (sharded bf16 safetensors + index, config.json, tokenizer, mtp.* in the last shard).",
     )
     fx.add_argument("out", help="directory to create (must not exist or be empty)")
+    fx.add_argument("--sparse", action="store_true",
+                    help="write tensors over 1 MiB as their first 4 KiB and a hole: real shapes, little disk")
+    fx.add_argument(
+        "--trained", action="store_true",
+        help="write the small checkpoint trained on real text (buildkit/data/trained) instead of random weights",
+    )
     if fixture_options:
-        from .fixture import FixtureSpec
+        from .fixture import PRESETS, FixtureSpec
+
+        fx.add_argument("--preset", choices=sorted(PRESETS),
+                        help="start from a real model's dimensions (qwen3.6-35b-a3b: ~72 GB; use --sparse); options given override it")
 
         for name, f in FixtureSpec.model_fields.items():
             fx.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, help=f"(default {f.default})")

@@ -27,16 +27,24 @@ def shift_norm(store, entry: dict) -> dict:
     return store.put_tensor(entry["dtype"], from_float32(to_float32(w, entry["dtype"]) + np.float32(1.0), entry["dtype"]))
 
 
+def mlx_pieces(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], tuple[int, int, int] | None]]:
+    """(MLX name, shape, slice) of what one HF tensor becomes, from its name and shape alone
+    (``buildkit estimate`` plans from headers with it; ``sanitize_tensor`` makes the entries)."""
+    if ckpt.is_conv1d(name):
+        C, one, K = shape
+        return [(ckpt.mlx_name(name), (C, K, one), None)]
+    if ckpt.is_patch_embed(name) and len(shape) == 5:
+        o, c, t, h, w = shape
+        return [(ckpt.mlx_name(name), (o, t, h, w, c), None)]
+    return ckpt.split_experts(name, tuple(shape))
+
+
 def sanitize_tensor(store, name: str, digest: str, info: TensorInfo) -> list[tuple[str, dict]]:
     """(MLX name, entry) pieces for one HF tensor of the trunk, vision tower or MTP head."""
+    pieces = mlx_pieces(name, info.shape)
     if ckpt.is_offset_norm(name):
-        return [(ckpt.mlx_name(name), shift_norm(store, view(digest, info)))]
-    if ckpt.is_conv1d(name):
-        C, one, K = info.shape
-        return [(ckpt.mlx_name(name), view(digest, info, (C, K, one)))]
+        return [(pieces[0][0], shift_norm(store, view(digest, info)))]
     if ckpt.is_patch_embed(name) and len(info.shape) == 5:
         w = store.read_tensor(view(digest, info))
-        return [(ckpt.mlx_name(name), store.put_tensor(info.dtype, w.transpose(0, 2, 3, 4, 1)))]
-    return [
-        (mlx, view(digest, info, shape, slc)) for mlx, shape, slc in ckpt.split_experts(name, info.shape)
-    ]
+        return [(pieces[0][0], store.put_tensor(info.dtype, w.transpose(0, 2, 3, 4, 1)))]
+    return [(mlx, view(digest, info, shape, slc)) for mlx, shape, slc in pieces]

@@ -9,7 +9,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,8 +41,9 @@ _NORM_STD = 0.05  # offset norms: runtime weight is 1 + w
 class FixtureSpec(BaseModel):
     """Shape and seed of a fixture checkpoint.
 
-    Every linear input dimension must be a multiple of 64 (group-size-64 quantization),
-    ``linear_value_heads`` a multiple of ``linear_key_heads`` and ``heads`` of ``kv_heads``.
+    Every linear input dimension must be a multiple of 64 (group-size-64 quantization) except
+    ``vision_intermediate`` (the vision blocks' ``linear_fc2``, 4304 in the real model, which xl
+    keeps bf16), ``linear_value_heads`` a multiple of ``linear_key_heads`` and ``heads`` of ``kv_heads``.
     ``vision_positions`` is the vision tower's learned position grid (a perfect square).
     An invalid spec raises ``ValueError`` naming the field.
     """
@@ -83,8 +84,8 @@ class FixtureSpec(BaseModel):
             ("shared_intermediate", self.shared_intermediate),
             ("heads*head_dim", self.heads * self.head_dim),
             ("linear_value_heads*linear_value_dim", self.linear_value_heads * self.linear_value_dim),
-            ("vision_hidden", self.vision_hidden), ("vision_intermediate", self.vision_intermediate),
-        ]:
+            ("vision_hidden", self.vision_hidden),
+        ]:  # vision_intermediate is free: the real model's 4304 keeps linear_fc2 bf16 (manifests/xl.toml)
             if value % 64:
                 raise ValueError(f"{name}={value} must be a multiple of 64 (quantization group size)")
         rules = [
@@ -110,6 +111,20 @@ class FixtureSpec(BaseModel):
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)} {why}")
         return self
+
+
+# The real checkpoint's dimensions (DESIGN.md): `buildkit fixture OUT --preset qwen3.6-35b-a3b`.
+PRESETS: dict[str, dict[str, int]] = {
+    "qwen3.6-35b-a3b": dict(
+        hidden=2048, layers=40, experts=256, experts_per_tok=8, moe_intermediate=512,
+        shared_intermediate=512, vocab=248320, heads=16, kv_heads=2, head_dim=256,
+        linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128,
+        conv_kernel=4, full_attention_interval=4, vision_depth=27, vision_hidden=1152,
+        vision_heads=16, vision_intermediate=4304, vision_positions=2304, shards=26,
+    ),
+}
+SPARSE_REAL_BYTES = 1 << 20  # sparse fixtures write tensors up to this size whole
+SPARSE_HEAD_BYTES = 4096  # and of each larger tensor its first bytes, the rest a hole
 
 
 class _Tensor(NamedTuple):
@@ -229,14 +244,14 @@ def _plan(s: FixtureSpec) -> list[tuple[_Tensor, int]]:
     return plan
 
 
-def _values(t: _Tensor, seed: int) -> Iterator[np.ndarray]:
+def _values(t: _Tensor, seed: int, limit: int | None = None) -> Iterator[np.ndarray]:
     # float32 chunks of a tensor, bit-identical on every machine: the noise uses only PCG64's
     # integer stream and correctly rounded float ops (no libm, whose last ulp varies). Each
     # element is the Irwin-Hall sum of the four 16-bit lanes of one 64-bit draw, standardised
     # (unit variance, |z| <= 3.46): near-normal, and the stream is independent of _CHUNK.
     key = int.from_bytes(hashlib.blake2b(t.name.encode(), digest_size=8).digest(), "little")
     bitgen = np.random.PCG64(np.random.SeedSequence([seed, key]))
-    n = math.prod(t.shape)
+    n = math.prod(t.shape) if limit is None else min(limit, math.prod(t.shape))
     lanes = np.uint64(0x0000FFFF0000FFFF)
     scale = np.float32(t.std / math.sqrt(4 * (65536**2 - 1) / 12))
     for start in range(0, n, _CHUNK):
@@ -259,7 +274,9 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return (b >> np.uint32(16)).astype("<u2")
 
 
-def _write_shard(path: Path, tensors: list[_Tensor], seed: int, progress) -> None:
+def _write_shard(
+    path: Path, tensors: list[_Tensor], seed: int, progress, weights: Mapping[str, np.ndarray], sparse: bool = False
+) -> None:
     tensors = sorted(tensors, key=lambda t: t.name)  # safetensors' own header and data order
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -271,10 +288,19 @@ def _write_shard(path: Path, tensors: list[_Tensor], seed: int, progress) -> Non
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for t in tensors:
-            for chunk in _values(t, seed):
-                f.write(_bf16(chunk).data)
+            if t.name in weights:  # given bf16 bit patterns instead of noise
+                f.write(np.ascontiguousarray(weights[t.name], dtype="<u2").data)
+            elif sparse and t.nbytes > SPARSE_REAL_BYTES:  # the first bytes real, then a hole
+                start = f.tell()
+                for chunk in _values(t, seed, limit=SPARSE_HEAD_BYTES // 2):
+                    f.write(_bf16(chunk).data)
+                f.seek(start + t.nbytes)
+            else:
+                for chunk in _values(t, seed):
+                    f.write(_bf16(chunk).data)
             if progress:
                 progress(f"{path.name}: {t.name} {list(t.shape)}")
+        f.truncate(f.tell())  # a trailing hole still counts in the file's size
 
 
 _CORPUS = """\
@@ -312,7 +338,9 @@ _CHAT_TEMPLATE = (
 )
 
 
-def _write_tokenizer(out: Path, s: FixtureSpec) -> dict[str, int]:
+def train_tokenizer(lines: Iterable[str], vocab: int) -> tk.Tokenizer:
+    """A byte-level BPE of ``vocab`` ids (special tokens included) trained on ``lines``, with
+    Qwen3.5's pre-tokenizer; the fixture's tokenizer is this trained on a built-in paragraph."""
     tok = tk.Tokenizer(tk.models.BPE())
     tok.normalizer = tk.normalizers.NFC()
     tok.pre_tokenizer = tk.pre_tokenizers.Sequence([
@@ -322,11 +350,25 @@ def _write_tokenizer(out: Path, s: FixtureSpec) -> dict[str, int]:
     tok.post_processor = tk.processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     tok.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
-        vocab_size=s.vocab - len(SPECIAL_TOKENS), show_progress=False,
+        vocab_size=vocab - len(SPECIAL_TOKENS), show_progress=False,
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    tok.train_from_iterator(lines, trainer)
     tok.add_special_tokens([tk.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def _write_tokenizer(out: Path, s: FixtureSpec, tokenizer: str | None = None) -> dict[str, int]:
+    if tokenizer is None:
+        tok = train_tokenizer(_CORPUS.splitlines(), s.vocab)
+    else:
+        tok = tk.Tokenizer.from_str(tokenizer)
+        missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
+        if tok.get_vocab_size() != s.vocab or missing:
+            raise ValueError(
+                f"the given tokenizer has {tok.get_vocab_size()} ids (spec vocab={s.vocab})"
+                + (f" and lacks {', '.join(missing)}" if missing else "")
+            )
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     config = {
@@ -422,6 +464,13 @@ def _configs(s: FixtureSpec, ids: dict[str, int]) -> tuple[dict, dict]:
     return config, generation
 
 
+def layout(spec: FixtureSpec) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    """config.json and HF tensor name -> shape (all bf16) of the checkpoint ``generate`` would
+    write, without writing it; the special-token ids are placeholders (no tokenizer is trained)."""
+    ids = {t: spec.vocab - len(SPECIAL_TOKENS) + i for i, t in enumerate(SPECIAL_TOKENS)}
+    return _configs(spec, ids)[0], {t.name: t.shape for t, _ in _plan(spec)}
+
+
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
@@ -430,6 +479,10 @@ def generate(
     out_dir: str | Path,
     spec: FixtureSpec = FixtureSpec(),  # noqa: B008 (frozen)
     progress: Callable[[str], None] | None = None,
+    sparse: bool = False,
+    *,
+    tokenizer: str | None = None,
+    weights: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """Write a deterministic fixture checkpoint to ``out_dir`` and return its path.
 
@@ -443,6 +496,13 @@ def generate(
     into place at the end, mtimes set a few seconds back (``store.settle``: a build that hashes
     them at once need not hash them again); ``progress`` (if given) receives one line per tensor written.
 
+    ``sparse``: tensors up to ``SPARSE_REAL_BYTES`` are written whole; of each larger one only
+    the first ``SPARSE_HEAD_BYTES`` (its generated values), the rest is a hole (zeros that take
+    no disk). The real model's shapes then cost ~72 GB apparent and tens of MB on disk.
+    ``tokenizer`` (a ``tokenizer.json`` text with ``spec.vocab`` ids and the special tokens)
+    replaces the built-in one; ``weights`` maps tensor names to bf16 bit patterns (uint16 of
+    the tensor's shape) written instead of noise. ``buildkit.trained`` uses both.
+
     Raises ``FileExistsError`` if ``out_dir`` exists and is not an empty directory.
     """
     out = Path(out_dir)
@@ -451,18 +511,28 @@ def generate(
             f"{out} already exists and is not empty; remove it or choose another output directory"
         )
     plan = _plan(spec)
+    weights = weights or {}
+    shapes = {t.name: t.shape for t, _ in plan}
+    for name, w in weights.items():
+        if name not in shapes:
+            raise ValueError(f"weights[{name!r}]: the spec has no such tensor")
+        if tuple(w.shape) != shapes[name] or w.dtype.itemsize != 2:
+            raise ValueError(
+                f"weights[{name!r}]: {w.dtype}{list(w.shape)}; the spec needs bf16 bit patterns "
+                f"of shape {list(shapes[name])}"
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         names = [f"model-{k + 1:05d}-of-{spec.shards:05d}.safetensors" for k in range(spec.shards)]
         for k, name in enumerate(names):
-            _write_shard(tmp / name, [t for t, i in plan if i == k], spec.seed, progress)
+            _write_shard(tmp / name, [t for t, i in plan if i == k], spec.seed, progress, weights, sparse)
         index = {
             "metadata": {"total_size": sum(t.nbytes for t, _ in plan)},
             "weight_map": {t.name: names[k] for t, k in sorted(plan, key=lambda p: p[0].name)},
         }
         _write_json(tmp / "model.safetensors.index.json", index)
-        config, generation = _configs(spec, _write_tokenizer(tmp, spec))
+        config, generation = _configs(spec, _write_tokenizer(tmp, spec, tokenizer))
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation)
         _write_processor_files(tmp)

@@ -3,7 +3,8 @@
 A node's cache key is the xxh3-128 of canonical JSON over its kind, step version, params as
 they enter the key (for quantizing steps the resolved per-tensor plan, in order), the digests
 of its input artifacts, the versions of libraries that change its bytes, and a step-specific
-fingerprint (the digests of source files). A key found in the store's action cache is a hit.
+fingerprint (the digests of source files). A key found in the store's action cache is a hit
+(else in the remote cache, if one is configured: ``Planner.lookup``, ``remote.py``).
 The ingredients of the last build of each node are kept (the variant's ref, and each build
 request's root) so that every rebuild can say why. Nothing here runs a step.
 """
@@ -20,7 +21,13 @@ from .manifest import Manifest, Node
 from .steps.base import BuildOptions, Context, Progress
 from .store import Store
 
-UNKNOWN = "(pending)"
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "(unset)"
+
+
+UNKNOWN = _Unset()  # a value one side of a comparison lacks
 MANY = ("params.plan.tensors.",)  # tables whose entries are reported together
 MISSING = "output missing from the store (collected or corrupt)"
 
@@ -36,8 +43,7 @@ class NodeState:
     ingredients: dict | None = None
     outputs: dict[str, str] = field(default_factory=dict)
     ran: bool = False
-    seconds: float = 0.0  # running, including work done ahead of its gates
-    early: float = 0.0  # of which ahead of its gates (Slot.gate), overlapping them
+    seconds: float = 0.0
     stats: dict = field(default_factory=dict)
 
 
@@ -64,12 +70,14 @@ def action_key(ingr: dict) -> str:
     return keys.digest_json("action", ingr)
 
 
-def _flat(prefix: str, v, out: dict) -> dict:
-    if isinstance(v, dict) and v:
-        for k in sorted(v):
-            _flat(f"{prefix}.{k}" if prefix else str(k), v[k], out)
+def _diff(prefix: str, a, b, out: list) -> list:
+    """(path, old, new) for each difference; a table one side lacks is one entry, not one per field."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k, UNKNOWN) != b.get(k, UNKNOWN):
+                _diff(f"{prefix}.{k}", a.get(k, UNKNOWN), b.get(k, UNKNOWN), out)
     else:
-        out[prefix] = v
+        out.append((prefix, a, b))
     return out
 
 
@@ -85,19 +93,18 @@ def why_changed(node: Node, old: dict | None, new: dict) -> list[str]:
     reasons = []
     if old.get("version") != new["version"]:
         reasons.append(f"step version changed {old.get('version')}→{new['version']}")
-    a, b = _flat("params", old.get("params", {}), {}), _flat("params", new["params"], {})
     by_table: dict[str, list[str]] = {}  # a table of many entries (a plan's tensors) in one line
-    for k in sorted(set(a) | set(b)):
-        if a.get(k, UNKNOWN) != b.get(k, UNKNOWN):
-            table = next((m[:-1] for m in MANY if k.startswith(m)), k)
-            by_table.setdefault(table, []).append(k)
-    for table, ks in by_table.items():
-        change = [f"{k.removeprefix(table + '.')} {_fmt(a.get(k, '(unset)'))}→{_fmt(b.get(k, '(unset)'))}" for k in ks]
-        if table in ks:
-            reasons.append(f"{table} changed {change[0].split(' ', 1)[1]}")
+    for path, was, now in _diff("params", old.get("params", {}), new["params"], []):
+        change = (f"added {_fmt(now)}" if was is UNKNOWN else f"removed (was {_fmt(was)})" if now is UNKNOWN
+                  else f"changed {_fmt(was)}→{_fmt(now)}")
+        table = next((m[:-1] for m in MANY if path.startswith(m)), None)
+        if table is None:
+            reasons.append(f"{path} {change}")
         else:
-            more = f", and {len(ks) - 3} more" if len(ks) > 3 else ""
-            reasons.append(f"{table}: {len(ks)} changed ({', '.join(change[:3])}{more})")
+            by_table.setdefault(table, []).append(f"{path.removeprefix(table + '.')} {_fmt(was)}→{_fmt(now)}")
+    for table, changes in by_table.items():
+        more = f", and {len(changes) - 3} more" if len(changes) > 3 else ""
+        reasons.append(f"{table}: {len(changes)} changed ({', '.join(changes[:3])}{more})")
     changed: dict[str, list[str]] = {}  # producer -> the slots it feeds whose digests changed
     for slot in sorted(set(old.get("inputs", {})) | set(new["inputs"])):
         was, now = old.get("inputs", {}).get(slot), new["inputs"].get(slot)
@@ -148,11 +155,9 @@ class Planner:
         nodes.update((self.store.get_root(self.request()) or {}).get("nodes", {}))
         return nodes
 
-    def input_digests(self, node: Node, states: dict[str, NodeState], gates: bool = True) -> dict[str, list[str]] | None:
+    def input_digests(self, node: Node, states: dict[str, NodeState]) -> dict[str, list[str]] | None:
         out = {}
         for slot, refs in node.inputs.items():
-            if not gates and node.step.inputs[slot].gate:
-                continue
             ds = []
             for r in refs:
                 st = states[r.node]
@@ -177,7 +182,7 @@ class Planner:
             ctx = self.context(name)
             st.ingredients = ingredients(node, digests, ctx)
             st.key = action_key(st.ingredients)
-            rec = self.store.get_action(st.key)
+            rec = self.lookup(st.key)
             if rec is None:
                 st.reasons = why_changed(node, prev.get(name, {}).get("ingredients"), st.ingredients)
                 continue
@@ -188,6 +193,19 @@ class Planner:
                 continue
             st.fresh = True
         return list(states.values())
+
+    def lookup(self, key: str) -> dict | None:
+        """The action record of a key: the local store's, else the remote cache's (its listings
+        then in the store, its objects fetched by ``fetch_inputs`` when a consumer runs)."""
+        rec = self.store.get_action(key)
+        if rec is None and self.options.remote is not None:
+            rec = self.options.remote.lookup(self.store, key)
+        return rec
+
+    def fetch_inputs(self, digests: dict[str, list[str]], name: str) -> None:
+        """Bring the objects of a node's input artifacts from the remote cache, if they came from it."""
+        if self.options.remote is not None:
+            self.options.remote.materialize(self.store, [d for ds in digests.values() for d in ds], label=f"{name} inputs")
 
     def check_request(self, targets: list[str] | None = None) -> None:
         """Every selected step's ``check_request``: a bad output path fails before any work."""

@@ -81,8 +81,9 @@ def _differ(a: dict, b: dict) -> str:
     return ", ".join(f"{k} {a.get(k)} (lock) vs {b.get(k)} (here)" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
-def verify_against(manifest, against: str | Path, jobs: int = 2) -> int:
-    """Rebuild the variant in an empty store and compare node by node with a lock file."""
+def verify_against(manifest, against: str | Path, jobs: int = 2, remote=None) -> int:
+    """Rebuild the variant in an empty store and compare node by node with a lock file (with
+    ``remote``, what the remote cache holds is taken instead of rebuilt: it checks the cache)."""
     from .scheduler import Scheduler
     from .steps.base import BuildOptions
     from .store import Store
@@ -99,7 +100,7 @@ def verify_against(manifest, against: str | Path, jobs: int = 2) -> int:
     if lock.get("platform", machine()) != machine():
         print(f"buildkit: note: the lock was made on {lock['platform']}, this is {machine()}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="buildkit-verify-") as tmp:
-        opts = BuildOptions(project_root=Path.cwd(), out_dir=Path(tmp) / "out", release=True)
+        opts = BuildOptions(project_root=Path.cwd(), out_dir=Path(tmp) / "out", release=True, remote=remote)
         sched = Scheduler(manifest, Store(Path(tmp) / "store"), opts)
         states = sched.build(jobs=jobs)
         got = lock_data(sched, states)

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import StepError
 
+BITS = (2, 3, 4, 5, 6, 8)
+
 
 class Role(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -22,6 +24,8 @@ class Role(BaseModel):
     group_size: int = Field(default=64, ge=16)
     mode: Literal["affine"] = "affine"
     calibrated: bool = False  # data-aware scale search (needs calibration data)
+    # bits a bits-per-weight budget (recipe.target_bpw) may give this role's tensors, one each
+    budget_bits: tuple[int, ...] | None = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -29,20 +33,33 @@ class Role(BaseModel):
             raise ValueError("a role needs `bits` (and optionally group_size) or `passthrough = true`")
         if self.passthrough and (self.bits is not None or self.calibrated):
             raise ValueError("a passthrough role takes no bits and is not calibrated")
-        if self.bits is not None and self.bits not in (2, 3, 4, 5, 6, 8):
-            raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8 (mlx affine), got {self.bits}")
+        for b in (self.bits, *(self.budget_bits or ())):
+            if b is not None and b not in BITS:
+                raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8 (mlx affine), got {b}")
+        if self.budget_bits is not None:
+            if self.passthrough or len(self.budget_bits) < 2 or list(self.budget_bits) != sorted(set(self.budget_bits)):
+                raise ValueError("budget_bits must list two or more distinct bits in increasing order, "
+                                 "on a quantized role (for example [3, 4, 6, 8])")
         return self
+
+    def key_dump(self) -> dict:
+        """The role as it enters a quantizing step's key (budget_bits only when set, so roles
+        without one keep the keys they had before budgets existed)."""
+        return self.model_dump(mode="json", exclude=None if self.budget_bits else {"budget_bits"})
 
     def quant(self) -> dict | None:
         return None if self.passthrough else {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
 
 
 class Recipe(BaseModel):
-    """``rules``: pattern -> role name, in order, first match wins; ``roles``: name -> Role."""
+    """``rules``: pattern -> role name, in order, first match wins; ``roles``: name -> Role;
+    ``target_bpw``: a bits-per-weight budget, spent on the roles with ``budget_bits`` by their
+    measured sensitivity (``budget.py``; the quantizing step needs a ``sensitivity`` input)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     roles: dict[str, Role] = {}
     rules: dict[str, str] = {}
+    target_bpw: float | None = Field(default=None, gt=1, le=32)
 
     @model_validator(mode="after")
     def _check(self):

@@ -13,7 +13,6 @@ import copy
 import errno
 import os
 import sys
-import threading
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -21,15 +20,11 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from . import allocator, keys, workers
 from .errors import BuildkitError, StepError, StoreMiss, VerifyError
 from .fsio import atomic_write
-from .manifest import Manifest, Node
+from .manifest import Manifest
 from .plan import NodeState, Planner, action_key, ingredients, why_changed
 from .report import Reporter
-from .steps.base import BuildOptions, Context, Progress
+from .steps.base import BuildOptions, Progress
 from .store import Store
-
-
-class Cancelled(Exception):
-    """A node that started early (see ``Slot.gate``) whose gate input failed: not a failure of its own."""
 
 
 class Scheduler(Planner):
@@ -41,17 +36,19 @@ class Scheduler(Planner):
     def build(self, targets: list[str] | None = None, jobs: int = 2, quiet: bool = False) -> list[NodeState]:
         """Run the stale nodes; independent nodes run in parallel on ``jobs`` threads.
 
-        A store entry a step finds corrupt (or gone) is a miss: it has been removed, so the
-        build runs once more, which re-runs the steps that produced it.
+        A store entry a step finds corrupt (or gone) is a miss: it has been removed (or, from
+        a remote cache, refused), so the build runs again, which re-runs the steps that produced
+        it. Each round loses at least one node's outputs, so rounds are at most the nodes.
         """
         self.check_request(targets)
         with self.store.in_use():
-            try:
-                return self._build(targets, jobs, quiet)
-            except StoreMiss as e:
-                if not quiet:
-                    print(f"buildkit: {e}; building again to restore it", file=sys.stderr)
-                return self._build(targets, jobs, quiet)
+            for _ in range(len(self.selection(targets))):
+                try:
+                    return self._build(targets, jobs, quiet)
+                except StoreMiss as e:
+                    if not quiet:
+                        print(f"buildkit: {e}; building again to restore it", file=sys.stderr)
+            return self._build(targets, jobs, quiet)
 
     def _build(self, targets: list[str] | None, jobs: int, quiet: bool) -> list[NodeState]:
         names = self.selection(targets)
@@ -62,7 +59,6 @@ class Scheduler(Planner):
         done: set[str] = set()
         failures: list[tuple[str, BaseException]] = []
         running = {}
-        self._ended = {n: threading.Event() for n in names}
         t0 = time.monotonic()
         jobs = max(1, jobs)
         pool = workers.pool("nodes")
@@ -72,9 +68,9 @@ class Scheduler(Planner):
                     for n in [n for n in names if n in remaining]:
                         if len(running) >= jobs:
                             break
-                        if self._startable(n, states, done, set(running.values())):
+                        if all(p in done for p in self.topo.preds[n] if p in states):
                             remaining.discard(n)
-                            fut = pool.submit(self._run_node_once, n, states, prev, reporter, workers=jobs)
+                            fut = pool.submit(self._run_node, n, states, prev, reporter, workers=jobs)
                             running[fut] = n
                 if not running:
                     break
@@ -82,8 +78,6 @@ class Scheduler(Planner):
                 for fut in finished:
                     n = running.pop(fut)
                     exc = fut.exception()
-                    if isinstance(exc, Cancelled):
-                        continue
                     if exc is not None:
                         failures.append((n, exc))
                     else:
@@ -113,85 +107,21 @@ class Scheduler(Planner):
             )
         return list(states.values())
 
-    def _gates(self, name: str, states: dict) -> set[str]:
-        """Producers this node may start without (they feed only its gate slots), if it can."""
-        node = self.m.nodes[name]
-        if node.step.prepare is None:
-            return set()
-        gate, other = set(), set()
-        for slot, refs in node.inputs.items():
-            (gate if node.step.inputs[slot].gate else other).update(r.node for r in refs if r.node in states)
-        return gate - other
-
-    def _startable(self, name: str, states: dict, done: set[str], running: set[str]) -> bool:
-        gates = self._gates(name, states)
-        preds = [p for p in self.topo.preds[name] if p in states]
-        return all(p in done or (p in gates and p in running) for p in preds)
-
-    def _run_node_once(self, name: str, states: dict[str, NodeState], prev: dict, reporter: Reporter) -> None:
-        try:
-            self._run_node(name, states, prev, reporter)
-        finally:
-            self._ended[name].set()
-
-    def _prepare_early(self, name: str, states: dict, prev: dict, reporter: Reporter, ctx: Context):
-        """Start a node whose gate producers still run, if it will surely run; wait for them."""
-        node = self.m.nodes[name]
-        waiting = sorted(g for g in self._gates(name, states) if not self._ended[g].is_set())
-        if not waiting:
-            return None
-        known = self.input_digests(node, states, gates=False)
-        old = (prev.get(name, {}).get("ingredients") or {}).get("inputs")
-        prepared = failed = None
-        if old is None or any(old.get(slot) != ds for slot, ds in known.items()):  # its key will be new
-            reporter.line(f"[start]  {name} ({node.kind}): ahead of {', '.join(waiting)}")
-            inputs = {slot: [self.store.get_artifact(d) for d in ds] for slot, ds in known.items()}
-            t = time.monotonic()
-            try:
-                prepared = node.step.prepare(ctx, node.params, inputs)
-            except Exception as e:  # reported only if the gates pass: theirs is the first error
-                failed = e
-            states[name].early = time.monotonic() - t
-        try:
-            for g in waiting:
-                self._ended[g].wait()
-        except BaseException:
-            node.step.discard(prepared)
-            raise
-        if self.input_digests(node, states) is None:  # a gate producer failed
-            node.step.discard(prepared)
-            raise Cancelled(name)
-        if failed is not None:
-            raise failed
-        return prepared
-
     def _run_node(self, name: str, states: dict[str, NodeState], prev: dict, reporter: Reporter) -> None:
         node = self.m.nodes[name]
         st = states[name]
         ctx = self.context(name, Progress(name, reporter.update), lambda node, msg: reporter.line(f"  {node}: {msg}"))
-        prepared = self._prepare_early(name, states, prev, reporter, ctx)
-        try:
-            self._run_ready(node, st, states, prev, reporter, ctx, prepared)
-        except BaseException:
-            if ctx.prepared is None:  # not handed to run, which cleans up after itself
-                node.step.discard(prepared)
-            raise
-
-    def _run_ready(self, node: Node, st: NodeState, states: dict, prev: dict, reporter: Reporter, ctx: Context, prepared) -> None:
-        name = node.name
         digests = self.input_digests(node, states)
-        assert digests is not None, name
         st.ingredients = ingredients(node, digests, ctx)
         st.key = action_key(st.ingredients)
         with self.store.lock(st.key):
-            rec = self.store.get_action(st.key)
+            rec = self.lookup(st.key)
             if rec is not None:
                 st.outputs = rec["outputs"]
                 why = node.step.outdated(node.params, self.artifacts(st.outputs), ctx)
                 if not why:
                     st.fresh = True
-                    node.step.discard(prepared)
-                    reporter.line(f"[cached] {name} ({node.kind}) {keys.short(st.key)}")
+                    reporter.line(f"[cached] {name} ({node.kind}) {keys.short(st.key)}" + (" (remote)" if "remote" in rec else ""))
                     return
                 reasons = [why]
             else:
@@ -199,20 +129,19 @@ class Scheduler(Planner):
             reporter.line(f"[run]    {name} ({node.kind}): {'; '.join(reasons)}")
             st.reasons = reasons
             t = time.monotonic()
+            self.fetch_inputs(digests, name)
             inputs = {
                 slot: [self.store.get_artifact(d) for d in ds] for slot, ds in digests.items()
             }
-            ctx.prepared = prepared
             ctx.fingerprint = st.ingredients["fingerprint"]
             allocator.tune_imported()  # an earlier step imported mlx: its buffer cache off
             outputs = node.step.run(ctx, node.params, inputs)
             if set(outputs) != set(node.step.outputs):
                 raise StepError(f"returned outputs {sorted(outputs)}, expected {list(node.step.outputs)}")
             st.outputs = {k: self.store.put_artifact(a) for k, a in sorted(outputs.items())}
-            st.seconds = time.monotonic() - t + st.early
+            st.seconds = time.monotonic() - t
             st.stats = {
                 "seconds": round(st.seconds, 3),
-                "early_seconds": round(st.early, 3),
                 "tensors": ctx.progress.done,
                 "bytes": ctx.progress.bytes,
             }
@@ -225,7 +154,6 @@ class Scheduler(Planner):
             reporter.finish_node(name)
             reporter.line(
                 f"[done]   {name} ({node.kind}) {keys.short(st.key)} in {st.seconds:.2f}s"
-                + (f" ({st.early:.2f}s of it alongside {', '.join(sorted(self._gates(name, states)))})" if st.early else "")
                 + (f", {ctx.progress.done} {ctx.progress.unit}" if ctx.progress.done else "")
             )
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from buildkit.checkpoint import model_part
 from buildkit.cli import main
+from buildkit.tensors import read_header
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,3 +86,13 @@ def ran(proc: subprocess.CompletedProcess) -> list[str]:
 
 def cached(proc: subprocess.CompletedProcess) -> list[str]:
     return [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("[cached]")]
+
+
+def shard_parts(out: Path) -> dict[str, Path]:
+    """The model part each shard of a published directory holds (one per shard) -> its path."""
+    parts = {}
+    for shard in sorted(out.glob("model-*.safetensors")):
+        kinds = {model_part(n) for n in read_header(shard).tensors}
+        assert len(kinds) == 1, (shard.name, kinds)
+        parts[kinds.pop()] = shard
+    return parts

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +17,10 @@ import pytest
 from conftest import Project
 
 from buildkit import keys
-from buildkit.artifact import Artifact
-from buildkit.errors import SourceError, StepError
+from buildkit.errors import SourceError
 from buildkit.fixture import FixtureSpec, generate
 from buildkit.steps.base import BuildOptions, Context, Progress
 from buildkit.steps.fetch import Fetch, FetchParams
-from buildkit.steps.publish import Publish, PublishParams, Staged
 from buildkit.store import Store
 from buildkit.tensors import header_bytes, read_header, read_tensor
 
@@ -247,8 +244,7 @@ def test_nan_and_inf_fail_verify_naming_each_tensor(project, capsys, source):
     edit_tensors(src, set_nan_inf)
     code, err = fail(project, capsys, "build", "xl", "--source", str(src), "--out", str(project.out / "xl"))
     assert code == 1 and "step 'verify' (verify) failed" in err
-    assert "[start]  publish (publish): ahead of verify" in err  # its work is discarded, below
-    assert "step 'publish'" not in err
+    assert "step 'publish'" not in err and "[run]    publish" not in err  # publish never starts
     assert "language_model.model.layers.0.mlp.gate.weight" in err
     assert "language_model.model.layers.1.linear_attn.A_log" in err
     report = json.loads(next((project.store / "reports").iterdir()).read_text())
@@ -256,25 +252,6 @@ def test_nan_and_inf_fail_verify_naming_each_tensor(project, capsys, source):
     assert sorted(report["checks"]["finite"]["detail"])[2:] == [
         f"language_model.model.layers.2.mlp.switch_mlp.{p}_proj.weight" for p in ("gate", "up")]
     assert written(project) == []
-
-
-def test_header_claiming_absurd_sizes_is_rejected_before_allocating(tmp_path):
-    path = tmp_path / "x.safetensors"
-    cases = [
-        struct.pack("<Q", (1 << 64) - 1) + b"{}",  # header length
-        struct.pack("<Q", 90 << 20) + b"{",  # under the header limit, but not in the file
-    ]
-    for huge in (1 << 40, 1 << 62):
-        blob = json.dumps({"w": {"dtype": "F32", "shape": [huge], "data_offsets": [0, 4 * huge]}}).encode()
-        cases.append(struct.pack("<Q", len(blob)) + blob + b"\0" * 16)
-    for data in cases:
-        path.write_bytes(data)
-        tracemalloc.start()
-        with pytest.raises(SourceError, match="x.safetensors"):
-            read_header(path)
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        assert peak < 1 << 20, peak
 
 
 def test_fetch_refuses_a_source_that_changed_after_its_key_was_made(tmp_path, source):
@@ -292,23 +269,6 @@ def test_fetch_refuses_a_source_that_changed_after_its_key_was_made(tmp_path, so
     (src / "config.json").write_text(json.dumps({**config, "edited": True}))
     with pytest.raises(SourceError, match=r"changed after this build hashed them \(config\.json\); run again"):
         step.run(ctx, params, {})
-
-
-def test_publish_writes_no_file_outside_its_directory(tmp_path):
-    """Side-file names from a source artifact never leave the output directory."""
-    store = Store(tmp_path / "store")
-    out = tmp_path / "a" / "b" / "out"
-    out.mkdir(parents=True)
-    ctx = Context(store, "publish", "v", BuildOptions(project_root=tmp_path), Progress("publish"))
-    blob = store.put_blob(b"evil")
-    files = {"config.json": store.put_blob(b"{}"), "../evil.txt": blob, "/tmp/evil-abs.txt": blob,
-             "sub/../../evil2.txt": blob, "ok.txt": blob}
-    staged = Staged(out, out, [], {}, {})
-    Publish()._write(ctx, PublishParams(), staged, Artifact(files=files))
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors.index.json", "ok.txt"]
-    assert not list(tmp_path.rglob("evil*.txt")) and not Path("/tmp/evil-abs.txt").exists()
-    with pytest.raises(StepError, match="must stay inside the output directory"):
-        Publish()._write(ctx, PublishParams(), staged, Artifact(files={"..": blob}))
 
 
 def test_escaping_tensor_names_stay_header_keys(project, capsys, source):

@@ -1,4 +1,5 @@
 import json
+import shutil
 import struct
 import time
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 from safetensors import safe_open
 
 from buildkit.fixture import FixtureSpec, generate
+from buildkit.tensors import read_header
 
 SPEC = FixtureSpec()
 MTP_KEYS = {
@@ -187,7 +189,7 @@ def test_single_shard_and_progress(tmp_path):
     ({"hidden": 100}, "hidden"),
     ({"moe_intermediate": 96}, "moe_intermediate"),
     ({"linear_value_heads": 3}, "linear_value_heads"),
-    ({"vision_intermediate": 100}, "vision_intermediate"),
+    ({"vision_hidden": 100}, "vision_hidden"),
     ({"head_dim": 36, "heads": 16}, "head_dim"),
     ({"full_attention_interval": 1}, "full_attention_interval"),
     ({"layers": 0}, "layers"),
@@ -226,3 +228,38 @@ def test_crash_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         generate(tmp_path / "m", progress=boom)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sparse_35b_preset_from_the_command_line(tmp_path, capsys):
+    """The real model's names and shapes, large tensors a first 4 KiB of values and a hole."""
+    from buildkit.cli import main
+    from buildkit.fixture import PRESETS, SPARSE_HEAD_BYTES
+
+    out = tmp_path / "35b"
+    assert main(["fixture", str(out), "--preset", "qwen3.6-35b-a3b", "--sparse"]) == 0
+    try:
+        files = list(out.iterdir())
+        apparent = sum(f.stat().st_size for f in files)
+        on_disk = sum(f.stat().st_blocks * 512 for f in files)
+        assert apparent > 71.5e9 and on_disk < 100e6
+        tc = json.loads((out / "config.json").read_text())["text_config"]
+        assert (tc["hidden_size"], tc["num_hidden_layers"], tc["num_experts"], tc["vocab_size"]) == (2048, 40, 256, 248320)
+        assert json.loads((out / "config.json").read_text())["vision_config"]["intermediate_size"] == 4304
+        shards = sorted(out.glob("*.safetensors"))
+        assert len(shards) == PRESETS["qwen3.6-35b-a3b"]["shards"] == 26
+        mtp = [k for k, v in json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].items() if k.startswith("mtp.")]
+        assert len(mtp) == 19
+        h = read_header(shards[0])
+        big = next(i for i in h.tensors.values() if i.nbytes > 1 << 20)
+        with open(shards[0], "rb") as f:
+            f.seek(big.start)
+            head = f.read(SPARSE_HEAD_BYTES + 4096)
+        assert any(head[:SPARSE_HEAD_BYTES]) and not any(head[SPARSE_HEAD_BYTES:])
+    finally:
+        shutil.rmtree(out)
+
+
+def test_sparse_changes_nothing_for_small_tensors(tmp_path):
+    a, b = generate(tmp_path / "a"), generate(tmp_path / "b", sparse=True)
+    for f in a.iterdir():
+        assert f.read_bytes() == (b / f.name).read_bytes(), f.name

@@ -1,10 +1,10 @@
-"""Keys (canonical JSON, pinned digests) and the store (atomic writes, corruption, locks, gc, check)."""
+"""Keys (canonical JSON, pinned digests) and the store (objects, corruption, locks, gc, check).
+
+Durable writes are tested in test_fsio.py, the source index in test_sources.py."""
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import shutil
 import threading
 import time
@@ -17,7 +17,6 @@ from conftest import cached, ran
 from buildkit import keys
 from buildkit.artifact import Artifact
 from buildkit.errors import StoreMiss
-from buildkit.fsio import DirectFile, atomic_write, drop_idle_write_buffers
 from buildkit.store import Store
 
 # ---- keys ----------------------------------------------------------------------------------
@@ -80,22 +79,6 @@ def test_fetch_and_sanitize_keys_of_the_default_fixture_are_pinned(seed):
 # ---- store primitives ----------------------------------------------------------------------
 
 
-def test_atomic_write_leaves_no_temp_files(tmp_path):
-    target = tmp_path / "d" / "entry"
-    atomic_write(target, b"one", tmp_path / "tmp")
-    assert target.read_bytes() == b"one"
-
-    def chunks():
-        yield b"half"
-        raise OSError("disk full")
-
-    with pytest.raises(OSError, match="disk full"):
-        atomic_write(target, chunks(), tmp_path / "tmp")
-    assert target.read_bytes() == b"one"  # the old entry or the new one, never a mix
-    assert list((tmp_path / "tmp").iterdir()) == []
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["d", "entry", "tmp"]
-
-
 def test_objects_are_fanned_out_deduplicated_and_verified_on_read(tmp_path, capsys):
     store = Store(tmp_path / "s")
     arr = np.arange(12, dtype=np.uint16).reshape(3, 4)
@@ -146,45 +129,6 @@ def test_an_action_is_a_hit_only_when_whole(tmp_path, capsys):
     action.write_text("{not json")
     assert store.get_action(key) is None and not action.exists()
     assert "action record is corrupt; removed" in capsys.readouterr().err
-
-
-def test_source_files_hashed_together_are_remembered_and_resolvable(tmp_path):
-    """digest_files hashes several files at once: each gets its content digest, the next call
-    trusts the stat cache (no bytes read), and two files with the same bytes both resolve.
-    Its caller hears (``on_hash``) before any bytes are read, and only then."""
-    src = tmp_path / "src"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    blobs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (0, 1, 5 << 20, 3 << 20)]
-    blobs.append(blobs[2])  # same content as another file
-    files = []
-    for i, b in enumerate(blobs):
-        files.append(src / f"f{i}")
-        files[-1].write_bytes(b)
-        t = time.time() - 10  # older than the racy-timestamp window, so the cache is trusted
-        os.utime(files[-1], (t, t))
-    store = Store(tmp_path / "cache")
-    want = [keys.blob_digest(b) for b in blobs]
-    told = []  # (bytes to hash, bytes read so far), each time digest_files is about to hash
-
-    def tell(n):
-        told.append((n, store.stats.bytes_read))
-
-    assert store.sources.digest_files(files, on_hash=tell) == want
-    hashed = store.stats.bytes_read
-    assert hashed == sum(map(len, blobs)) and told == [(hashed, 0)]
-    again = Store(tmp_path / "cache")
-    assert again.sources.digest_files(reversed(files), on_hash=tell) == want[::-1]
-    assert again.stats.bytes_read == 0 and told == [(hashed, 0)]  # remembered by stat, not re-read
-    assert store.sources.digest_files(files, rehash=True, on_hash=tell) == want
-    assert store.stats.bytes_read == 2 * hashed and told == [(hashed, 0), (hashed, hashed)]
-    files[2].unlink()  # one of the two same-content files goes: the other still resolves
-    assert Store(tmp_path / "cache").sources.resolve(want[2]) == files[4]
-    files[2].write_bytes(blobs[3][:1] + blobs[2][1:])  # back, changed: the other is found unread
-    fresh = Store(tmp_path / "cache")
-    assert fresh.sources.resolve(want[2]) == files[4] and fresh.stats.bytes_read == 0
-    files[4].write_bytes(b"")  # both changed: each is hashed again, and neither has the bytes
-    assert fresh.sources.find(want[2]) is None and fresh.stats.bytes_read == len(blobs[2])
 
 
 def test_lock_excludes_other_holders(tmp_path):
@@ -306,7 +250,7 @@ def test_gc_frees_what_only_a_deleted_variant_used(project, seed, capsys):
     assert _objects(store) == xl
 
     assert project.cli("gc") == 0
-    assert capsys.readouterr().out == "freed 0.0 MB (0 bytes): 0 actions, 0 artifacts, 0 objects, 0 records of deleted files\n"
+    assert capsys.readouterr().out == "freed 0.0 MB (0 bytes): 0 actions, 0 artifacts, 0 objects, 0 memos, 0 records of deleted files\n"
     assert ran(project.build("xl")) == []
     b = project.build("xl-mtp")
     assert sorted(ran(b)) == ["graft", "publish", "requantize", "verify_head"]
@@ -339,21 +283,6 @@ def test_gc_refuses_while_a_build_holds_the_store(tmp_path):
         with pytest.raises(StoreError, match="a build is using the store"):
             Store(tmp_path / "cache").gc()
     assert Store(tmp_path / "cache").gc()["objects"] == 0
-
-
-@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-def test_numpy_dequantize_matches_mlx(bits):
-    """verify's own dequantization agrees with mx.dequantize (which rounds its output to bf16)."""
-    import mlx.core as mx
-
-    from buildkit.tensors import dequantize
-
-    w = mx.random.normal((3, 16, 256), key=mx.random.key(bits)).astype(mx.bfloat16)
-    wq, s, b = mx.quantize(w, group_size=64, bits=bits)
-    want = np.array(mx.dequantize(wq, s, b, group_size=64, bits=bits).astype(mx.float32))
-    got = dequantize(np.array(wq), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), bits, 64)
-    assert got.shape == want.shape
-    assert np.abs(got - want).max() <= np.abs(want).max() * 2**-7  # one bf16 rounding
 
 
 # ---- quantizing in blocks of rows ------------------------------------------------------------
@@ -431,102 +360,3 @@ def test_a_corrupt_object_read_in_blocks_is_removed_and_nothing_is_stored(tmp_pa
     assert after == before - {path}
     assert not list((tmp_path / "cache" / "tmp").iterdir())
     assert "content does not match its digest" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("direct", [True, False])
-def test_direct_file_holds_exactly_the_bytes_written(tmp_path, direct):
-    """Direct I/O writes whole blocks from an aligned buffer: the padding must not survive."""
-    rnd = np.random.default_rng(0)
-    for sizes in ([], [1], [4095], [4096, 1], [8 << 20], [100, (8 << 20) + 3, 5, 70000]):
-        parts = [rnd.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
-        with DirectFile(tmp_path / "shard", direct=direct) as f:
-            assert f.direct == (direct and hasattr(os, "O_DIRECT"))
-            for b in parts:
-                f.write(b)
-        assert (tmp_path / "shard").read_bytes() == b"".join(parts), sizes
-
-
-def test_direct_file_goes_on_through_the_page_cache_if_direct_writes_are_refused(tmp_path, monkeypatch):
-    if not hasattr(os, "O_DIRECT"):
-        pytest.skip("no O_DIRECT here")
-    real_write, calls = os.write, []
-
-    def write(fd, data):  # the second block is refused, as by a file system without direct I/O
-        calls.append(len(data))
-        if len(calls) == 2:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
-
-    data = np.random.default_rng(1).integers(0, 256, (8 << 20) * 2 + 12345, dtype=np.uint8).tobytes()
-    with DirectFile(tmp_path / "shard") as f:
-        monkeypatch.setattr(os, "write", write)
-        f.write(data)
-        assert not f.direct
-    monkeypatch.undo()
-    assert len(calls) >= 3 and (tmp_path / "shard").read_bytes() == data
-
-
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="DirectFile buffers only for O_DIRECT writes")
-def test_direct_writes_reuse_their_page_aligned_buffer(tmp_path):
-    """Objects written past the page cache go through one buffer, not a fresh mapping each:
-    twenty 2 MB objects fault in far fewer pages than the 512 a fresh buffer would take each."""
-    import resource
-
-    store = Store(tmp_path / "store")
-    blocks = [np.full(1 << 19, i, np.float32) for i in range(21)]  # made (and faulted) first
-    entries = [store.put_tensor_chunks("F32", [1 << 19], [blocks[0]])]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    entries += [store.put_tensor_chunks("F32", [1 << 19], [b]) for b in blocks[1:]]
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    assert faults < 20 * 512 // 4, f"{faults} page faults for 20 objects of 2 MB"
-    for b, e in zip(blocks, entries):  # and each object holds its own bytes
-        assert np.array_equal(store.read_tensor(e), b)
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS")
-def test_idle_write_buffers_stay_resident_until_dropped(tmp_path):
-    """The buffer kept for the next direct write is memory the process holds; publish lets it
-    go before its load check (the build's peak)."""
-
-    def rss() -> int:
-        line = next(x for x in open("/proc/self/status") if x.startswith("VmRSS:"))
-        return int(line.split()[1]) * 1024
-
-    with DirectFile(tmp_path / "probe") as f:
-        if not f.direct:
-            pytest.skip("this file system refuses O_DIRECT: no buffer to keep")
-        f.write(b"x")
-    drop_idle_write_buffers()
-    store = Store(tmp_path / "store")
-    store.put_tensor_chunks("F32", [1 << 21], [np.ones(1 << 21, np.float32)])  # fills a whole 8 MB buffer
-    before = rss()
-    drop_idle_write_buffers()
-    assert before - rss() > 6 << 20, f"RSS {before >> 20} -> {rss() >> 20} MB"
-
-
-def test_gc_forgets_the_records_of_deleted_files(tmp_path):
-    """Hashed files that are gone leave no record: neither their path's nor a place in the
-    list of paths with their content; files still there keep theirs."""
-    store = Store(tmp_path / "store")
-    a, b, c = (tmp_path / n for n in "abc")
-    a.write_bytes(b"same")
-    b.write_bytes(b"same")
-    c.write_bytes(b"other")
-    same, _, other = store.sources.digest_files([a, b, c])
-    a.unlink()
-    c.unlink()
-
-    def mentions(path) -> int:
-        return sum(str(path) in f.read_text() for f in (store.root / "sources").rglob("*") if f.is_file())
-
-    dry = store.gc(dry_run=True)
-    assert dry["files"] == 2 and mentions(a) == 2 and mentions(c) == 2
-    records = {f: f.stat().st_size for f in (store.root / "sources").rglob("*") if f.is_file()}
-    done = store.gc()
-    assert done == dry and done["files"] == 2
-    # the bytes freed: a's and c's path records and c's emptied list (a's list still names b)
-    assert done["bytes"] == sum(n for f, n in records.items() if not f.exists())
-    assert sum(1 for f in records if not f.exists()) == 3
-    assert mentions(a) == mentions(c) == 0 and mentions(b) == 2
-    assert store.sources.find(same) == b and store.sources.find(other) is None
-    assert store.gc()["files"] == 0

@@ -1,13 +1,11 @@
-"""Manifests: extends, resolution at load, every manifest error (message and exit code 2), graph and --help."""
+"""Manifests: extends, resolution at load, every manifest error (message and exit code 2) and --help."""
 
 from __future__ import annotations
 
 import argparse
-import re
 
 import pytest
 
-from buildkit import graph as graphs
 from buildkit import manifest
 from buildkit.artifact import Artifact
 from buildkit.cli import main, parser
@@ -120,7 +118,7 @@ def test_unknown_variant_on_the_command_line(project, capsys):
     assert project.cli("build", "xll") == 2
     err = capsys.readouterr().err
     assert f"{project.manifests}/xll.toml: no manifest named 'xll' (did you mean 'xl'?); known: " in err
-    assert "xl, xl-mtp" in err
+    assert "xl, xl-3bit, xl-mtp" in err
 
 
 def test_unknown_step_on_the_command_line(project, capsys):
@@ -194,56 +192,6 @@ def test_manifest_by_path(project, tmp_path):
     assert manifest.load(str(other / "mine.toml"), project.manifests).name == "mine"
     with pytest.raises(ManifestError, match="no such manifest file"):
         manifest.load(str(other / "absent.toml"), project.manifests)
-
-
-# ---- graph ---------------------------------------------------------------------------------
-
-MTP_EDGES = {
-    ("fetch", "sanitize", "source"), ("sanitize", "quantize", "model = sanitize:model"),
-    ("sanitize", "graft", "head = sanitize:mtp"), ("sanitize", "graft", "trunk = sanitize:model"),
-    ("graft", "requantize", "model"),
-    ("quantize", "verify", "model"), ("fetch", "verify", "source"),
-    ("quantize", "verify_head", "model"), ("requantize", "verify_head", "model"),
-    ("fetch", "verify_head", "source"), ("quantize", "verify_head", "base"),
-    ("quantize", "publish", "model"), ("requantize", "publish", "model"),
-    ("fetch", "publish", "source"), ("verify", "publish", "report"), ("verify_head", "publish", "report"),
-}
-
-
-def test_graph_edges_and_order(project):
-    g = graphs.build(manifest.load("xl-mtp", project.manifests))
-    edges = {(u, v) for u, v, _ in MTP_EDGES}
-    assert {(u, v) for u, v, _ in g.edges} == edges
-    assert g.number_of_edges() == len(MTP_EDGES)  # two references between one pair: two edges
-    order = graphs.order(g)
-    assert all(order.index(u) < order.index(v) for u, v in edges)
-    assert order == graphs.order(graphs.build(manifest.load("xl-mtp", project.manifests)))
-
-
-@pytest.mark.parametrize("fmt", ["text", "dot", "mermaid"])
-def test_graph_command_renders_every_node_and_edge(project, capsys, fmt):
-    assert project.cli("graph", "xl-mtp", "--format", fmt) == 0
-    out = capsys.readouterr().out
-    kinds = {n: n for n in ("fetch", "sanitize", "quantize", "graft", "requantize", "verify", "publish")}
-    kinds["verify_head"] = "verify"
-    if fmt == "text":
-        assert "graft (graft) <- head=sanitize:mtp, trunk=sanitize:model" in out
-        assert "verify (verify) <- model=quantize, source=fetch" in out
-        assert "verify_head (verify) <- model=quantize, requantize, source=fetch, base=quantize" in out
-        assert "fetch (fetch)\n" in out
-        return
-    if fmt == "dot":
-        assert out.startswith("digraph buildkit {") and out.rstrip().endswith("}")
-        for n, k in kinds.items():
-            assert f'"{n}" [label="{n}\\n({k})"];' in out
-        edges = set(re.findall(r'"([\w-]+)" -> "([\w-]+)" \[label="([^"]+)"\]', out))
-        assert edges == MTP_EDGES  # every reference, with the producer's output where it names one
-        return
-    assert out.startswith("flowchart LR")
-    ident = dict((name, i) for i, name in re.findall(r'(n\d+)\["([\w-]+) \([\w-]+\)"\]', out))
-    assert set(ident) == set(kinds)
-    edges = set(re.findall(r'(n\d+) -->\|"([^"]+)"\| (n\d+)', out))
-    assert edges == {(ident[u], label, ident[v]) for u, v, label in MTP_EDGES}
 
 
 # ---- --help --------------------------------------------------------------------------------

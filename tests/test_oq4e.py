@@ -58,9 +58,10 @@ def test_builds_loads_and_generates(built):
     config = json.loads((out / "config.json").read_text())
     q = config["quantization"]  # routed experts hold most weights: 4-bit is the default entry
     assert (q["bits"], q["group_size"]) == (4, 64) and f"{LAYER0}.gate_proj" not in q
-    assert q["language_model.model.layers.0.mlp.gate"]["bits"] == 8
+    assert q["language_model.model.layers.0.linear_attn.in_proj_qkv"]["bits"] == 8
+    assert "language_model.model.layers.0.mlp.gate" not in q  # the router stays bf16 (xl's roles)
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-    assert sum(k.startswith("language_model.mtp.") for k in weight_map) == 44
+    assert sum(k.startswith("language_model.mtp.") for k in weight_map) == 13 + 7 * 3
 
 
 def test_data_aware_error_is_below_data_agnostic_and_in_the_card(built):

@@ -23,16 +23,10 @@ class Params(BaseModel):
 
 @dataclass(frozen=True)
 class Slot:
-    """A named input of a step. ``many`` slots take a list of node references.
-
-    A ``gate`` slot need not be ready for the step to start: a step with ``prepare`` may do
-    the work that does not depend on it while the gate's producers still run (publish
-    writes the model while verify checks it) and gets it, as usual, in ``run``.
-    """
+    """A named input of a step. ``many`` slots take a list of node references."""
 
     required: bool = True
     many: bool = False
-    gate: bool = False
 
 
 @dataclass
@@ -44,6 +38,7 @@ class BuildOptions:
     release: bool = False
     push: str | None = None
     rehash: bool = False
+    remote: Any = None  # a remote.Remote: a local miss asks it (plan.Planner.lookup)
 
 
 class Progress:
@@ -81,7 +76,6 @@ class Context:
     options: BuildOptions
     progress: Progress
     log_sink: Any = None
-    prepared: Any = None  # what ``Step.prepare`` returned, when the scheduler called it
     fingerprint: Any = None  # what ``Step.fingerprint`` gave for this run's key
 
     def log(self, msg: str) -> None:
@@ -142,13 +136,6 @@ class Step:
         if own.fingerprint is not Step.fingerprint or own.outdated is not Step.outdated:
             return None
         return [], []
-
-
-    # Optional, for steps with gate slots: start before the gates are ready.
-    prepare: ClassVar[Any] = None  # (ctx, params, inputs without gate slots) -> handle for run
-
-    def discard(self, prepared: Any) -> None:
-        """Undo ``prepare`` when ``run`` will not be called (a gate failed, or a cache hit)."""
 
 
 REGISTRY: dict[str, type[Step]] = {}

@@ -38,7 +38,7 @@ class CalibrateParams(Params):
 @register
 class Calibrate(Step):
     kind = "calibrate"
-    version = 1
+    version = 2  # 2: the forward's matmuls in numpy's BLAS, statistics summed per expert as rows pass
     Params = CalibrateParams
     inputs = {"model": Slot()}
     outputs = ("out", "heldout")
@@ -93,7 +93,7 @@ class Calibrate(Step):
                 stats.tensors[cal.stat_name(f"{sw}.{proj}")] = ctx.store.put_tensor("F32", sq)
             if (s["tokens"] == 0).any():
                 unreached[layer] = np.flatnonzero(s["tokens"] == 0).tolist()
-            x, experts, _, _ = seen["heldout"].cat()
+            x, experts = seen["heldout"].cat()
             heldout.tensors[f"{sw}.inputs"] = ctx.store.put_tensor("BF16", f32_to_bf16(x))
             heldout.tensors[f"{sw}.experts"] = ctx.store.put_tensor("I32", experts.astype(np.int32))
         # Each output's meta describes only its own half of the text, so an edit to held-out

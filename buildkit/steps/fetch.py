@@ -3,9 +3,11 @@
 Sources: a local directory; ``hf://org/repo@revision`` (huggingface_hub
 ``snapshot_download``, which honours HF_HUB_OFFLINE and the HF cache); or
 ``fixture:`` / ``fixture:seed=1,layers=4`` (a deterministic generated
-checkpoint, kept under the store). Safetensors shards stay where they are and
-are referenced by content digest; small files (config, tokenizer) are copied
-into the store. Paths never enter the key, only content digests do.
+checkpoint, kept under the store); or ``fixture:trained`` (the small trained
+checkpoint of ``buildkit.trained``, also written under the store). Safetensors
+shards stay where they are and are referenced by content digest; small files
+(config, tokenizer) are copied into the store. Paths never enter the key, only
+content digests do.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .base import Context, Params, Step, register
 HF_RE = re.compile(r"^hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 PINNED = re.compile(r"^[0-9a-f]{40}$")
 SMALL_FILE_LIMIT = 64 << 20
+TRAINED = "fixture:trained"
 HF_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "*.py", "tokenizer*"]
 
 
@@ -35,7 +38,7 @@ class FetchParams(Params):
     def _valid(cls, v: str) -> str:
         if v.startswith("hf://") and not HF_RE.match(v):
             raise ValueError(f"expected hf://org/repo@revision, got {v!r}")
-        if v.startswith("fixture:"):
+        if v.startswith("fixture:") and v != TRAINED:
             parse_fixture(v)
         return v
 
@@ -48,7 +51,7 @@ def parse_fixture(source: str):
     for part in filter(None, body.split(",")):
         k, sep, val = part.partition("=")
         if not sep or not val.lstrip("-").isdigit():
-            raise ValueError(f"fixture source takes name=integer pairs, got {part!r}")
+            raise ValueError(f"fixture source takes name=integer pairs (or is {TRAINED}), got {part!r}")
         fields[k.strip()] = int(val)
     return FixtureSpec(**fields)
 
@@ -56,6 +59,8 @@ def parse_fixture(source: str):
 def source_kind(source: str) -> str:
     if source.startswith("hf://"):
         return "hf"
+    if source == TRAINED:
+        return "trained"
     if source.startswith("fixture:"):
         return "fixture"
     return "local"
@@ -75,6 +80,8 @@ class Fetch(Step):
             return {"type": "hf", "repo": m["repo"], "revision": m["rev"]}
         if kind == "fixture":
             return {"type": "fixture", "spec": parse_fixture(params.source).model_dump()}
+        if kind == "trained":
+            return {"type": "trained"}  # its identity is the content, as for a local directory
         return {"type": "local"}  # identity is the content, not the path
 
     def resolve(self, params: FetchParams, ctx: Context) -> tuple[Path, dict]:
@@ -120,6 +127,14 @@ class Fetch(Step):
                 ctx.log(f"generating fixture checkpoint {params.source} in {path}")
                 generate(path, spec)
             return path, {"type": "fixture", "spec": spec.model_dump()}
+        if kind == "trained":
+            from ..trained import data_digest, write_trained
+
+            path = ctx.store.root / "fixtures" / f"trained-{data_digest()}"
+            if not (path / "config.json").exists():
+                ctx.log(f"writing the trained fixture checkpoint in {path}")
+                write_trained(path)
+            return path, {"type": "trained"}
         path = Path(params.source).expanduser()
         if not path.is_absolute():
             path = ctx.options.project_root / path

@@ -80,6 +80,20 @@ def plan_shards(tensors: dict[str, dict], limit: int) -> list[list[str]]:
     return shards + ([cur] if cur else [])
 
 
+def copy_entry(store, entry: dict, sink, buf: bytearray) -> int:
+    """A tensor's bytes to ``sink``: a store object through ``buf``; a view (a passthrough
+    tensor as its source lies: the bf16 lm_head is 1 GB in the real model) in blocks of rows,
+    so memory stays a block, not the tensor."""
+    if "view" not in entry:
+        return store.copy_tensor(entry, sink, buf)
+    done = 0
+    for block in store.iter_rows(entry, len(buf)):
+        data = memoryview(block.reshape(-1).view("u1"))
+        sink(data)
+        done += len(data)
+    return done
+
+
 def quantization_config(parts: list[Artifact]) -> dict | None:
     """Defaults from the quantization covering the most parameters, per-path entries for the rest."""
     per_path: dict[str, dict] = {}
@@ -193,6 +207,23 @@ def card_origin(params: PublishParams, source: dict) -> tuple[str | None, str]:
     return None, "Built from a local checkpoint directory."
 
 
+def budget_lines(b: dict | None) -> list[str]:
+    """The card's account of a bits-per-weight budget: target, result, and each budgeted
+    tensor's bits and measured sensitivity at every candidate bits."""
+    if not b:
+        return []
+    cand = sorted({int(k) for s in b["sensitivity"].values() for k in s})
+    lines = ["", "## Bits-per-weight budget", "",
+             f"Target **{b['target_bpw']}** bits per weight (this part), planned **{b['bits_per_weight']}**. "
+             f"Sensitivity: {b['proxy']}; bits chosen greedily by the largest drop in it per stored bit.", "",
+             "| tensor | bits | " + " | ".join(f"sensitivity at {c}" for c in cand) + " |",
+             "|---|---|" + "---|" * len(cand)]
+    for name, s in b["sensitivity"].items():
+        lines.append(f"| {name.removesuffix('.weight')} | {b['bits'][name]} | "
+                     + " | ".join(str(s.get(str(c), "")) for c in cand) + " |")
+    return lines
+
+
 def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: list[Artifact], reports: list[dict], bpw: float, n_tensors: int, source: dict) -> str:
     names = [n for a in parts for n in a.tensors]
     has_mtp = any(n.startswith(HEAD_PREFIX) for n in names)
@@ -229,6 +260,8 @@ def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: lis
             extra = " (calibrated)" if row.get("calibrated") else ""
             gs = "" if row.get("passthrough") else str(row.get("group_size", 64))
             lines.append(f"| {part} | {role}{extra} | {bits} | {gs} | {row['tensors']} | {row['params']:,} |")
+    for a in parts:
+        lines += budget_lines(a.meta.get("budget"))
     if reports:
         lines += ["", "## Verification", "", "| check | result | figure |", "|---|---|---|"]
         for rep in reports:
@@ -295,14 +328,14 @@ def usage(quantized: bool, has_vision: bool, has_mtp: bool) -> list[str]:
 
 @dataclass
 class Staged:
-    """A model written by ``Publish.prepare`` into ``tmp``, waiting for its reports."""
+    """A model written by ``Publish._stage`` into ``tmp``, checked, waiting to be swapped in."""
 
     dest: Path
     tmp: Path
     parts: list[Artifact]
     tensors: dict[str, dict]
     config: dict
-    made: Path | None = None  # the outermost directory prepare created
+    made: Path | None = None  # the outermost directory _stage created
     art: Artifact | None = None
     load_check: loadcheck.Lookup | None = None
     shards: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # name -> (digest, stat)
@@ -315,8 +348,7 @@ class Publish(Step):
     kind = "publish"
     version = 3  # 3: the drafter directory mtp/ for MTP variants
     Params = PublishParams
-    # The model is written and load-checked while verify runs; the reports gate the swap.
-    inputs = {"model": Slot(many=True), "source": Slot(), "report": Slot(required=False, many=True, gate=True)}
+    inputs = {"model": Slot(many=True), "source": Slot(), "report": Slot(required=False, many=True)}
 
     @property
     def writer(self) -> dict:
@@ -359,7 +391,7 @@ class Publish(Step):
         out = out_dir(params, ctx)
         return [], [out, *sorted(out.rglob("*"))]
 
-    def prepare(self, ctx: Context, params: PublishParams, inputs) -> Staged:
+    def _stage(self, ctx: Context, params: PublishParams, inputs) -> Staged:
         """Everything but the verify reports: shards, index, config and side files in a temp
         directory beside the target, checked (index parity, mlx_lm load)."""
         store = ctx.store
@@ -377,12 +409,8 @@ class Publish(Step):
             config["quantization"] = qcfg
             config["quantization_config"] = qcfg
         dest = out_dir(params, ctx)
-        if dest.exists() and not (dest / STAMP).exists():
-            raise UsageError(
-                f"Cannot publish to {dest}: it exists and was not written by buildkit. "
-                "Delete it or pass --out with a new path."
-            )
-        made = next((d for d in reversed(dest.parents) if not d.exists()), None)  # to undo on discard
+        self.check_request(params, ctx)  # again: the directory may have changed since the build began
+        made = next((d for d in reversed(dest.parents) if not d.exists()), None)  # to undo on _discard
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
         clear_leftovers(dest)
@@ -404,15 +432,15 @@ class Publish(Step):
             drop_idle_write_buffers()  # all written; the load check, a build's memory peak, is next
             self._check(ctx, staged, params)
         except BaseException:
-            self.discard(staged)
+            self._discard(staged)
             raise
         return staged
 
-    def discard(self, prepared: Staged | None) -> None:
+    def _discard(self, prepared: Staged | None) -> None:
         if prepared is None:
             return
         shutil.rmtree(prepared.tmp, ignore_errors=True)
-        if prepared.made is not None and not prepared.dest.exists():  # directories prepare created
+        if prepared.made is not None and not prepared.dest.exists():  # directories _stage created
             for d in [prepared.dest.parent, *prepared.dest.parent.parents]:
                 if d == prepared.made.parent:
                     break
@@ -422,12 +450,11 @@ class Publish(Step):
     def run(self, ctx: Context, params: PublishParams, inputs) -> dict[str, Artifact]:
         reports = [merge_reports([r.meta.get("report", {}) for r in inputs.get("report", [])])] if inputs.get("report") else []
         failed = [k for rep in reports for k, r in rep.get("checks", {}).items() if not r["ok"]]
-        staged: Staged | None = ctx.prepared
+        staged: Staged | None = None
         try:
             if failed:
                 raise StepError(f"refusing to publish: verify failed {', '.join(failed)}")
-            if staged is None:
-                staged = self.prepare(ctx, params, inputs)
+            staged = self._stage(ctx, params, inputs)
             art, tmp, dest = staged.art, staged.tmp, staged.dest
             files = {}
             if reports:
@@ -446,7 +473,7 @@ class Publish(Step):
                     os.rename(tmp, dest)
                 fsync_dir(dest.parent)
         finally:
-            self.discard(staged)
+            self._discard(staged)
         remember_shards(ctx.store, dest, staged.shards)
         linked = f" ({staged.linked} of {len(staged.shards)} shards linked from an earlier publish)" if staged.linked else ""
         ctx.log(f"published {len(staged.tensors)} tensors to {dest}{linked}")
@@ -509,7 +536,7 @@ class Publish(Step):
                     h.update(chunk)
 
                 for _, e in items:
-                    ctx.progress.advance(1, store.copy_tensor(e, sink, buf))
+                    ctx.progress.advance(1, copy_entry(store, e, sink, buf))
             digest = keys.finish(h)
             with contextlib.suppress(OSError):  # refused (some network file systems): the
                 settle(path)  # record is racy, and the next link hashes the file first

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from .. import dataaware, workers
+from .. import budget, dataaware, workers
 from ..artifact import Artifact
 from ..errors import StepError
 from ..roles import Recipe, Role
@@ -39,6 +39,15 @@ def module_path(name: str) -> str:
     return name.removesuffix(".weight")
 
 
+def check_quantizable(name: str, shape, role: Role) -> None:
+    if not name.endswith(".weight") or len(shape) < 2:
+        raise StepError(f"tensor {name!r} {list(shape)} cannot be quantized (needs a 2-D or 3-D X.weight)")
+    if shape[-1] % role.group_size:
+        raise StepError(
+            f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {role.group_size}"
+        )
+
+
 def quantize_entry(store, name: str, entry: dict, role: Role, block_bytes: int = ROW_BLOCK_BYTES) -> dict[str, dict]:
     """One tensor -> its stored entries under ``role``, in blocks of rows: mx.quantize's groups
     run along the last axis, so the blocks give the bytes of quantizing the tensor whole."""
@@ -47,12 +56,7 @@ def quantize_entry(store, name: str, entry: dict, role: Role, block_bytes: int =
     import mlx.core as mx
 
     shape = entry["shape"]
-    if not name.endswith(".weight") or len(shape) < 2:
-        raise StepError(f"tensor {name!r} {shape} cannot be quantized (needs a 2-D or 3-D X.weight)")
-    if shape[-1] % role.group_size:
-        raise StepError(
-            f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {role.group_size}"
-        )
+    check_quantizable(name, shape, role)
     base = module_path(name)
 
     def blocks():
@@ -83,22 +87,55 @@ def assign_roles(names: list[str], params: QuantizeParams) -> dict[str, str]:
     return roles | recipe.assign(rest, require_all_rules=params.require_all_rules)
 
 
-def resolved_plan(names: list[str], params: QuantizeParams) -> dict:
-    """What a quantizing step does to each tensor, as it enters the key: the roles used (with
-    bits, group size, mode) and which tensors take each, in sorted order. Rule syntax and order
-    reach the key only through what they resolve to."""
-    roles = assign_roles(sorted(names), params)
-    used = sorted(set(roles.values()))
+def quantized_shapes(shape, role: Role, dtype: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """suffix -> (dtype, shape) of what ``mx.quantize`` stores for a weight of ``shape``:
+    packed uint32 codes, and scales and biases in the weight's dtype, one per group."""
+    *rows, cols = shape
     return {
-        "roles": {r: params.recipe.roles[r].model_dump(mode="json") for r in used},
-        "tensors": dict(sorted(roles.items())),  # tensor -> role (canonical JSON sorts it anyway)
+        "weight": ("U32", (*rows, cols * role.bits // 32)),
+        "scales": (dtype, (*rows, cols // role.group_size)),
+        "biases": (dtype, (*rows, cols // role.group_size)),
     }
 
 
-def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calibration: Artifact | None = None) -> Artifact:
+def resolved_plan(tensors: dict[str, dict], params: QuantizeParams, sensitivity: Artifact | None = None) -> dict:
+    """What a quantizing step does to each tensor, as it enters the key: the roles used (with
+    bits, group size, mode) and which tensors take each, in sorted order. Rule syntax and order
+    reach the key only through what they resolve to. Under a budget (``recipe.target_bpw``),
+    each budgeted tensor takes a role ``<role>@<bits>`` of the bits the plan gave it, and the
+    plan's summary (target, planned bits per weight, the sensitivities) is under ``budget``."""
     recipe = params.recipe
+    roles = assign_roles(sorted(tensors), params)
+    table = dict(recipe.roles)
+    summary = None
+    budgeted = any(recipe.roles[r].budget_bits for r in set(roles.values()))
+    if recipe.target_bpw is not None and budgeted:
+        if sensitivity is None:
+            raise StepError(
+                f"recipe.target_bpw = {recipe.target_bpw} needs measured sensitivities: add "
+                'inputs.sensitivity = "<a sensitivity step>" to this quantizing step'
+            )
+        bits, summary = budget.plan(tensors, roles, recipe.roles, recipe.target_bpw, sensitivity.meta["tensors"])
+        for name, b in bits.items():
+            derived = f"{roles[name]}@{b}"
+            table[derived] = recipe.roles[roles[name]].model_copy(update={"bits": b, "budget_bits": None})
+            roles[name] = derived
+    used = sorted(set(roles.values()))
+    plan = {
+        "roles": {r: table[r].key_dump() for r in used},
+        "tensors": dict(sorted(roles.items())),  # tensor -> role (canonical JSON sorts it anyway)
+    }
+    if summary is not None:
+        plan["budget"] = summary
+    return plan
+
+
+def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calibration: Artifact | None = None,
+                      sensitivity: Artifact | None = None) -> Artifact:
     names = sorted(art.tensors)
-    roles = assign_roles(names, params)
+    plan = resolved_plan(art.tensors, params, sensitivity)
+    roles = plan["tensors"]
+    recipe = Recipe(roles={r: Role(**d) for r, d in plan["roles"].items()})
     out = Artifact(meta={})
     quant_cfg: dict[str, dict] = {}
     table: dict[str, dict] = {}
@@ -138,6 +175,10 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
         "bits_per_weight": round(out_bits / max(src_params, 1), 4),
         "source_bits_per_weight": round(src_bits / max(src_params, 1), 4),
     }
+    if "budget" in plan:
+        b = plan["budget"]
+        out.meta["budget"] = b | {"bits": {n: recipe.roles[roles[n]].bits for n in b["sensitivity"]}}
+        ctx.log(f"budget: target {b['target_bpw']} bits per weight, planned {b['bits_per_weight']}")
     if tally:
         out.meta["calibration"] = tally.summary()
         ctx.log(f"data-aware: {tally.expert_slices} expert slices; "
@@ -150,9 +191,10 @@ def quantize_artifact(ctx: Context, art: Artifact, params: QuantizeParams, calib
 @register
 class Quantize(Step):
     kind = "quantize"
-    version = 1
+    version = 1  # data-aware bytes are versioned by dataaware.METHOD, in key_params' data_aware
     Params = QuantizeParams
-    inputs = {"model": Slot(), "calibration": Slot(required=False)}  # a calibrate output
+    # calibration: a calibrate output; sensitivity: a sensitivity output (for recipe.target_bpw)
+    inputs = {"model": Slot(), "calibration": Slot(required=False), "sensitivity": Slot(required=False)}
     uses_recipe = True
 
     def libraries(self) -> dict[str, str]:
@@ -161,15 +203,15 @@ class Quantize(Step):
     def key_params(self, params: QuantizeParams, inputs: dict[str, list[Artifact]]) -> dict:
         """The resolved per-tensor plan, not the rules: two manifests whose rules resolve alike
         share a key, and any difference in what a tensor becomes changes it."""
-        plan = resolved_plan(list(inputs["model"][0].tensors), params)
+        plan = resolved_plan(inputs["model"][0].tensors, params, (inputs.get("sensitivity") or [None])[0])
         d = {"plan": plan, "require_all_rules": params.require_all_rules}
         if any(v["calibrated"] for v in plan["roles"].values()):
             d["data_aware"] = dataaware.key()  # the search's version and the numpy it runs on
         return d
 
     def run(self, ctx: Context, params: QuantizeParams, inputs) -> dict[str, Artifact]:
-        calibration = (inputs.get("calibration") or [None])[0]
-        return {"out": quantize_artifact(ctx, inputs["model"][0], params, calibration)}
+        calibration, sensitivity = ((inputs.get(k) or [None])[0] for k in ("calibration", "sensitivity"))
+        return {"out": quantize_artifact(ctx, inputs["model"][0], params, calibration, sensitivity)}
 
 
 class RequantizeParams(QuantizeParams):
