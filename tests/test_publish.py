@@ -236,7 +236,7 @@ def test_the_card_of_a_built_seed_states_its_source_and_settings(seed):
     for variant in ("xl", "xl-mtp"):
         card = (seed.out / variant / "README.md").read_text()
         art = store.get_artifact(store.get_ref(variant)["nodes"]["publish"]["outputs"]["out"])
-        assert card.startswith("---\nlibrary_name: mlx\npipeline_tag: text-generation\ntags:\n- mlx\n- quantized\n- qwen3_5_moe\n")
+        assert card.startswith("---\nlibrary_name: mlx\npipeline_tag: image-text-to-text\ntags:\n- mlx\n- quantized\n- qwen3_5_moe\n")
         assert f"\n# {variant}\n\nMLX build of a qwen3_5_moe checkpoint, variant `{variant}`, made with buildkit.\n" in card
         assert f"\nBuilt from a **generated test fixture** (`qwen3_5_moe` layout, random weights, spec `{spec}`): not a real model.\n" in card
         assert f"- bits per weight (stored bits / source weights): **{art.meta['bits_per_weight']:.3f}**\n" in card
