@@ -67,7 +67,11 @@ REPO = Path(__file__).resolve().parents[1]
 # The tree buildkit is imported from (the repository, or a snapshot put first on PYTHONPATH):
 # its manifests are the ones benchmarked, and the children import the same code.
 BUILDKIT_ROOT = Path(buildkit.__file__).resolve().parents[1]
-BUILDKIT = [sys.executable, "-c", "from buildkit.cli import entry; entry()"]  # as the `buildkit` script runs
+BUILDKIT = [
+    sys.executable,
+    "-c",
+    "from buildkit.cli import entry; entry()",
+]  # as the `buildkit` script runs
 RESULTS = REPO / "bench" / "RESULTS.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 MB, GB = 1e6, 1e9
@@ -306,7 +310,9 @@ def disk_bytes(*roots: Path) -> int:
 def written_bytes(root: Path) -> int:
     """Bytes of the files under ``root`` no other path links to: those a publish wrote, not the
     shards it hard-linked from an earlier one."""
-    return sum(st.st_size for p in root.rglob("*") if p.is_file() and (st := p.stat()).st_nlink == 1)
+    return sum(
+        st.st_size for p in root.rglob("*") if p.is_file() and (st := p.stat()).st_nlink == 1
+    )
 
 
 def store_bytes(store: Path) -> int:
@@ -411,7 +417,9 @@ def write_manifests(dest: Path, source: Path, skip_oq4e: bool = False) -> list[s
     return variants
 
 
-def noop(label: str, variants: list[str], store: Path, src: Path, out: Path, ctx: dict, *extra) -> dict:
+def noop(
+    label: str, variants: list[str], store: Path, src: Path, out: Path, ctx: dict, *extra
+) -> dict:
     """Median and max wall time of a fully cached ``buildkit build`` of each variant.
 
     Each variant first gets one untimed run (reported as ``first``): the figure is the cost of
@@ -424,7 +432,9 @@ def noop(label: str, variants: list[str], store: Path, src: Path, out: Path, ctx
     res = {}
     for v in variants:
         first = build(f"{label}-{v}-first", v, store, src, out, ctx, *extra)
-        runs = [build(f"{label}-{v}-{i}", v, store, src, out, ctx, *extra) for i in range(ctx["repeat"])]
+        runs = [
+            build(f"{label}-{v}-{i}", v, store, src, out, ctx, *extra) for i in range(ctx["repeat"])
+        ]
         for r in [first, *runs]:
             if r.ran:
                 sys.exit(f"bench: no-op build of {v} ran {r.ran}; see {r.log}")
@@ -481,7 +491,13 @@ def run_bench(args) -> dict:
         xl = build(f"cold-xl{tag}", "xl", st_i, src, out_i, ctx)
         if cold:
             evict(shards)
-        unchecked.append(asdict(build(f"cold-unchecked{tag}", UNCHECKED, st_u, src, out_u, ctx, "--target", "publish")))
+        unchecked.append(
+            asdict(
+                build(
+                    f"cold-unchecked{tag}", UNCHECKED, st_u, src, out_u, ctx, "--target", "publish"
+                )
+            )
+        )
         shutil.rmtree(st_u, ignore_errors=True)
         shutil.rmtree(out_u, ignore_errors=True)
         if cold:
@@ -489,8 +505,21 @@ def run_bench(args) -> dict:
         shutil.rmtree(work / "mlx_lm", ignore_errors=True)
         ref = measure(
             f"mlx_lm-convert{tag}",
-            [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", src, "--mlx-path", work / "mlx_lm",
-             "-q", "--q-bits", "6", "--q-group-size", "64"],
+            [
+                sys.executable,
+                "-m",
+                "mlx_lm",
+                "convert",
+                "--hf-path",
+                src,
+                "--mlx-path",
+                work / "mlx_lm",
+                "-q",
+                "--q-bits",
+                "6",
+                "--q-group-size",
+                "64",
+            ],
             logs,
         )
         pairs.append((asdict(xl), asdict(ref)))
@@ -507,7 +536,10 @@ def run_bench(args) -> dict:
     mtp = build("xl-mtp-after-xl", "xl-mtp", store, src, out, ctx)
     R["xl_mtp_after_xl"] = asdict(mtp)
     R["store_xl_mtp"] = store_bytes(store)
-    R["out_disk"] = {"xl": disk_bytes(out / "xl"), "xl+xl-mtp": disk_bytes(out / "xl", out / "xl-mtp")}
+    R["out_disk"] = {
+        "xl": disk_bytes(out / "xl"),
+        "xl+xl-mtp": disk_bytes(out / "xl", out / "xl-mtp"),
+    }
     for v in variants[2:]:
         R[f"build_{v}"] = asdict(build(f"{v}-after-xl-mtp", v, store, src, out, ctx))
 
@@ -526,7 +558,9 @@ def run_bench(args) -> dict:
     for v in variants:
         build(f"tiny-{v}", v, tiny_store, tiny_src, tiny_out, tiny_ctx)
     R["noop_tiny"] = noop("noop-tiny", variants, tiny_store, tiny_src, tiny_out, tiny_ctx)
-    R["noop_full_tiny"] = noop("noop-full-tiny", variants, tiny_store, tiny_src, tiny_out, tiny_ctx, "--full-check")
+    R["noop_full_tiny"] = noop(
+        "noop-full-tiny", variants, tiny_store, tiny_src, tiny_out, tiny_ctx, "--full-check"
+    )
     R["tiny_bytes"] = sum(p.stat().st_size for p in shard_files(tiny_src))
 
     print("3. incremental: only the MTP head's role bits change", flush=True)
@@ -610,72 +644,129 @@ def report(R: dict, M: dict) -> str:
     footprint = R["store_xl_mtp"] / R["store_xl"]
     mtp_growth = R["store_xl_mtp"] - R["store_xl"]
     state = "evicted from the page cache" if R["evicted"] else "warm in the page cache"
+    spec_keys = ("hidden", "layers", "experts", "moe_intermediate", "vocab", "shards", "seed")
+    spec_json = json.dumps({k: R["spec"][k] for k in spec_keys})
     L = []
     L += [
-        f"Run of {M['date']} on {M['nproc']} cores ({M['cpu']}), {M['ram_gb']} GB RAM, Linux {M['kernel']}; "
-        f"Python {M['python']}, mlx {M['mlx']}, mlx-lm {M['mlx-lm']}, numpy {M['numpy']}, xxhash {M['xxhash']}; "
+        f"Run of {M['date']} on {M['nproc']} cores ({M['cpu']}), {M['ram_gb']} GB RAM, "
+        f"Linux {M['kernel']}; "
+        f"Python {M['python']}, mlx {M['mlx']}, mlx-lm {M['mlx-lm']}, numpy {M['numpy']}, "
+        f"xxhash {M['xxhash']}; "
         f"buildkit from `{M['buildkit_root']}` (sources xxh3 `{M['buildkit_sources']}`).",
         "",
-        f"Fixture: {f['bytes'] / GB:.2f} GB of bf16 in {R['spec']['shards']} shards, {f['tensors']} tensors, "
-        f"largest {f['largest'] / MB:.1f} MB (`{f['largest_name']}`), MTP head {f['mtp_bytes'] / MB:.0f} MB "
-        f"({100 * f['mtp_bytes'] / f['bytes']:.1f} %). Spec: `{json.dumps({k: R['spec'][k] for k in ('hidden', 'layers', 'experts', 'moe_intermediate', 'vocab', 'shards', 'seed')})}`. "
-        f"Cold runs start with an empty store and the source shards {state}. Builds use `-j {R['cold_xl']['argv'][R['cold_xl']['argv'].index('-j') + 1]}`.",
+        f"Fixture: {f['bytes'] / GB:.2f} GB of bf16 in {R['spec']['shards']} shards, "
+        f"{f['tensors']} tensors, "
+        f"largest {f['largest'] / MB:.1f} MB (`{f['largest_name']}`), "
+        f"MTP head {f['mtp_bytes'] / MB:.0f} MB "
+        f"({100 * f['mtp_bytes'] / f['bytes']:.1f} %). Spec: `{spec_json}`. "
+        f"Cold runs start with an empty store and the source shards {state}. "
+        f"Builds use `-j {R['cold_xl']['argv'][R['cold_xl']['argv'].index('-j') + 1]}`.",
         "",
         "| # | figure | buildkit | reference | ratio | target | |",
         "|---|---|---|---|---|---|---|",
-        f"| 1 | cold build wall time (xl vs mlx_lm.convert) | {xl['wall']:.1f} s | {ref['wall']:.1f} s | "
+        f"| 1 | cold build wall time (xl vs mlx_lm.convert) | {xl['wall']:.1f} s | "
+        f"{ref['wall']:.1f} s | "
         f"{xl['wall'] / ref['wall']:.2f} | ≤ 1.0 | {verdict(xl['wall'] <= ref['wall'])} |",
-        f"| 1 | cold build peak RSS (highest of ours, lowest of convert's) | {peak / MB:.0f} MB | {ref_peak / MB:.0f} MB | "
+        f"| 1 | cold build peak RSS (highest of ours, lowest of convert's) | {peak / MB:.0f} MB | "
+        f"{ref_peak / MB:.0f} MB | "
         f"{peak / ref_peak:.2f} | ≤ 0.25 | {verdict(peak <= 0.25 * ref_peak)} |",
         f"| 1 | cold build peak RSS vs 3 × largest tensor + 300 MB | {peak / MB:.0f} MB | "
         f"{rss_bound / MB:.0f} MB | {peak / rss_bound:.2f} | < 1.0 | {verdict(peak < rss_bound)} |",
-        f"| 1 | cores used (CPU time / wall) | {xl['cpu'] / xl['wall']:.2f} | {ref['cpu'] / ref['wall']:.2f} | | "
+        f"| 1 | cores used (CPU time / wall) | {xl['cpu'] / xl['wall']:.2f} | "
+        f"{ref['cpu'] / ref['wall']:.2f} | | "
         f"≈ {M['nproc']} | {verdict(xl['cpu'] / xl['wall'] >= 0.8 * M['nproc'])} |",
-        *([f"| 1 | cold build wall time, xl without verify and the load check (the checks' cost; not the target) | "
-            f"{mid:.1f} s | {ref['wall']:.1f} s | {mid / ref['wall']:.2f} | | |"] if unchecked else []),
+        *(
+            [
+                "| 1 | cold build wall time, xl without verify and the load check "
+                "(the checks' cost; not the target) | "
+                f"{mid:.1f} s | {ref['wall']:.1f} s | {mid / ref['wall']:.2f} | | |"
+            ]
+            if unchecked
+            else []
+        ),
         f"| 2 | no-op rebuild, slowest single `buildkit build` of {', '.join(R['variants'])} | "
         f"{noop_max:.2f} s | | | < 0.5 s | {verdict(noop_max < 0.5)} |",
-        f"| 2 | no-op rebuild, all variants (sum of medians) | {noop_sum:.2f} s | {noop_tiny_sum:.2f} s on the "
-        f"{R['tiny_bytes'] / MB:.1f} MB fixture | {noop_sum / noop_tiny_sum:.2f} | ≈ 1 (size-independent) | "
+        f"| 2 | no-op rebuild, all variants (sum of medians) | {noop_sum:.2f} s | "
+        f"{noop_tiny_sum:.2f} s on the "
+        f"{R['tiny_bytes'] / MB:.1f} MB fixture | {noop_sum / noop_tiny_sum:.2f} | "
+        "≈ 1 (size-independent) | "
         f"{verdict(noop_sum < 1.5 * noop_tiny_sum + 0.05)} |",
-        *([f"| 2 | no-op with `--full-check` (every key looked up, no up-to-date record), slowest single | "
-           f"{max(v['max'] for v in R['noop_full'].values()):.2f} s | | | < 0.5 s | "
-           f"{verdict(max(v['max'] for v in R['noop_full'].values()) < 0.5)} |",
-           f"| 2 | no-op with `--full-check`, all variants (sum of medians) | {full_sum:.2f} s | {full_tiny_sum:.2f} s on the "
-           f"{R['tiny_bytes'] / MB:.1f} MB fixture | {full_sum / full_tiny_sum:.2f} | ≈ 1 (size-independent) | "
-           f"{verdict(full_sum < 1.5 * full_tiny_sum + 0.05)} |"] if "noop_full" in R else []),
-        f"| 2 | no-op with `--rehash` (xl) | {R['noop_rehash']['wall']:.2f} s | | | (escape hatch) | |",
-        f"| 3 | incremental (MTP bits) bytes read (rchar) | {inc['rchar'] / GB:.2f} GB | {cold_inc['rchar'] / GB:.2f} GB cold | "
+        *(
+            [
+                "| 2 | no-op with `--full-check` (every key looked up, no up-to-date record), "
+                "slowest single | "
+                f"{max(v['max'] for v in R['noop_full'].values()):.2f} s | | | < 0.5 s | "
+                f"{verdict(max(v['max'] for v in R['noop_full'].values()) < 0.5)} |",
+                f"| 2 | no-op with `--full-check`, all variants (sum of medians) | "
+                f"{full_sum:.2f} s | {full_tiny_sum:.2f} s on the "
+                f"{R['tiny_bytes'] / MB:.1f} MB fixture | {full_sum / full_tiny_sum:.2f} | "
+                "≈ 1 (size-independent) | "
+                f"{verdict(full_sum < 1.5 * full_tiny_sum + 0.05)} |",
+            ]
+            if "noop_full" in R
+            else []
+        ),
+        f"| 2 | no-op with `--rehash` (xl) | {R['noop_rehash']['wall']:.2f} s | | | "
+        "(escape hatch) | |",
+        f"| 3 | incremental (MTP bits) bytes read (rchar) | {inc['rchar'] / GB:.2f} GB | "
+        f"{cold_inc['rchar'] / GB:.2f} GB cold | "
         f"{inc['rchar'] / cold_inc['rchar']:.2f} | ≤ {read_budget / GB:.2f} GB (MTP + publish) | "
         f"{verdict(inc['rchar'] <= read_budget)} |",
-        f"| 3 | incremental bytes written (wchar) | {inc['wchar'] / GB:.2f} GB | {cold_inc['wchar'] / GB:.2f} GB cold | "
+        f"| 3 | incremental bytes written (wchar) | {inc['wchar'] / GB:.2f} GB | "
+        f"{cold_inc['wchar'] / GB:.2f} GB cold | "
         f"{inc['wchar'] / cold_inc['wchar']:.2f} | ≤ {write_budget / GB:.2f} GB (MTP + publish) | "
         f"{verdict(inc['wchar'] <= write_budget)} |",
         f"| 3 | incremental wall time | {inc['wall']:.1f} s | {cold_inc['wall']:.1f} s cold | "
         f"{inc['wall'] / cold_inc['wall']:.2f} | | |",
-        f"| 4 | store footprint, xl + xl-mtp vs xl | {R['store_xl_mtp'] / MB:.0f} MB | {R['store_xl'] / MB:.0f} MB | "
+        f"| 4 | store footprint, xl + xl-mtp vs xl | {R['store_xl_mtp'] / MB:.0f} MB | "
+        f"{R['store_xl'] / MB:.0f} MB | "
         f"{footprint:.3f} | ≤ 1.05 | {verdict(footprint <= 1.05)} |",
-        *([f"| 4 | published directories on disk, xl + xl-mtp vs xl (hard links once) | "
-           f"{R['out_disk']['xl+xl-mtp'] / MB:.0f} MB | {R['out_disk']['xl'] / MB:.0f} MB | "
-           f"{R['out_disk']['xl+xl-mtp'] / R['out_disk']['xl']:.3f} | | |"] if "out_disk" in R else []),
-        f"| 5 | source hashing, cold (disk) | {h.get('buildkit_cold_gbps', float('nan')):.2f} GB/s | "
+        *(
+            [
+                f"| 4 | published directories on disk, xl + xl-mtp vs xl (hard links once) | "
+                f"{R['out_disk']['xl+xl-mtp'] / MB:.0f} MB | {R['out_disk']['xl'] / MB:.0f} MB | "
+                f"{R['out_disk']['xl+xl-mtp'] / R['out_disk']['xl']:.3f} | | |"
+            ]
+            if "out_disk" in R
+            else []
+        ),
+        "| 5 | source hashing, cold (disk) | "
+        f"{h.get('buildkit_cold_gbps', float('nan')):.2f} GB/s | "
         f"{h.get('plain_cold_gbps', float('nan')):.2f} GB/s plain xxh3 | "
-        f"{h.get('buildkit_cold_gbps', float('nan')) / h.get('plain_cold_gbps', float('nan')):.2f} | ≈ 1 | "
+        f"{h.get('buildkit_cold_gbps', float('nan')) / h.get('plain_cold_gbps', float('nan')):.2f}"
+        " | ≈ 1 | "
         f"{verdict(h.get('buildkit_cold_gbps', 0) >= 0.9 * h.get('plain_cold_gbps', 1))} |",
-        f"| 5 | source hashing, warm (page cache) | {h['buildkit_warm_gbps']:.2f} GB/s | {h['plain_warm_gbps']:.2f} GB/s plain xxh3 | "
-        f"{h['buildkit_warm_gbps'] / h['plain_warm_gbps']:.2f} | ≈ 1 | {verdict(h['buildkit_warm_gbps'] >= 0.9 * h['plain_warm_gbps'])} |",
+        f"| 5 | source hashing, warm (page cache) | {h['buildkit_warm_gbps']:.2f} GB/s | "
+        f"{h['plain_warm_gbps']:.2f} GB/s plain xxh3 | "
+        f"{h['buildkit_warm_gbps'] / h['plain_warm_gbps']:.2f} | ≈ 1 | "
+        f"{verdict(h['buildkit_warm_gbps'] >= 0.9 * h['plain_warm_gbps'])} |",
         "",
-        "Cold pairs, each buildkit then mlx_lm.convert from an evicted source (the rows above use the pair "
+        "Cold pairs, each buildkit then mlx_lm.convert from an evicted source "
+        "(the rows above use the pair "
         "members with the median wall time): "
-        + "; ".join(f"{a['wall']:.1f} s / {b['wall']:.1f} s ({a['wall'] / b['wall']:.2f}), "
-                    f"{a['peak_rss'] / MB:.0f} / {b['peak_rss'] / MB:.0f} MB" for a, b in pairs) + "."
-        + (" Without the checks, in the same rounds: " + ", ".join(
-            f"{u['wall']:.1f} s ({u['wall'] / b['wall']:.2f}, {u['cpu']:.1f} s CPU)" for u, (_, b) in zip(unchecked, pairs)) + "."
-           if unchecked else ""),
+        + "; ".join(
+            f"{a['wall']:.1f} s / {b['wall']:.1f} s ({a['wall'] / b['wall']:.2f}), "
+            f"{a['peak_rss'] / MB:.0f} / {b['peak_rss'] / MB:.0f} MB"
+            for a, b in pairs
+        )
+        + "."
+        + (
+            " Without the checks, in the same rounds: "
+            + ", ".join(
+                f"{u['wall']:.1f} s ({u['wall'] / b['wall']:.2f}, {u['cpu']:.1f} s CPU)"
+                for u, (_, b) in zip(unchecked, pairs)
+            )
+            + "."
+            if unchecked
+            else ""
+        ),
         "",
-        f"xxh3-128 in memory: {h['in_memory_gbps']:.1f} GB/s on one core. CPU time of the cold builds: "
-        f"buildkit {xl['cpu']:.1f} s, mlx_lm.convert {ref['cpu']:.1f} s (ratio {xl['cpu'] / ref['cpu']:.2f}); other "
-        f"processes kept {xl['others']:.2f} and {ref['others']:.2f} cores busy during them (0 = quiet machine).",
+        f"xxh3-128 in memory: {h['in_memory_gbps']:.1f} GB/s on one core. "
+        "CPU time of the cold builds: "
+        f"buildkit {xl['cpu']:.1f} s, mlx_lm.convert {ref['cpu']:.1f} s "
+        f"(ratio {xl['cpu'] / ref['cpu']:.2f}); other "
+        f"processes kept {xl['others']:.2f} and {ref['others']:.2f} cores busy during them "
+        "(0 = quiet machine).",
         "",
         "Cold build step times (`[done]` lines):",
         "",
@@ -687,12 +778,17 @@ def report(R: dict, M: dict) -> str:
         cells = [r["steps"].get(s) for r in (xl, mtp, inc, cold_inc)]
         L.append(f"| {s} | " + " | ".join("" if c is None else f"{c:.1f} s" for c in cells) + " |")
     L += [
-        f"| (process wall) | {xl['wall']:.1f} s | {mtp['wall']:.1f} s | {inc['wall']:.1f} s | {cold_inc['wall']:.1f} s |",
-        f"| (peak RSS) | {xl['peak_rss'] / MB:.0f} MB | {mtp['peak_rss'] / MB:.0f} MB | {inc['peak_rss'] / MB:.0f} MB | {cold_inc['peak_rss'] / MB:.0f} MB |",
-        f"| (CPU time) | {xl['cpu']:.1f} s | {mtp['cpu']:.1f} s | {inc['cpu']:.1f} s | {cold_inc['cpu']:.1f} s |",
-        f"| (cores used by other processes meanwhile) | {xl['others']:.2f} | {mtp['others']:.2f} | {inc['others']:.2f} | {cold_inc['others']:.2f} |",
+        f"| (process wall) | {xl['wall']:.1f} s | {mtp['wall']:.1f} s | {inc['wall']:.1f} s | "
+        f"{cold_inc['wall']:.1f} s |",
+        f"| (peak RSS) | {xl['peak_rss'] / MB:.0f} MB | {mtp['peak_rss'] / MB:.0f} MB | "
+        f"{inc['peak_rss'] / MB:.0f} MB | {cold_inc['peak_rss'] / MB:.0f} MB |",
+        f"| (CPU time) | {xl['cpu']:.1f} s | {mtp['cpu']:.1f} s | {inc['cpu']:.1f} s | "
+        f"{cold_inc['cpu']:.1f} s |",
+        f"| (cores used by other processes meanwhile) | {xl['others']:.2f} | {mtp['others']:.2f} | "
+        f"{inc['others']:.2f} | {cold_inc['others']:.2f} |",
         "",
-        "Bytes (rchar / wchar: through read()/write(), page cache or not; read_bytes / write_bytes: to and from the disk):",
+        "Bytes (rchar / wchar: through read()/write(), page cache or not; "
+        "read_bytes / write_bytes: to and from the disk):",
         "",
         "| run | rchar | wchar | read_bytes | write_bytes | output dir |",
         "|---|---|---|---|---|---|",
@@ -705,54 +801,72 @@ def report(R: dict, M: dict) -> str:
     for r in (xl, ref, mtp, inc, cold_inc):
         o = outs.get(r["name"])
         L.append(
-            f"| {r['name']} | {r['rchar'] / GB:.2f} GB | {r['wchar'] / GB:.2f} GB | {r['read_bytes'] / GB:.2f} GB | "
+            f"| {r['name']} | {r['rchar'] / GB:.2f} GB | {r['wchar'] / GB:.2f} GB | "
+            f"{r['read_bytes'] / GB:.2f} GB | "
             f"{r['write_bytes'] / GB:.2f} GB | {'' if o is None else f'{o / GB:.2f} GB'} |"
         )
     L += [
         "",
-        f"Incremental budget (3): the MTP head's source is {f['mtp_bytes'] / MB:.0f} MB, read by requantize and again "
+        f"Incremental budget (3): the MTP head's source is {f['mtp_bytes'] / MB:.0f} MB, "
+        "read by requantize and again "
         f"by verify_head, which checks the new head against the source; the published directory is "
-        f"{R['incremental_out_bytes'] / MB:.0f} MB, of which publish wrote {new_out / MB:.0f} MB (the other shards are "
-        f"hard links to xl-mtp's) from the tensors it copied. So an ideal incremental rebuild reads about "
-        f"{(2 * f['mtp_bytes'] + new_out) / MB:.0f} MB and writes about {new_out / MB:.0f} MB plus the requantized head "
-        f"(store growth measured: {R['store_incremental_growth'] / MB:.0f} MB). Measured: {inc['rchar'] / MB:.0f} MB "
+        f"{R['incremental_out_bytes'] / MB:.0f} MB, of which publish wrote {new_out / MB:.0f} MB "
+        "(the other shards are "
+        "hard links to xl-mtp's) from the tensors it copied. "
+        "So an ideal incremental rebuild reads about "
+        f"{(2 * f['mtp_bytes'] + new_out) / MB:.0f} MB and writes about {new_out / MB:.0f} MB "
+        "plus the requantized head "
+        f"(store growth measured: {R['store_incremental_growth'] / MB:.0f} MB). "
+        f"Measured: {inc['rchar'] / MB:.0f} MB "
         f"read, {inc['wchar'] / MB:.0f} MB written; steps run: {', '.join(inc['ran'])}.",
         "",
-        f"Footprint (4): xl-mtp added {mtp_growth / MB:.1f} MB to the store; for this fixture the MTP head alone "
-        f"is {f['mtp_bytes'] / MB:.0f} MB of bf16 ({100 * f['mtp_bytes'] / f['bytes']:.1f} % of the model), so the ratio "
+        f"Footprint (4): xl-mtp added {mtp_growth / MB:.1f} MB to the store; "
+        "for this fixture the MTP head alone "
+        f"is {f['mtp_bytes'] / MB:.0f} MB of bf16 ({100 * f['mtp_bytes'] / f['bytes']:.1f} % "
+        "of the model), so the ratio "
         "is bounded below by the head's share, not by sharing.",
         "",
-        "No-op detail (median wall of each invocation, after one untimed first run whose wall is shown; "
-        "the rchar is Python reading its own modules; `--full-check` plans every step; peak RSS cannot be below "
-        "the bench's own resident memory when it starts the child, ~35 MB: Linux keeps the high-water mark across exec):",
+        "No-op detail (median wall of each invocation, "
+        "after one untimed first run whose wall is shown; "
+        "the rchar is Python reading its own modules; `--full-check` plans every step; "
+        "peak RSS cannot be below "
+        "the bench's own resident memory when it starts the child, ~35 MB: "
+        "Linux keeps the high-water mark across exec):",
         "",
-        "| variant | this fixture | (first run) | tiny fixture | rchar | peak RSS | `--full-check` | tiny, `--full-check` |",
+        "| variant | this fixture | (first run) | tiny fixture | rchar | peak RSS | `--full-check` "
+        "| tiny, `--full-check` |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for v, r in R["noop"].items():
         full, full_tiny = R.get("noop_full", {}).get(v), R.get("noop_full_tiny", {}).get(v)
         L.append(
-            f"| {v} | {r['median']:.2f} s | {r.get('first', math.nan):.2f} s | {R['noop_tiny'][v]['median']:.2f} s | "
+            f"| {v} | {r['median']:.2f} s | {r.get('first', math.nan):.2f} s | "
+            f"{R['noop_tiny'][v]['median']:.2f} s | "
             f"{r['rchar'] / MB:.1f} MB | {r['peak_rss'] / MB:.0f} MB | "
-            f"{full['median'] if full else math.nan:.2f} s | {full_tiny['median'] if full_tiny else math.nan:.2f} s |"
+            f"{full['median'] if full else math.nan:.2f} s | "
+            f"{full_tiny['median'] if full_tiny else math.nan:.2f} s |"
         )
     if R["aborted_at_exit"]:
         L += [
             "",
-            f"{len(R['aborted_at_exit'])} buildkit process(es) finished the build, printed the summary and then "
-            f"died with SIGABRT (exit 134, `terminate called without an active exception`) at interpreter exit: "
+            f"{len(R['aborted_at_exit'])} buildkit process(es) finished the build, "
+            "printed the summary and then "
+            "died with SIGABRT (exit 134, `terminate called without an active exception`) "
+            "at interpreter exit: "
             f"{', '.join(R['aborted_at_exit'])}. Their figures are kept.",
         ]
     if "oq4e-mtp-xl" in R["variants"]:
         L += [
             "",
-            "oq4e-mtp-xl's donor head (`fixture:seed=1` in the manifest, a checkpoint of another shape) "
+            "oq4e-mtp-xl's donor head (`fixture:seed=1` in the manifest, "
+            "a checkpoint of another shape) "
             "is read from the bench fixture itself, so that it fits the trunk.",
         ]
     if len(R["variants"]) < 3:
         L += [
             "",
-            "oq4e-mtp-xl was left out (`--skip-oq4e`), so the no-op figures cover xl and xl-mtp only.",
+            "oq4e-mtp-xl was left out (`--skip-oq4e`), "
+            "so the no-op figures cover xl and xl-mtp only.",
         ]
     return "\n".join(L) + "\n"
 

@@ -43,7 +43,10 @@ GB = 1e9
 
 def proc_io(pid: int) -> dict[str, int]:
     try:
-        return {k: int(v) for k, v in (ln.split(":") for ln in Path(f"/proc/{pid}/io").read_text().splitlines())}
+        return {
+            k: int(v)
+            for k, v in (ln.split(":") for ln in Path(f"/proc/{pid}/io").read_text().splitlines())
+        }
     except OSError:
         return {}
 
@@ -70,7 +73,11 @@ def measure(name: str, argv: list, logs: Path, limit: str | None = None) -> dict
     log, tfile = logs / f"{name}.log", logs / f"{name}.time"
     cmd = ["/usr/bin/time", "-v", "-o", str(tfile), *map(str, argv)]
     if limit:  # prlimit takes bytes (a "16G" suffix made it crash)
-        n = int(limit[:-1]) * 1024 ** " KMGT".index(limit[-1].upper()) if limit[-1].isalpha() else int(limit)
+        n = (
+            int(limit[:-1]) * 1024 ** " KMGT".index(limit[-1].upper())
+            if limit[-1].isalpha()
+            else int(limit)
+        )
         cmd = ["prlimit", f"--as={n}", *cmd]
     os.sync()  # not billed for the previous run's write-back
     print(f"bench35b: {name}: {' '.join(map(str, argv))}", flush=True)
@@ -82,13 +89,25 @@ def measure(name: str, argv: list, logs: Path, limit: str | None = None) -> dict
         io = proc_io(child.pid)
         code = child.wait()
     text = log.read_text()
-    r = {"name": name, "exit": code, "outer_wall": outer_wall, "rchar": io.get("rchar", 0), "wchar": io.get("wchar", 0),
-         **time_v(tfile.read_text() if tfile.exists() else ""),
-         "steps": {m[1]: float(m[2]) for m in re.finditer(r"^\[done\]\s+(\S+) .* in ([\d.]+)s", text, re.M)}}
+    r = {
+        "name": name,
+        "exit": code,
+        "outer_wall": outer_wall,
+        "rchar": io.get("rchar", 0),
+        "wchar": io.get("wchar", 0),
+        **time_v(tfile.read_text() if tfile.exists() else ""),
+        "steps": {
+            m[1]: float(m[2]) for m in re.finditer(r"^\[done\]\s+(\S+) .* in ([\d.]+)s", text, re.M)
+        },
+    }
     if code != 0:
         r["error"] = text[-2000:]
         print(f"bench35b: {name} exited {code}; see {log}", flush=True)
-    print(f"bench35b: {name}: {r['wall']:.1f} s wall, {r['cpu']:.1f} s CPU, peak RSS {r['peak_rss'] / 1e6:.0f} MB", flush=True)
+    print(
+        f"bench35b: {name}: {r['wall']:.1f} s wall, {r['cpu']:.1f} s CPU, "
+        f"peak RSS {r['peak_rss'] / 1e6:.0f} MB",
+        flush=True,
+    )
     return r
 
 
@@ -113,10 +132,16 @@ def machine() -> dict:
 
     return {
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-        "cpu": cpu[1] if cpu else platform.processor(), "nproc": len(os.sched_getaffinity(0)),
-        "ram_gb": round(int(mem[1]) * 1024 / 2**30, 1) if mem else None, "kernel": platform.release(),
-        "python": platform.python_version(), "mlx": version("mlx"), "mlx-lm": version("mlx-lm"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "cpu": cpu[1] if cpu else platform.processor(),
+        "nproc": len(os.sched_getaffinity(0)),
+        "ram_gb": round(int(mem[1]) * 1024 / 2**30, 1) if mem else None,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "mlx": version("mlx"),
+        "mlx-lm": version("mlx-lm"),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
     }
 
 
@@ -127,22 +152,53 @@ def run(args) -> dict:
     logs, src, store, out = work / "logs", work / "src", work / "store", work / "out"
     bk = [PY, "-m", "buildkit.cli"]
     R: dict = {"machine": machine(), "mem_limit": args.mem_limit}
-    R["fixture"] = measure("fixture", [*bk, "fixture", src, "--preset", "qwen3.6-35b-a3b", "--sparse"], logs)
+    R["fixture"] = measure(
+        "fixture", [*bk, "fixture", src, "--preset", "qwen3.6-35b-a3b", "--sparse"], logs
+    )
     R["source"] = {"apparent": du(src, True), "disk": du(src)}
     if not args.skip_convert:
         conv_out = work / "convert"
-        R["convert"] = measure("convert", [PY, "-m", "mlx_lm", "convert", "--hf-path", src, "--mlx-path", conv_out,
-                                           "-q", "--q-bits", "6", "--q-group-size", "64"], logs, limit=args.mem_limit)
+        R["convert"] = measure(
+            "convert",
+            [
+                PY,
+                "-m",
+                "mlx_lm",
+                "convert",
+                "--hf-path",
+                src,
+                "--mlx-path",
+                conv_out,
+                "-q",
+                "--q-bits",
+                "6",
+                "--q-group-size",
+                "64",
+            ],
+            logs,
+            limit=args.mem_limit,
+        )
         R["convert"]["published"] = tensor_bytes(conv_out) if conv_out.exists() else 0
         R["convert"]["disk"] = du(conv_out)
         shutil.rmtree(conv_out, ignore_errors=True)
     for v in ("xl", "xl-mtp"):
-        r = measure(v, [*bk, "--store", store, "build", v, "--source", src, "--out", out / v, "-j", "2"], logs)
+        r = measure(
+            v,
+            [*bk, "--store", store, "build", v, "--source", src, "--out", out / v, "-j", "2"],
+            logs,
+        )
         r["published"] = tensor_bytes(out / v)
         r["out_disk"] = du(out / v)
         r["store_disk"] = du(store)
-        est = subprocess.run([*bk, "estimate", v, "--source", str(src), "--json"], cwd=ROOT, capture_output=True, text=True)
-        r["estimate"] = json.loads(est.stdout) if est.returncode == 0 else {"error": est.stderr[-500:]}
+        est = subprocess.run(
+            [*bk, "estimate", v, "--source", str(src), "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        r["estimate"] = (
+            json.loads(est.stdout) if est.returncode == 0 else {"error": est.stderr[-500:]}
+        )
         R[v] = r
     R["disk_total"] = du(work)
     if not args.keep:
@@ -154,48 +210,78 @@ def report(R: dict) -> str:
     M, xl, mtp, conv = R["machine"], R["xl"], R["xl-mtp"], R.get("convert")
 
     def row(label: str, r: dict, published: int) -> str:
-        return (f"| {label} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['peak_rss'] / 1e6:,.0f} | {r['rchar'] / GB:.2f} | "
-                f"{r['wchar'] / GB:.2f} | {published / GB:.2f} | {r.get('out_disk', r.get('disk', 0)) / GB:.2f} |"
-                + (" exit " + str(r["exit"]) if r["exit"] else "") )
+        return (
+            f"| {label} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['peak_rss'] / 1e6:,.0f} | "
+            f"{r['rchar'] / GB:.2f} | "
+            f"{r['wchar'] / GB:.2f} | {published / GB:.2f} | "
+            f"{r.get('out_disk', r.get('disk', 0)) / GB:.2f} |"
+            + (" exit " + str(r["exit"]) if r["exit"] else "")
+        )
 
     L = [
         f"## 35B-shaped sparse source (`make bench-35b`, `bench/bench35b.py`), {M['date']}",
         "",
-        f"Machine: {M['cpu']}, {M['nproc']} cores, {M['ram_gb']} GiB; Linux {M['kernel']}; Python {M['python']}; "
-        f"mlx {M['mlx']}, mlx-lm {M['mlx-lm']}; buildkit {M['commit']}. Source: `buildkit fixture --preset "
-        f"qwen3.6-35b-a3b --sparse`, {R['source']['apparent'] / GB:.1f} GB apparent, {R['source']['disk'] / 1e6:.0f} MB on disk "
-        f"(written in {R['fixture']['wall']:.1f} s). mlx_lm.convert ran under `prlimit --as={R['mem_limit']}`.",
+        f"Machine: {M['cpu']}, {M['nproc']} cores, {M['ram_gb']} GiB; Linux {M['kernel']}; "
+        f"Python {M['python']}; "
+        f"mlx {M['mlx']}, mlx-lm {M['mlx-lm']}; buildkit {M['commit']}. "
+        "Source: `buildkit fixture --preset "
+        f"qwen3.6-35b-a3b --sparse`, {R['source']['apparent'] / GB:.1f} GB apparent, "
+        f"{R['source']['disk'] / 1e6:.0f} MB on disk "
+        f"(written in {R['fixture']['wall']:.1f} s). "
+        f"mlx_lm.convert ran under `prlimit --as={R['mem_limit']}`.",
         "",
-        "| run | wall s | CPU s | peak RSS MB | read GB | written GB | published GB | output on disk GB |",
+        "| run | wall s | CPU s | peak RSS MB | read GB | written GB | published GB "
+        "| output on disk GB |",
         "|---|---|---|---|---|---|---|---|",
     ]
     if conv:
         L.append(row("mlx_lm.convert -q --q-bits 6 --q-group-size 64", conv, conv["published"]))
     L.append(row("buildkit build xl (cold, verify + load check)", xl, xl["published"]))
     L.append(row("buildkit build xl-mtp (after xl)", mtp, mtp["published"]))
-    L += ["", f"buildkit store after both: {mtp['store_disk'] / GB:.2f} GB on disk; the whole bench directory "
-          f"{R['disk_total'] / GB:.2f} GB (convert's output already deleted).", "",
-          "Per-step times (s): " + "; ".join(f"{v}: " + ", ".join(f"{k} {t:.1f}" for k, t in R[v]["steps"].items())
-                                              for v in ("xl", "xl-mtp")), ""]
+    L += [
+        "",
+        f"buildkit store after both: {mtp['store_disk'] / GB:.2f} GB on disk; "
+        "the whole bench directory "
+        f"{R['disk_total'] / GB:.2f} GB (convert's output already deleted).",
+        "",
+        "Per-step times (s): "
+        + "; ".join(
+            f"{v}: " + ", ".join(f"{k} {t:.1f}" for k, t in R[v]["steps"].items())
+            for v in ("xl", "xl-mtp")
+        ),
+        "",
+    ]
     for v in ("xl", "xl-mtp"):
         e = R[v]["estimate"]
         if "bytes" in e:
             d = e["bytes"] - R[v]["published"]
-            L.append(f"- `buildkit estimate {v}`: {e['bytes']:,} bytes ({e['bits_per_weight']:.3f} bpw with the vision "
-                     f"tower, {e['bits_per_weight_text']:.3f} text only) against {R[v]['published']:,} published tensor "
-                     f"bytes: {'equal' if d == 0 else f'off by {d:,}'}.")
+            L.append(
+                f"- `buildkit estimate {v}`: {e['bytes']:,} bytes "
+                f"({e['bits_per_weight']:.3f} bpw with the vision "
+                f"tower, {e['bits_per_weight_text']:.3f} text only) "
+                f"against {R[v]['published']:,} published tensor "
+                f"bytes: {'equal' if d == 0 else f'off by {d:,}'}."
+            )
     L.append("")
     if conv and conv["exit"] == 0:
         ratio = xl["wall"] / conv["wall"]
-        L.append(f"- Target xl wall <= 0.75 x convert: {ratio:.2f} x ({xl['wall']:.1f} / {conv['wall']:.1f} s): "
-                 f"{'met' if ratio <= 0.75 else '**MISSED**'}.")
+        L.append(
+            f"- Target xl wall <= 0.75 x convert: {ratio:.2f} x "
+            f"({xl['wall']:.1f} / {conv['wall']:.1f} s): "
+            f"{'met' if ratio <= 0.75 else '**MISSED**'}."
+        )
     elif conv:
         L.append(f"- mlx_lm.convert did not finish (exit {conv['exit']}); no wall ratio.")
-    L.append(f"- Target peak RSS < 1 GB: xl {xl['peak_rss'] / 1e6:,.0f} MB, xl-mtp {mtp['peak_rss'] / 1e6:,.0f} MB: "
-             f"{'met' if max(xl['peak_rss'], mtp['peak_rss']) < 1e9 else '**MISSED**'}.")
+    L.append(
+        f"- Target peak RSS < 1 GB: xl {xl['peak_rss'] / 1e6:,.0f} MB, "
+        f"xl-mtp {mtp['peak_rss'] / 1e6:,.0f} MB: "
+        f"{'met' if max(xl['peak_rss'], mtp['peak_rss']) < 1e9 else '**MISSED**'}."
+    )
     w = xl["wchar"] / max(xl["published"], 1)
-    L.append(f"- Target bytes written <= 1.1 x published (xl): {w:.2f} x ({xl['wchar'] / GB:.2f} / "
-             f"{xl['published'] / GB:.2f} GB): {'met' if w <= 1.1 else '**MISSED**'}.")
+    L.append(
+        f"- Target bytes written <= 1.1 x published (xl): {w:.2f} x ({xl['wchar'] / GB:.2f} / "
+        f"{xl['published'] / GB:.2f} GB): {'met' if w <= 1.1 else '**MISSED**'}."
+    )
     return "\n".join(L) + "\n"
 
 
@@ -211,11 +297,19 @@ def write_results(text: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--work", default=str(ROOT / "build" / "bench35b"), help="scratch directory (deleted first and after)")
-    p.add_argument("--mem-limit", default="16G", help="prlimit --as for mlx_lm.convert (default 16G)")
+    p.add_argument(
+        "--work",
+        default=str(ROOT / "build" / "bench35b"),
+        help="scratch directory (deleted first and after)",
+    )
+    p.add_argument(
+        "--mem-limit", default="16G", help="prlimit --as for mlx_lm.convert (default 16G)"
+    )
     p.add_argument("--skip-convert", action="store_true", help="buildkit only")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
-    p.add_argument("--no-results", action="store_true", help="print the table instead of writing RESULTS.md")
+    p.add_argument(
+        "--no-results", action="store_true", help="print the table instead of writing RESULTS.md"
+    )
     args = p.parse_args(argv)
     R = run(args)
     (ROOT / "build").mkdir(exist_ok=True)

@@ -30,20 +30,42 @@ from pathlib import Path
 import buildkit
 
 BUILDKIT_ROOT = Path(buildkit.__file__).resolve().parents[1]
-BASE_SPEC = {"hidden": 1024, "layers": 4, "experts": 16, "moe_intermediate": 512, "vocab": 16384, "seed": 0}
+BASE_SPEC = {
+    "hidden": 1024,
+    "layers": 4,
+    "experts": 16,
+    "moe_intermediate": 512,
+    "vocab": 16384,
+    "seed": 0,
+}
 
 
 def build(variant: str, source: Path, work: Path) -> tuple[float, dict[str, float]]:
     store = work / f"store-{variant}"
     shutil.rmtree(store, ignore_errors=True)
-    argv = [sys.executable, "-m", "buildkit.cli", "--store", str(store), "--manifests", str(work / "manifests"),
-            "build", variant, "--source", str(source), "--out", str(work / f"out-{variant}")]
+    argv = [
+        sys.executable,
+        "-m",
+        "buildkit.cli",
+        "--store",
+        str(store),
+        "--manifests",
+        str(work / "manifests"),
+        "build",
+        variant,
+        "--source",
+        str(source),
+        "--out",
+        str(work / f"out-{variant}"),
+    ]
     t = time.perf_counter()
     p = subprocess.run(argv, capture_output=True, text=True, cwd=BUILDKIT_ROOT)
     wall = time.perf_counter() - t
     if p.returncode:
         raise SystemExit(f"{variant} failed:\n{p.stderr}")
-    steps = {m[1]: float(m[2]) for m in re.finditer(r"^\[done\]\s+(\S+) .* in ([\d.]+)s", p.stderr, re.M)}
+    steps = {
+        m[1]: float(m[2]) for m in re.finditer(r"^\[done\]\s+(\S+) .* in ([\d.]+)s", p.stderr, re.M)
+    }
     return wall, steps
 
 
@@ -58,7 +80,8 @@ def builds(spec: dict, work: Path) -> None:
     # the donor head must fit the trunk: oq4e-mtp-xl with its donor read from the same fixture
     shutil.copytree(BUILDKIT_ROOT / "manifests", work / "manifests", dirs_exist_ok=True)
     (work / "manifests" / "bench-oq4e.toml").write_text(
-        f'extends = "oq4e-mtp-xl"\n[steps.donor_fetch.params]\nsource = "{src}"\n')
+        f'extends = "oq4e-mtp-xl"\n[steps.donor_fetch.params]\nsource = "{src}"\n'
+    )
     xl = build("xl", src, work)
     oq = build("bench-oq4e", src, work)
     print(f"\nfixture {spec} ({size:.0f} MB)\n")
@@ -78,8 +101,12 @@ def micro(experts: int, out: int, inp: int, bits: int, repeat: int) -> None:
 
     g = 64
     rng = np.random.default_rng(0)
-    w = mx.array(rng.standard_normal((experts, out, inp)).astype(np.float32) * inp**-0.5).astype(mx.bfloat16)
-    d = np.exp(rng.standard_normal((experts, inp))).astype(np.float32)  # heavy-tailed channel importance
+    w = mx.array(rng.standard_normal((experts, out, inp)).astype(np.float32) * inp**-0.5).astype(
+        mx.bfloat16
+    )
+    d = np.exp(rng.standard_normal((experts, inp))).astype(
+        np.float32
+    )  # heavy-tailed channel importance
     mx.eval(w)
     n = w.size
     # CPU time, not wall: the machine is shared, and both are single-threaded here
@@ -94,37 +121,65 @@ def micro(experts: int, out: int, inp: int, bits: int, repeat: int) -> None:
     w32 = np.array(w.astype(mx.float32)).reshape(experts, out, inp // g, g)
     for _ in range(repeat):
         t = time.process_time()
-        res = [dataaware.search(w32[e], d[e].reshape(1, inp // g, g), bits, "BF16", (codes[e], s32[e], b32[e]))
-               for e in range(experts)]
+        res = [
+            dataaware.search(
+                w32[e], d[e].reshape(1, inp // g, g), bits, "BF16", (codes[e], s32[e], b32[e])
+            )
+            for e in range(experts)
+        ]
         best_s = min(best_s, time.process_time() - t)
     err = err0 = 0.0
     for e, (qq, ss, bb, _) in enumerate(res):
         de = d[e].reshape(1, inp // g, g)
         err += float((de * np.square(ss[..., None] * qq + bb[..., None] - w32[e])).sum())
-        err0 += float((de * np.square(s32[e][..., None] * codes[e] + b32[e][..., None] - w32[e])).sum())
-    print(f"\nper tensor [{experts}, {out}, {inp}] {bits}-bit g{g}, CPU time, best of {repeat}; "
-          f"search {dataaware.METHOD}, {len(dataaware.GRID)} grids, {dataaware.REFINE} refinement(s)\n")
+        err0 += float(
+            (de * np.square(s32[e][..., None] * codes[e] + b32[e][..., None] - w32[e])).sum()
+        )
+    print(
+        f"\nper tensor [{experts}, {out}, {inp}] {bits}-bit g{g}, CPU time, best of {repeat}; "
+        f"search {dataaware.METHOD}, {len(dataaware.GRID)} grids, "
+        f"{dataaware.REFINE} refinement(s)\n"
+    )
     print("| | s per million weights | ns per weight | vs mx.quantize |\n|---|---|---|---|")
     print(f"| mx.quantize | {best_q / n * 1e6:.3f} | {best_q / n * 1e9:.1f} | 1.0 |")
-    print(f"| dataaware.search | {best_s / n * 1e6:.3f} | {best_s / n * 1e9:.1f} | {best_s / best_q:.1f} (target <= 2) |")
+    print(
+        f"| dataaware.search | {best_s / n * 1e6:.3f} | {best_s / n * 1e9:.1f} | "
+        f"{best_s / best_q:.1f} (target <= 2) |"
+    )
     print(f"\nweighted error, data-aware / data-agnostic: {err / err0:.4f}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--builds", action="store_true", help="also time cold xl and oq4e-mtp-xl builds")
-    p.add_argument("--spec", action="append", default=[], help="fixture dimension, e.g. layers=31 (repeatable)")
-    p.add_argument("--work", type=Path, help="working directory (default: a temporary one, removed)")
+    p.add_argument(
+        "--spec", action="append", default=[], help="fixture dimension, e.g. layers=31 (repeatable)"
+    )
+    p.add_argument(
+        "--work", type=Path, help="working directory (default: a temporary one, removed)"
+    )
     p.add_argument("--tensor", default="8,512,1024", help="E,out,in of the microbenchmark's tensor")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--grids", type=int, help="try the search with this many grids over -1..3 (not the shipped setting)")
-    p.add_argument("--refine", type=int, help="try the search with this many refinements (not the shipped setting)")
+    p.add_argument(
+        "--grids",
+        type=int,
+        help="try the search with this many grids over -1..3 (not the shipped setting)",
+    )
+    p.add_argument(
+        "--refine",
+        type=int,
+        help="try the search with this many refinements (not the shipped setting)",
+    )
     args = p.parse_args(argv)
     from buildkit import dataaware
 
     if args.grids:
-        dataaware.GRID = [-1.0 + 4.0 * i / max(args.grids - 1, 1) for i in range(args.grids)] if args.grids > 1 else [0.0]
+        dataaware.GRID = (
+            [-1.0 + 4.0 * i / max(args.grids - 1, 1) for i in range(args.grids)]
+            if args.grids > 1
+            else [0.0]
+        )
     if args.refine is not None:
         dataaware.REFINE = args.refine
     micro(*map(int, args.tensor.split(",")), args.bits, args.repeat)

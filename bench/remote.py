@@ -23,9 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # this checkout's buildkit, as the subprocesses get through PYTHONPATH
+sys.path.insert(
+    0, str(REPO)
+)  # this checkout's buildkit, as the subprocesses get through PYTHONPATH
 BUILDKIT = [sys.executable, "-m", "buildkit.cli"]
-CREDS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+CREDS = {
+    "AWS_ACCESS_KEY_ID": "bench",
+    "AWS_SECRET_ACCESS_KEY": "bench",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 MB = 1e6
 
 
@@ -46,8 +52,11 @@ def free_port() -> int:
 
 def start_server() -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(100):
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
@@ -62,7 +71,9 @@ def objects(store: Path) -> list[Path]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dir", default="/tmp/buildkit-bench-remote")
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()
@@ -74,23 +85,49 @@ def main() -> None:
         env.pop(k, None)
 
     src = root / "src"
-    run([*BUILDKIT, "fixture", str(src), "--hidden", "1024", "--layers", str(args.layers), "--experts", "16",
-         "--moe-intermediate", "512", "--vocab", "16384"], root, env)
+    run(
+        [
+            *BUILDKIT,
+            "fixture",
+            str(src),
+            "--hidden",
+            "1024",
+            "--layers",
+            str(args.layers),
+            "--experts",
+            "16",
+            "--moe-intermediate",
+            "512",
+            "--vocab",
+            "16384",
+        ],
+        root,
+        env,
+    )
     src_mb = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) / MB
 
     def project(name: str) -> Path:
         d = root / name
-        shutil.copytree(REPO / "manifests", d / "manifests", ignore=shutil.ignore_patterns("*.lock"))
+        shutil.copytree(
+            REPO / "manifests", d / "manifests", ignore=shutil.ignore_patterns("*.lock")
+        )
         return d
 
     def bk(d: Path, *argv: str, extra_env: dict | None = None) -> tuple[float, str]:
-        return run([*BUILDKIT, *argv, "xl", "--source", str(src), "--out", str(d / "out")], d, {**env, **(extra_env or {})})
+        return run(
+            [*BUILDKIT, *argv, "xl", "--source", str(src), "--out", str(d / "out")],
+            d,
+            {**env, **(extra_env or {})},
+        )
 
     a = project("writer")
     t_build, _ = bk(a, "build")
     objs = objects(a / "cache")
     total = sum(p.stat().st_size for p in objs)
-    print(f"fixture {src_mb:.0f} MB bf16; xl built in {t_build:.1f}s; {len(objs)} objects, {total / MB:.0f} MB")
+    print(
+        f"fixture {src_mb:.0f} MB bf16; xl built in {t_build:.1f}s; "
+        f"{len(objs)} objects, {total / MB:.0f} MB"
+    )
 
     rows = []
     server, endpoint = start_server()
@@ -99,8 +136,13 @@ def main() -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
 
-        c = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                         aws_access_key_id="bench", aws_secret_access_key="bench")
+        c = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="bench",
+            aws_secret_access_key="bench",
+        )
         for b in ("bkbench", "rawbench"):
             c.create_bucket(Bucket=b)
 
@@ -151,15 +193,21 @@ def main() -> None:
     t = time.monotonic()
     shutil.copytree(a / "cache" / "objects", root / "raw-copy")
     t_cp = time.monotonic() - t
-    rows += [("file upload", "buildkit push", total, t_fpush, "shutil.copytree", t_cp),
-             ("file download", "buildkit pull", total, t_fpull, "(same copy)", t_cp)]
+    rows += [
+        ("file upload", "buildkit push", total, t_fpush, "shutil.copytree", t_cp),
+        ("file download", "buildkit pull", total, t_fpull, "(same copy)", t_cp),
+    ]
 
     print(f"\n| remote | buildkit | MB | s | MB/s | raw | s | MB/s | buildkit/raw |\n|{'---|' * 9}")
     for what, cmd, n, t, raw, tr in rows:
-        print(f"| {what} | {cmd} | {n / MB:.0f} | {t:.2f} | {n / MB / t:.0f} | {raw} | {tr:.2f} | "
-              f"{total / MB / tr:.0f} | {(n / t) / (total / tr):.2f} |")
-    print("\nbuildkit times are whole commands (start-up, planning, hashing every object on push);"
-          " raw times move the object files only.")
+        print(
+            f"| {what} | {cmd} | {n / MB:.0f} | {t:.2f} | {n / MB / t:.0f} | {raw} | {tr:.2f} | "
+            f"{total / MB / tr:.0f} | {(n / t) / (total / tr):.2f} |"
+        )
+    print(
+        "\nbuildkit times are whole commands (start-up, planning, hashing every object on push);"
+        " raw times move the object files only."
+    )
 
 
 if __name__ == "__main__":

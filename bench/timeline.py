@@ -69,7 +69,9 @@ def main(argv=None) -> int:
             _, kind, step = events[seen]
             (running.add if kind == "run" else running.discard)(step)
             seen += 1
-        samples.append((time.perf_counter() - t0, rss(child.pid), cpu(child.pid), tuple(sorted(running))))
+        samples.append(
+            (time.perf_counter() - t0, rss(child.pid), cpu(child.pid), tuple(sorted(running)))
+        )
         time.sleep(args.interval)
     reader.join()
     wall = time.perf_counter() - t0

@@ -39,7 +39,9 @@ def tune() -> bool:
         mallopt = libc().mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
-    _tuned = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    _tuned = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
     return _tuned
 
 

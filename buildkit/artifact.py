@@ -46,4 +46,3 @@ class Artifact:
 
     def tensor_bytes(self) -> int:
         return sum(nbytes(t["dtype"], t["shape"]) for t in self.tensors.values())
-

@@ -31,17 +31,31 @@ from .tensors import ITEMSIZE, to_mlx
 
 np = lazy("numpy", __name__)
 
-PROXY = "activation-weighted reconstruction error of the tensor alone at each bits (mx.quantize, diagonal E[x^2], routed tokens)"
+PROXY = (
+    "activation-weighted reconstruction error of the tensor alone at each bits "
+    "(mx.quantize, diagonal E[x^2], routed tokens)"
+)
 
 
 def routed_weights(tensors: dict[str, dict]) -> list[str]:
     """Names of routed-expert weights ([E, out, in] under ``*.mlp.switch_mlp.*``), sorted."""
-    return sorted(n for n, e in tensors.items()
-                  if cal.SWITCH in n and n.endswith(".weight") and len(e["shape"]) == 3)
+    return sorted(
+        n
+        for n, e in tensors.items()
+        if cal.SWITCH in n and n.endswith(".weight") and len(e["shape"]) == 3
+    )
 
 
-def measure(store, entry: dict, importance: np.ndarray, tokens: np.ndarray, bits: list[int], group_size: int,
-            max_rows: int, block_bytes: int = ROW_BLOCK_BYTES) -> dict[int, float]:
+def measure(
+    store,
+    entry: dict,
+    importance: np.ndarray,
+    tokens: np.ndarray,
+    bits: list[int],
+    group_size: int,
+    max_rows: int,
+    block_bytes: int = ROW_BLOCK_BYTES,
+) -> dict[int, float]:
     """S(b) for each bits b of one routed-expert weight, a block of experts at a time."""
     import mlx.core as mx
 
@@ -53,9 +67,13 @@ def measure(store, entry: dict, importance: np.ndarray, tokens: np.ndarray, bits
         n = len(raw)
         w = to_mlx(raw[:, ::stride], entry["dtype"])
         wf = w.astype(mx.float32)
-        weight = mx.array((importance[e0 : e0 + n] * tokens[e0 : e0 + n, None]).astype(np.float32))[:, None, :]
+        weight = mx.array((importance[e0 : e0 + n] * tokens[e0 : e0 + n, None]).astype(np.float32))[
+            :, None, :
+        ]
         for b in bits:
-            deq = mx.dequantize(*mx.quantize(w, group_size=group_size, bits=b), group_size=group_size, bits=b)
+            deq = mx.dequantize(
+                *mx.quantize(w, group_size=group_size, bits=b), group_size=group_size, bits=b
+            )
             out[b] += float((weight * mx.square(deq.astype(mx.float32) - wf)).sum().item()) * stride
         e0 += n
     return {b: float(f"{v:.6g}") for b, v in out.items()}
@@ -72,11 +90,19 @@ def stored_bits(entry: dict, role: Role) -> int:
     return n * role.bits + (n // role.group_size) * 2 * 8 * ITEMSIZE[entry["dtype"]]
 
 
-def _budgeted(roles: dict[str, str], recipe_roles: dict[str, Role], sensitivity: dict) -> dict[str, Role]:
-    return {n: recipe_roles[r] for n, r in sorted(roles.items()) if recipe_roles[r].budget_bits and n in sensitivity}
+def _budgeted(
+    roles: dict[str, str], recipe_roles: dict[str, Role], sensitivity: dict
+) -> dict[str, Role]:
+    return {
+        n: recipe_roles[r]
+        for n, r in sorted(roles.items())
+        if recipe_roles[r].budget_bits and n in sensitivity
+    }
 
 
-def _accounts(tensors: dict[str, dict], roles: dict[str, str], recipe_roles: dict[str, Role], budgeted) -> tuple[int, int]:
+def _accounts(
+    tensors: dict[str, dict], roles: dict[str, str], recipe_roles: dict[str, Role], budgeted
+) -> tuple[int, int]:
     """(source weights, stored bits of every tensor that is not budgeted)."""
     weights = fixed = 0
     for n, e in tensors.items():
@@ -93,17 +119,29 @@ def _cost(entry: dict, role: Role, bits: int) -> int:
     return stored_bits(entry, role.model_copy(update={"bits": bits}))
 
 
-def reachable(tensors: dict[str, dict], roles: dict[str, str], recipe_roles: dict[str, Role], sensitivity: dict) -> tuple[float, float]:
+def reachable(
+    tensors: dict[str, dict],
+    roles: dict[str, str],
+    recipe_roles: dict[str, Role],
+    sensitivity: dict,
+) -> tuple[float, float]:
     """(lowest, highest) bits per weight a budget can reach: every budgeted tensor at its
     role's lowest, or highest, ``budget_bits``."""
     budgeted = _budgeted(roles, recipe_roles, sensitivity)
     weights, fixed = _accounts(tensors, roles, recipe_roles, budgeted)
-    return tuple((fixed + sum(_cost(tensors[n], r, r.budget_bits[i]) for n, r in budgeted.items())) / weights
-                 for i in (0, -1))
+    return tuple(
+        (fixed + sum(_cost(tensors[n], r, r.budget_bits[i]) for n, r in budgeted.items())) / weights
+        for i in (0, -1)
+    )
 
 
-def plan(tensors: dict[str, dict], roles: dict[str, str], recipe_roles: dict[str, Role], target_bpw: float,
-         sensitivity: dict[str, dict[str, float]]) -> tuple[dict[str, int], dict]:
+def plan(
+    tensors: dict[str, dict],
+    roles: dict[str, str],
+    recipe_roles: dict[str, Role],
+    target_bpw: float,
+    sensitivity: dict[str, dict[str, float]],
+) -> tuple[dict[str, int], dict]:
     """(bits of each budgeted tensor, a summary) for ``target_bpw`` over all ``tensors``.
     ``sensitivity``: tensor -> {str(bits): S}; tensors of a role with ``budget_bits`` that
     have an entry are budgeted, every other tensor is fixed by its role."""
@@ -116,8 +154,10 @@ def plan(tensors: dict[str, dict], roles: dict[str, str], recipe_roles: dict[str
     for n, role in budgeted.items():
         missing = [b for b in role.budget_bits if str(b) not in sensitivity[n]]
         if missing:
-            raise StepError(f"sensitivity of {n} was not measured at bits {missing}: add them to the "
-                            "sensitivity step's params.bits")
+            raise StepError(
+                f"sensitivity of {n} was not measured at bits {missing}: add them to the "
+                "sensitivity step's params.bits"
+            )
     weights, fixed = _accounts(tensors, roles, recipe_roles, budgeted)
     limit = target_bpw * weights
 
@@ -128,8 +168,10 @@ def plan(tensors: dict[str, dict], roles: dict[str, str], recipe_roles: dict[str
     used = fixed + sum(cost(n, b) for n, b in bits.items())
     if used > limit:
         lo, hi = reachable(tensors, roles, recipe_roles, sensitivity)
-        raise StepError(f"recipe.target_bpw {target_bpw} is below the lowest this recipe reaches, {lo:.4f} "
-                        f"(every budgeted tensor at its lowest budget_bits; the highest is {hi:.4f}): raise it")
+        raise StepError(
+            f"recipe.target_bpw {target_bpw} is below the lowest this recipe reaches, {lo:.4f} "
+            f"(every budgeted tensor at its lowest budget_bits; the highest is {hi:.4f}): raise it"
+        )
     while True:
         best = None
         for n in budgeted:

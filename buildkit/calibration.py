@@ -135,7 +135,8 @@ def _numpy_modules():
     class NpSwitchGLU(nn.Module):
         """mlx_lm's SwitchGLU (``down(silu(gate x) * up x)`` for each chosen expert, output
         [..., k, H]) one expert at a time over the rows routed to it; ``routed`` keeps the
-        MoE input and the chosen experts, and sums each expert's x² and activations² as they pass."""
+        MoE input and the chosen experts, and sums each expert's x² and activations² as they
+        pass."""
 
         def __init__(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray):
             super().__init__()
@@ -178,7 +179,10 @@ def build_model(config: dict):
     from mlx_lm.models import qwen3_5_moe
 
     if config.get("model_type") != "qwen3_5_moe":
-        raise SourceError(f"calibration runs qwen3_5_moe checkpoints; config.json has model_type {config.get('model_type')!r}")
+        raise SourceError(
+            "calibration runs qwen3_5_moe checkpoints; config.json has model_type "
+            f"{config.get('model_type')!r}"
+        )
     return qwen3_5_moe.Model(qwen3_5_moe.ModelArgs.from_dict(config))
 
 
@@ -212,7 +216,9 @@ def _to_numpy(layer, NpLinear, NpSwitchGLU):
     return switch
 
 
-def moe_activations(store, art, streams: dict[str, list[int]], seq_len: int, progress=None) -> Iterator[tuple[str, dict[str, Routed]]]:
+def moe_activations(
+    store, art, streams: dict[str, list[int]], seq_len: int, progress=None
+) -> Iterator[tuple[str, dict[str, Routed]]]:
     """Run the trunk over each stream of token ids, layer by layer; yield, per decoder layer,
     its name (``language_model.model.layers.N``) and what its routed experts saw per stream."""
     import mlx.core as mx
@@ -222,7 +228,10 @@ def moe_activations(store, art, streams: dict[str, list[int]], seq_len: int, pro
     model = build_model(art.meta["config"])
     text = model.language_model.model
     _load(text.embed_tokens, store, art.tensors, "language_model.model.embed_tokens.")
-    hidden = {s: [text.embed_tokens(mx.array(b)) for b in batches(ids, seq_len)] for s, ids in streams.items()}
+    hidden = {
+        s: [text.embed_tokens(mx.array(b)) for b in batches(ids, seq_len)]
+        for s, ids in streams.items()
+    }
     mx.eval([h for hs in hidden.values() for h in hs])
     del text.embed_tokens  # free it; only the decoder layers are used from here on
     layers = text.layers
@@ -236,7 +245,9 @@ def moe_activations(store, art, streams: dict[str, list[int]], seq_len: int, pro
         for stream, hs in hidden.items():
             switch.routed = seen.setdefault(stream, Routed())
             for j, h in enumerate(hs):
-                mask = create_ssm_mask(h, None) if layer.is_linear else create_attention_mask(h, None)
+                mask = (
+                    create_ssm_mask(h, None) if layer.is_linear else create_attention_mask(h, None)
+                )
                 hs[j] = layer(h, mask=mask, cache=None)
                 mx.eval(hs[j])
         layers[i] = None  # free this layer's weights before loading the next
@@ -252,10 +263,15 @@ def expert_stats(routed: Routed, n_experts: int) -> dict[str, np.ndarray]:
     """Routed-token counts [E] and the per-channel mean squares of the inputs of gate/up [E, H]
     and of down [E, I] of one MoE layer's experts (float32; zero where no token went)."""
     if routed.tokens is None:
-        raise SourceError("calibration: no token reached this MoE layer (an empty calibration text?)")
+        raise SourceError(
+            "calibration: no token reached this MoE layer (an empty calibration text?)"
+        )
     den = np.maximum(routed.tokens, 1)[:, None]
-    return {"tokens": routed.tokens.copy(), "in_sq": (routed.in_sq / den).astype(np.float32),
-            "mid_sq": (routed.mid_sq / den).astype(np.float32)}
+    return {
+        "tokens": routed.tokens.copy(),
+        "in_sq": (routed.in_sq / den).astype(np.float32),
+        "mid_sq": (routed.mid_sq / den).astype(np.float32),
+    }
 
 
 def stat_name(module: str) -> str:
@@ -286,7 +302,9 @@ def expert_outputs(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.nda
     return ((g / (1.0 + np.exp(-g))) * u) @ down.T
 
 
-def expert_errors(x: np.ndarray, experts: np.ndarray, n_experts: int, weights, variants: list[str]) -> dict[str, np.ndarray]:
+def expert_errors(
+    x: np.ndarray, experts: np.ndarray, n_experts: int, weights, variants: list[str]
+) -> dict[str, np.ndarray]:
     """Relative output error ||y_v - y_ref|| / ||y_ref|| of every expert per variant (NaN where no
     held-out token reaches it). ``weights(variant, e)`` gives expert e's float32 gate/up/down
     [out, in] for a variant or for ``"ref"``, one expert at a time, so memory stays small."""

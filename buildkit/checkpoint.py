@@ -132,9 +132,16 @@ def head_signature(config: dict) -> dict:
     """The fields an MTP head must agree on with the trunk it is grafted onto."""
     tc = text_config(config)
     keys = (
-        "hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-        "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "vocab_size", "rms_norm_eps",
+        "hidden_size",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "rms_norm_eps",
     )
     return {k: tc.get(k) for k in keys}
 
@@ -166,7 +173,9 @@ def model_part(mlx: str) -> str:
     return mlx.split(".", 1)[0]
 
 
-def split_experts(hf: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], tuple[int, int, int] | None]]:
+def split_experts(
+    hf: str, shape: tuple[int, ...]
+) -> list[tuple[str, tuple[int, ...], tuple[int, int, int] | None]]:
     """MLX (name, shape, slice) pieces for a tensor: fused gate_up becomes gate then up."""
     m = _LAYER_EXPERTS.match(mlx_name(hf))
     if not m:
@@ -237,5 +246,7 @@ def scan_source(store, art) -> dict[str, tuple[str, TensorInfo]]:
                 )
         extra = sorted(set(found) - set(wmap))
         if extra:
-            raise SourceError(f"{idx_name}: tensors missing from weight_map: {', '.join(extra[:5])}")
+            raise SourceError(
+                f"{idx_name}: tensors missing from weight_map: {', '.join(extra[:5])}"
+            )
     return found

@@ -22,6 +22,8 @@ examples:
   buildkit explain xl-mtp quantize          the ingredients of one node's cache key
   buildkit graph xl-mtp --format mermaid    the step DAG
   buildkit estimate xl --source DIR         size and bits per weight from headers alone
+  buildkit compare xl xl-mtp oq4e-mtp-xl    eval figures side by side (--plot FILE.png)
+  buildkit eval out/xl --source DIR         grade any MLX directory against a bf16 source
   buildkit gc                               free what no built variant still uses
 
 The store defaults to ./cache (override with --store or BUILDKIT_STORE).
@@ -275,7 +277,7 @@ def cmd_forget(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from . import manifest
+    from . import grades, manifest
     from .scheduler import Scheduler
     from .steps.base import BuildOptions
 
@@ -303,6 +305,9 @@ def cmd_status(args) -> int:
                            when=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(root.get("built_ns", 0) / 1e9)),
                            state="stale" if stale else "fresh",
                            reason=f"{stale[0].name}: {stale[0].reasons[0]}" if stale else "")
+                figures = grades.last_results(store, p.stem)
+                if figures:
+                    row["eval"] = {k: figures[0].get(k) for k, _, _ in grades.COLUMNS if k in figures[0]}
         except BuildkitError as e:
             row.update(state="invalid", reason=str(e).splitlines()[0])
         rows.append(row)
@@ -312,7 +317,54 @@ def cmd_status(args) -> int:
     for r in rows:
         where = f"  source {r['source']}, out {r.get('out') or 'default'}, built {r['when']}" if r["built"] else ""
         print(f"{r['variant']:16} {r['state']:11}{where}" + (f"\n{'':16} {r['reason']}" if r["reason"] and r["state"] != "never built" else ""))
+        if r.get("eval"):
+            e = r["eval"]
+            print(f"{'':16} " + ", ".join(f"{h} {f(e[k])}" for k, h, f in grades.COLUMNS if e.get(k) is not None))
     return 0
+
+
+def cmd_eval(args) -> int:
+    from . import calibration as cal
+    from . import evaluate as ev
+    from .steps.eval import EvalParams, heldout_tokens
+
+    p = EvalParams()
+    model, source = ev.DirWeights(Path(args.model)), ev.DirWeights(Path(args.source))
+    if source.quantization:
+        raise UsageError(f"--source {args.source} is quantized; point it at the bf16 source directory")
+    path = cal.text_path(args.text or p.text, Path.cwd())
+    tokens = heldout_tokens(path.read_text(encoding="utf-8"), p.heldout_every, source.tokenizer_json(),
+                            args.max_tokens or p.max_tokens)
+    figures, _ = ev.evaluate(source, model, tokens, p.seq_len)
+    figures["size_bytes"] = model.bytes()
+    if args.json:
+        print(json.dumps(figures, indent=2, sort_keys=True))
+        return 0
+    for k, v in figures.items():
+        print(f"{k:20} {v:.6g}" if isinstance(v, float) else f"{k:20} {v}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from . import grades
+
+    store = _store(args)
+    rows, missing = [], []
+    for v in args.variants:
+        got = grades.last_results(store, Path(v).stem)
+        rows += got
+        if not got:
+            missing.append(v)
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+    elif rows:
+        print(grades.table(rows))
+    for v in missing:
+        print(f"{v}: no eval results (never built, or its last build has no eval step)", file=sys.stderr)
+    if args.plot and rows:
+        grades.plot(rows, Path(args.plot))
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 1 if missing else 0
 
 
 def cmd_store_check(args) -> int:
@@ -504,6 +556,25 @@ examples:
     fg.add_argument("variant", help="variant name")
     fg.add_argument("--out", help="only the build that published to this directory (default out/VARIANT)")
     fg.set_defaults(fn=cmd_forget)
+
+    ev = sub.add_parser(
+        "eval", help="Grade any MLX model directory against a bf16 source directory (KLD, top-1, perplexity, MTP acceptance).",
+        description="The eval step's measurement for any MLX directory (buildkit's or mlx_lm.convert's) against "
+        "a bf16 source in Hugging Face layout, each read one decoder layer at a time from its safetensors files.")
+    ev.add_argument("model", help="MLX model directory")
+    ev.add_argument("--source", required=True, help="bf16 source directory (Hugging Face layout)")
+    ev.add_argument("--text", help="text file whose held-out lines (every 5th) are evaluated (default: the builtin one)")
+    ev.add_argument("--max-tokens", type=int, help="at most this many tokens (default 1024)")
+    ev.add_argument("--json", action="store_true", help="machine-readable output")
+    ev.set_defaults(fn=cmd_eval)
+
+    cp = sub.add_parser("compare", help="Variants' eval figures side by side, from their last builds.",
+                        description="Size, bits per weight, KL divergence (mean, p99), top-1 agreement, perplexity and "
+                        "MTP acceptance of each variant's last build, with labelled comparisons (a baseline) as rows.")
+    cp.add_argument("variants", nargs="+", metavar="VARIANT", help="variant names")
+    cp.add_argument("--plot", metavar="FILE.png", help="also draw size against KL divergence (needs matplotlib)")
+    cp.add_argument("--json", action="store_true", help="machine-readable output")
+    cp.set_defaults(fn=cmd_compare)
 
     ss = sub.add_parser("status", help="Every variant: its last build, fresh or stale, and why.",
                         description="Every variant in --manifests with its last build (source, out, when), "

@@ -24,10 +24,15 @@ def view(digest: str, info: TensorInfo, shape=None, slc=None) -> dict:
 def shift_norm(store, entry: dict) -> dict:
     """round(w + 1) in the tensor's own dtype, computed in float32 as mlx does."""
     w = store.read_tensor(entry)
-    return store.put_tensor(entry["dtype"], from_float32(to_float32(w, entry["dtype"]) + np.float32(1.0), entry["dtype"]))
+    return store.put_tensor(
+        entry["dtype"],
+        from_float32(to_float32(w, entry["dtype"]) + np.float32(1.0), entry["dtype"]),
+    )
 
 
-def mlx_pieces(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], tuple[int, int, int] | None]]:
+def mlx_pieces(
+    name: str, shape: tuple[int, ...]
+) -> list[tuple[str, tuple[int, ...], tuple[int, int, int] | None]]:
     """(MLX name, shape, slice) of what one HF tensor becomes, from its name and shape alone
     (``buildkit estimate`` plans from headers with it; ``sanitize_tensor`` makes the entries)."""
     if ckpt.is_conv1d(name):

@@ -109,15 +109,22 @@ def _search(w, d, bits: int, dtype: str, base):
     won = mx.take_along_axis(e, i, 0)[0] < e0
     pick_q = mx.take_along_axis(q, mx.broadcast_to(i[..., None], (1, *q.shape[1:])), 0)[0]
     bq, bs, bb = base
-    return (mx.where(won[..., None], pick_q, bq).astype(mx.uint8),
-            mx.where(won, mx.take_along_axis(s, i, 0)[0], bs),
-            mx.where(won, mx.take_along_axis(b, i, 0)[0], bb), won)
+    return (
+        mx.where(won[..., None], pick_q, bq).astype(mx.uint8),
+        mx.where(won, mx.take_along_axis(s, i, 0)[0], bs),
+        mx.where(won, mx.take_along_axis(b, i, 0)[0], bb),
+        won,
+    )
 
 
-SEARCH_BLOCK = 1 << 15  # weights searched at a time (x len(GRID) candidates): temporaries stay in cache
+SEARCH_BLOCK = (
+    1 << 15
+)  # weights searched at a time (x len(GRID) candidates): temporaries stay in cache
 
 
-def search(w: np.ndarray, d: np.ndarray, bits: int, dtype: str, base: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def search(
+    w: np.ndarray, d: np.ndarray, bits: int, dtype: str, base: tuple
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Best (codes, scales, biases) per group of w [rows, G, g] under importance d (broadcast to
     w), starting from the data-agnostic ``base`` = (codes, scales, biases); also returns a
     boolean [rows, G] of the groups where a searched candidate beat ``base``. Groups are
@@ -129,8 +136,17 @@ def search(w: np.ndarray, d: np.ndarray, bits: int, dtype: str, base: tuple) -> 
     parts = []
     for a in range(0, w.shape[0], rows):
         sl = slice(a, a + rows)
-        out = _search(mx.array(w[sl]), dm, bits, dtype,
-                      (mx.array(base[0][sl].astype(np.float32)), mx.array(base[1][sl]), mx.array(base[2][sl])))
+        out = _search(
+            mx.array(w[sl]),
+            dm,
+            bits,
+            dtype,
+            (
+                mx.array(base[0][sl].astype(np.float32)),
+                mx.array(base[1][sl]),
+                mx.array(base[2][sl]),
+            ),
+        )
         mx.eval(out)
         parts.append([np.array(x) for x in out])
     return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
@@ -176,8 +192,9 @@ def check_calibration(recipe, roles: dict[str, str], calibration) -> Tally:
     calibrated = sorted({r for r in roles.values() if recipe.roles[r].calibrated})
     if calibrated and calibration is None:
         raise StepError(
-            f"role(s) {', '.join(map(repr, calibrated))} are calibrated (data-aware) but the step has "
-            "no calibration input: add inputs.calibration = \"<a calibrate step>\", or drop calibrated = true"
+            f"role(s) {', '.join(map(repr, calibrated))} are calibrated (data-aware) but the "
+            'step has no calibration input: add inputs.calibration = "<a calibrate step>", '
+            "or drop calibrated = true"
         )
     if calibration is not None and not calibrated:
         raise StepError(
@@ -187,7 +204,15 @@ def check_calibration(recipe, roles: dict[str, str], calibration) -> Tally:
     return Tally()
 
 
-def quantize_entry(store, name: str, entry: dict, role: Role, calibration, tally: Tally, block_bytes: int = ROW_BLOCK_BYTES) -> dict[str, dict]:
+def quantize_entry(
+    store,
+    name: str,
+    entry: dict,
+    role: Role,
+    calibration,
+    tally: Tally,
+    block_bytes: int = ROW_BLOCK_BYTES,
+) -> dict[str, dict]:
     """One routed-expert weight [E, out, in] -> weight/scales/biases, each expert reached by
     calibration searched with its own importance, the rest as mx.quantize does; a few experts
     at a time (``block_bytes``), so memory is a block, not the tensor."""
@@ -201,7 +226,9 @@ def quantize_entry(store, name: str, entry: dict, role: Role, calibration, tally
             "without calibrated = true"
         )
     if shape[-1] % g:
-        raise StepError(f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {g}")
+        raise StepError(
+            f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {g}"
+        )
     dtype = entry["dtype"]
     stats = cal.stats_for(store, calibration, module)
     E, O, C = shape
@@ -210,9 +237,9 @@ def quantize_entry(store, name: str, entry: dict, role: Role, calibration, tally
         importance, tokens = stats
         if importance.shape != (E, C) or tokens.shape != (E,):
             raise StepError(
-                f"calibration statistics for {module} have shape {list(importance.shape)}, expected "
-                f"{[E, C]}: the calibration was made from another model; point the calibrate step's "
-                "input at this trunk's sanitize"
+                f"calibration statistics for {module} have shape {list(importance.shape)}, "
+                f"expected {[E, C]}: the calibration was made from another model; point the "
+                "calibrate step's input at this trunk's sanitize"
             )
         reached = tokens > 0
     won = 0
@@ -221,7 +248,9 @@ def quantize_entry(store, name: str, entry: dict, role: Role, calibration, tally
         nonlocal won
         e0 = 0
         for raw in store.iter_rows(entry, block_bytes):
-            wq, scales, biases = mx.quantize(to_mlx(raw, dtype), group_size=g, bits=role.bits, mode=role.mode)
+            wq, scales, biases = mx.quantize(
+                to_mlx(raw, dtype), group_size=g, bits=role.bits, mode=role.mode
+            )
             (packed, _), (s_np, s_dtype), (b_np, _) = (from_mlx(a) for a in (wq, scales, biases))
             if stats is not None:
                 codes = unpack(packed, role.bits).copy()
@@ -230,14 +259,23 @@ def quantize_entry(store, name: str, entry: dict, role: Role, calibration, tally
                     e = e0 + j
                     d = importance[e] + IMPORTANCE_FLOOR * max(float(importance[e].mean()), 1e-30)
                     base = (codes[j].reshape(O, C // g, g), s32[j], b32[j])
-                    w = to_float32(raw[j], dtype).reshape(O, C // g, g)  # one expert in float32 at a time
+                    w = to_float32(raw[j], dtype).reshape(
+                        O, C // g, g
+                    )  # one expert in float32 at a time
                     q, s, b, better = search(w, d.reshape(1, C // g, g), role.bits, s_dtype, base)
                     codes[j], s32[j], b32[j] = q.reshape(O, C), s, b
                     won += int(better.sum())
                 packed = pack(codes, role.bits)
-                s_np, b_np = (f32_to_bf16(x) if s_dtype == "BF16" else x.astype(s_np.dtype) for x in (s32, b32))
+                s_np, b_np = (
+                    f32_to_bf16(x) if s_dtype == "BF16" else x.astype(s_np.dtype)
+                    for x in (s32, b32)
+                )
             e0 += len(raw)
-            yield {f"{module}.weight": (packed, "U32"), f"{module}.scales": (s_np, s_dtype), f"{module}.biases": (b_np, s_dtype)}
+            yield {
+                f"{module}.weight": (packed, "U32"),
+                f"{module}.scales": (s_np, s_dtype),
+                f"{module}.biases": (b_np, s_dtype),
+            }
 
     out = store.put_row_blocks(E, blocks(), f"{module}.weight")
     with tally.lock:
@@ -248,5 +286,7 @@ def quantize_entry(store, name: str, entry: dict, role: Role, calibration, tally
         else:
             tally.groups += int(reached.sum()) * O * (C // g)
             tally.groups_won += won
-            tally.fallback.setdefault(module.partition(cal.SWITCH)[0], set()).update(np.flatnonzero(~reached).tolist())
+            tally.fallback.setdefault(module.partition(cal.SWITCH)[0], set()).update(
+                np.flatnonzero(~reached).tolist()
+            )
     return out

@@ -93,7 +93,9 @@ def estimate(m) -> dict:
     if not m.source:
         raise UsageError(f"{m.name}: no source; pass --source")
     config, found = source_layout(m.source)
-    check_layout(config, {n: (None, TensorInfo(n, d, s, 0, nbytes(d, s))) for n, (d, s) in found.items()})
+    check_layout(
+        config, {n: (None, TensorInfo(n, d, s, 0, nbytes(d, s))) for n, (d, s) in found.items()}
+    )
     mlx_tensors: dict[str, dict] = {}
     for hf, (dtype, shape) in found.items():
         for name, mshape, _ in mlx_pieces(hf, shape):
@@ -122,13 +124,21 @@ def estimate(m) -> dict:
                 size = nbytes(t["dtype"], t["shape"])
             else:  # refused as quantize refuses it
                 check_quantizable(name, t["shape"], role)
-                size = sum(nbytes(d, s) for d, s in quantized_shapes(t["shape"], role, t["dtype"]).values())
-            row = rows.setdefault(role_name, {
-                "step": node.name, "role": role_name,
-                "bits": None if role.passthrough else role.bits,
-                "group_size": None if role.passthrough else role.group_size,
-                "tensors": 0, "params": 0, "bytes": 0,
-            })
+                size = sum(
+                    nbytes(d, s) for d, s in quantized_shapes(t["shape"], role, t["dtype"]).values()
+                )
+            row = rows.setdefault(
+                role_name,
+                {
+                    "step": node.name,
+                    "role": role_name,
+                    "bits": None if role.passthrough else role.bits,
+                    "group_size": None if role.passthrough else role.group_size,
+                    "tensors": 0,
+                    "params": 0,
+                    "bytes": 0,
+                },
+            )
             row["tensors"] += 1
             row["params"] += n
             row["bytes"] += size
@@ -165,24 +175,34 @@ def estimate(m) -> dict:
 def render(e: dict) -> str:
     """The estimate as a table for people."""
     lines = [
-        f"{e['variant']} from {e['source']} (config.json and safetensors headers; no tensor data read)",
+        f"{e['variant']} from {e['source']} "
+        "(config.json and safetensors headers; no tensor data read)",
         "",
-        f"{'step':12} {'role':18} {'bits':>4} {'group':>5} {'tensors':>7} {'params':>16} {'bytes':>16}",
+        f"{'step':12} {'role':18} {'bits':>4} {'group':>5} "
+        f"{'tensors':>7} {'params':>16} {'bytes':>16}",
     ]
     for r in e["roles"]:
         bits = "bf16" if r["bits"] is None else str(r["bits"])
         group = "" if r["group_size"] is None else str(r["group_size"])
-        lines.append(f"{r['step']:12} {r['role']:18} {bits:>4} {group:>5} {r['tensors']:>7} "
-                     f"{r['params']:>16,} {r['bytes']:>16,}")
+        lines.append(
+            f"{r['step']:12} {r['role']:18} {bits:>4} {group:>5} {r['tensors']:>7} "
+            f"{r['params']:>16,} {r['bytes']:>16,}"
+        )
     lines += ["", f"{'part':18} {'params':>16} {'bytes':>16} {'bits/weight':>11}"]
     for name, p in e["parts"].items():
-        lines.append(f"{name:18} {p['params']:>16,} {p['bytes']:>16,} {p['bits_per_weight']:>11.3f}")
+        lines.append(
+            f"{name:18} {p['params']:>16,} {p['bytes']:>16,} {p['bits_per_weight']:>11.3f}"
+        )
     lines += [
         "",
         f"bits per weight: {e['bits_per_weight']:.3f} with the vision tower (as mlx_vlm counts), "
         f"{e['bits_per_weight_text']:.3f} text only (as mlx_lm counts)",
         f"size: {e['bytes'] / 1e9:.2f} GB ({e['bytes']:,} bytes of tensors)"
-        + (f"; without the MTP head {e['bytes_without_head'] / 1e9:.2f} GB, the head "
-           f"{e['parts']['mtp']['bytes'] / 1e9:.2f} GB" if "mtp" in e["parts"] else ""),
+        + (
+            f"; without the MTP head {e['bytes_without_head'] / 1e9:.2f} GB, the head "
+            f"{e['parts']['mtp']['bytes'] / 1e9:.2f} GB"
+            if "mtp" in e["parts"]
+            else ""
+        ),
     ]
     return "\n".join(lines)

@@ -48,7 +48,8 @@ def start_writeback(fd: int) -> None:
 
 
 def syncfs(path: Path) -> None:
-    """Make everything written on ``path``'s file system durable (one call, not an fsync per file)."""
+    """Make everything written on ``path``'s file system durable (one call, not an fsync per
+    file)."""
     fn = getattr(libc(), "syncfs", None)
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -91,6 +91,8 @@ def render(g: nx.MultiDiGraph, fmt: str = "text") -> str:
     lines = []
     for n in nodes:
         node = g.nodes[n]["node"]
-        deps = ", ".join(f"{slot}={', '.join(map(str, refs))}" for slot, refs in node.inputs.items())
+        deps = ", ".join(
+            f"{slot}={', '.join(map(str, refs))}" for slot, refs in node.inputs.items()
+        )
         lines.append(f"{n} ({node.kind})" + (f" <- {deps}" if deps else ""))
     return "\n".join(lines)

@@ -113,7 +113,9 @@ def locate(file: Path, toml_path: list[str]) -> tuple[str, str]:
     for depth in range(len(toml_path), -1, -1):
         if depth:
             header = "[" + ".".join(toml_path[:depth]) + "]"
-            start = next((i for i, line in enumerate(lines) if line.replace(" ", "") == header), None)
+            start = next(
+                (i for i, line in enumerate(lines) if line.replace(" ", "") == header), None
+            )
             if start is None:
                 continue
         else:
@@ -130,12 +132,17 @@ def locate(file: Path, toml_path: list[str]) -> tuple[str, str]:
             break
     if found is None:  # a table only defined through sub-tables: [recipe] as [recipe.roles]
         prefix = "[" + ".".join(toml_path) + "."
-        found = next((i for i, line in enumerate(lines) if line.replace(" ", "").startswith(prefix)), None)
+        found = next(
+            (i for i, line in enumerate(lines) if line.replace(" ", "").startswith(prefix)), None
+        )
     if found is None:
         return str(file), ""
     text = lines[found]
     indent = len(text) - len(text.lstrip())
-    return f"{file}:{found + 1}", f"\n    {text}\n    {' ' * indent}{'^' * max(1, len(text.strip()))}"
+    return (
+        f"{file}:{found + 1}",
+        f"\n    {text}\n    {' ' * indent}{'^' * max(1, len(text.strip()))}",
+    )
 
 
 def _invalid(err: dict) -> str:
@@ -187,7 +194,10 @@ def _decl(file: Path, raw: dict) -> ManifestDecl:
         err = e.errors()[0]
         path = [str(x) for x in err["loc"]]
         if err["type"] == "extra_forbidden":
-            msg = f"unknown key{did_you_mean(path[-1], ManifestDecl.model_fields)}; allowed: {', '.join(ManifestDecl.model_fields)}"
+            msg = (
+                f"unknown key{did_you_mean(path[-1], ManifestDecl.model_fields)}; "
+                f"allowed: {', '.join(ManifestDecl.model_fields)}"
+            )
         else:
             msg = _invalid(err)
         raise error_at(file, path, msg) from None
@@ -198,7 +208,9 @@ def _load_chain(file: Path, seen: list[Path]) -> tuple[dict, dict[str, Path], li
     file = file.resolve()
     if file in seen:
         cycle = " -> ".join(p.stem for p in [*seen, file])
-        raise error_at(seen[-1], ["extends"], f"extends loop: {cycle}; a manifest cannot extend itself")
+        raise error_at(
+            seen[-1], ["extends"], f"extends loop: {cycle}; a manifest cannot extend itself"
+        )
     decl = _decl(file, _read_toml(file))
     raw = decl.model_dump()
     raw["description_from"] = file.stem
@@ -251,7 +263,9 @@ def parse_ref(s: str) -> Ref:
     return Ref(node, output or "out")
 
 
-def load(name_or_path: str, manifests_dir: str | Path = "manifests", source: str | None = None) -> Manifest:
+def load(
+    name_or_path: str, manifests_dir: str | Path = "manifests", source: str | None = None
+) -> Manifest:
     """Load, merge and validate a manifest; ``source`` overrides the manifest's source."""
     file = find_manifest(name_or_path, Path(manifests_dir))
     raw, origin, chain = _load_chain(file, [])
@@ -276,7 +290,10 @@ def load(name_or_path: str, manifests_dir: str | Path = "manifests", source: str
             err = e.errors()[0]
             loc = [*where, *(str(x) for x in err["loc"])]
             if err["type"] == "extra_forbidden":
-                msg = f"unknown key{did_you_mean(loc[-1], StepDecl.model_fields)}; a step has kind, inputs, params"
+                msg = (
+                    f"unknown key{did_you_mean(loc[-1], StepDecl.model_fields)}; "
+                    "a step has kind, inputs, params"
+                )
             elif err["type"] == "missing":
                 msg = "missing required key"
             else:
@@ -291,7 +308,9 @@ def load(name_or_path: str, manifests_dir: str | Path = "manifests", source: str
             )
         step = get_step(decl.kind)
         params = dict(decl.params)
-        if step.uses_recipe and isinstance(params.get("recipe", {}), dict):  # else validation says why
+        if step.uses_recipe and isinstance(
+            params.get("recipe", {}), dict
+        ):  # else validation says why
             params["recipe"] = deep_merge(raw["recipe"], params.get("recipe", {}))
         if "source" in step.Params.model_fields and params.get("source") is None:
             params["source"] = m.source
@@ -303,7 +322,10 @@ def load(name_or_path: str, manifests_dir: str | Path = "manifests", source: str
             if step.uses_recipe and loc[3:4] == ["recipe"] and not _defines(decl.params, loc[3:]):
                 f, loc = _recipe_file(chain, loc[3:]), loc[3:]  # the [recipe] table is to blame
             if err["type"] == "extra_forbidden":
-                msg = f"unknown param{did_you_mean(loc[-1], step.Params.model_fields)} for kind {decl.kind!r}; known: {', '.join(step.Params.model_fields)}"
+                msg = (
+                    f"unknown param{did_you_mean(loc[-1], step.Params.model_fields)} "
+                    f"for kind {decl.kind!r}; known: {', '.join(step.Params.model_fields)}"
+                )
             elif err["type"] == "missing":
                 msg = f"missing required param for kind {decl.kind!r}"
             else:
@@ -324,7 +346,9 @@ def load(name_or_path: str, manifests_dir: str | Path = "manifests", source: str
             inputs[slot] = [parse_ref(r) for r in refs]
         for slot, spec in step.inputs.items():
             if spec.required and not inputs.get(slot):
-                raise error_at(f, [*where, "inputs"], f"missing input {slot!r} for kind {decl.kind!r}")
+                raise error_at(
+                    f, [*where, "inputs"], f"missing input {slot!r} for kind {decl.kind!r}"
+                )
         m.nodes[name] = Node(name, decl.kind, step, p, inputs, str(f))
     for node in m.nodes.values():
         for slot, refs in node.inputs.items():

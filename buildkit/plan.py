@@ -71,7 +71,8 @@ def action_key(ingr: dict) -> str:
 
 
 def _diff(prefix: str, a, b, out: list) -> list:
-    """(path, old, new) for each difference; a table one side lacks is one entry, not one per field."""
+    """(path, old, new) for each difference; a table one side lacks is one entry, not one per
+    field."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
             if a.get(k, UNKNOWN) != b.get(k, UNKNOWN):
@@ -95,13 +96,20 @@ def why_changed(node: Node, old: dict | None, new: dict) -> list[str]:
         reasons.append(f"step version changed {old.get('version')}→{new['version']}")
     by_table: dict[str, list[str]] = {}  # a table of many entries (a plan's tensors) in one line
     for path, was, now in _diff("params", old.get("params", {}), new["params"], []):
-        change = (f"added {_fmt(now)}" if was is UNKNOWN else f"removed (was {_fmt(was)})" if now is UNKNOWN
-                  else f"changed {_fmt(was)}→{_fmt(now)}")
+        change = (
+            f"added {_fmt(now)}"
+            if was is UNKNOWN
+            else f"removed (was {_fmt(was)})"
+            if now is UNKNOWN
+            else f"changed {_fmt(was)}→{_fmt(now)}"
+        )
         table = next((m[:-1] for m in MANY if path.startswith(m)), None)
         if table is None:
             reasons.append(f"{path} {change}")
         else:
-            by_table.setdefault(table, []).append(f"{path.removeprefix(table + '.')} {_fmt(was)}→{_fmt(now)}")
+            by_table.setdefault(table, []).append(
+                f"{path.removeprefix(table + '.')} {_fmt(was)}→{_fmt(now)}"
+            )
     for table, changes in by_table.items():
         more = f", and {len(changes) - 3} more" if len(changes) > 3 else ""
         reasons.append(f"{table}: {len(changes)} changed ({', '.join(changes[:3])}{more})")
@@ -124,7 +132,10 @@ def why_changed(node: Node, old: dict | None, new: dict) -> list[str]:
         if o != n:
             reasons.append(f"library {lib} changed {o}→{n}")
     if old.get("fingerprint") != new["fingerprint"]:
-        reasons.append("source changed: " + node.step.describe_fingerprint_change(old.get("fingerprint"), new["fingerprint"]))
+        reasons.append(
+            "source changed: "
+            + node.step.describe_fingerprint_change(old.get("fingerprint"), new["fingerprint"])
+        )
     return reasons or [MISSING]
 
 
@@ -144,7 +155,9 @@ class Planner:
         return {"variant": self.m.name, "source": self.m.source, "out": str(out) if out else None}
 
     def context(self, name: str, progress: Progress | None = None, log_sink=None) -> Context:
-        return Context(self.store, name, self.m.name, self.options, progress or Progress(name), log_sink)
+        return Context(
+            self.store, name, self.m.name, self.options, progress or Progress(name), log_sink
+        )
 
     def previous(self) -> dict:
         """Last built ingredients per node: this request's, else this variant's, else its
@@ -155,7 +168,9 @@ class Planner:
         nodes.update((self.store.get_root(self.request()) or {}).get("nodes", {}))
         return nodes
 
-    def input_digests(self, node: Node, states: dict[str, NodeState]) -> dict[str, list[str]] | None:
+    def input_digests(
+        self, node: Node, states: dict[str, NodeState]
+    ) -> dict[str, list[str]] | None:
         out = {}
         for slot, refs in node.inputs.items():
             ds = []
@@ -176,7 +191,14 @@ class Planner:
             st = states[name] = NodeState(name, node.kind)
             digests = self.input_digests(node, states)
             if digests is None:
-                st.waits_for = list(dict.fromkeys(r.node for refs in node.inputs.values() for r in refs if not states[r.node].fresh))
+                st.waits_for = list(
+                    dict.fromkeys(
+                        r.node
+                        for refs in node.inputs.values()
+                        for r in refs
+                        if not states[r.node].fresh
+                    )
+                )
                 st.reasons = [f"input {', '.join(st.waits_for)} will be rebuilt first"]
                 continue
             ctx = self.context(name)
@@ -184,7 +206,9 @@ class Planner:
             st.key = action_key(st.ingredients)
             rec = self.lookup(st.key)
             if rec is None:
-                st.reasons = why_changed(node, prev.get(name, {}).get("ingredients"), st.ingredients)
+                st.reasons = why_changed(
+                    node, prev.get(name, {}).get("ingredients"), st.ingredients
+                )
                 continue
             st.outputs = rec["outputs"]
             outdated = node.step.outdated(node.params, self.artifacts(st.outputs), ctx)
@@ -203,9 +227,12 @@ class Planner:
         return rec
 
     def fetch_inputs(self, digests: dict[str, list[str]], name: str) -> None:
-        """Bring the objects of a node's input artifacts from the remote cache, if they came from it."""
+        """Bring the objects of a node's input artifacts from the remote cache, if they came
+        from it."""
         if self.options.remote is not None:
-            self.options.remote.materialize(self.store, [d for ds in digests.values() for d in ds], label=f"{name} inputs")
+            self.options.remote.materialize(
+                self.store, [d for ds in digests.values() for d in ds], label=f"{name} inputs"
+            )
 
     def check_request(self, targets: list[str] | None = None) -> None:
         """Every selected step's ``check_request``: a bad output path fails before any work."""
@@ -229,7 +256,9 @@ class Planner:
 
     def explain(self, name: str) -> dict:
         if name not in self.m.nodes:
-            raise UsageError(f"{self.m.name} has no step {name!r}{did_you_mean(name, self.m.nodes)}")
+            raise UsageError(
+                f"{self.m.name} has no step {name!r}{did_you_mean(name, self.m.nodes)}"
+            )
         states = {s.name: s for s in self.plan([name])}
         st = states[name]
         return {
@@ -239,7 +268,9 @@ class Planner:
             "fresh": st.fresh,
             "reasons": st.reasons,
             "ingredients": st.ingredients,
-            "inputs": {slot: [str(r) for r in refs] for slot, refs in self.m.nodes[name].inputs.items()},
+            "inputs": {
+                slot: [str(r) for r in refs] for slot, refs in self.m.nodes[name].inputs.items()
+            },
         }
 
     def watched(self, states: list[NodeState]) -> tuple[list[Path], list[Path]] | None:
@@ -254,5 +285,7 @@ class Planner:
                 return None
             inputs += files[0]
             outputs += files[1]
-        outputs += self.store.record_files([st.key for st in states], [d for st in states for d in st.outputs.values()])
+        outputs += self.store.record_files(
+            [st.key for st in states], [d for st in states for d in st.outputs.values()]
+        )
         return [p.absolute() for p in inputs], [p.absolute() for p in outputs]

@@ -56,7 +56,9 @@ def lock_data(sched, states) -> dict:
 
 def write_lock(sched, states) -> Path:
     path = lock_path(sched)
-    atomic_write(path, (json.dumps(lock_data(sched, states), indent=2, sort_keys=True) + "\n").encode())
+    atomic_write(
+        path, (json.dumps(lock_data(sched, states), indent=2, sort_keys=True) + "\n").encode()
+    )
     return path
 
 
@@ -67,9 +69,15 @@ def read_lock(path: str | Path, variant: str) -> dict:
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UsageError(f"{path}: cannot read lock file: {e}") from None
     nodes = lock.get("nodes") if isinstance(lock, dict) else None
-    if not (isinstance(nodes, dict) and all(isinstance(v, dict) for v in nodes.values())
-            and isinstance(lock.get("sources", {}), dict)):
-        raise UsageError(f"{path}: not a buildkit lock file (no nodes table); write one with `buildkit build VARIANT --release`")
+    if not (
+        isinstance(nodes, dict)
+        and all(isinstance(v, dict) for v in nodes.values())
+        and isinstance(lock.get("sources", {}), dict)
+    ):
+        raise UsageError(
+            f"{path}: not a buildkit lock file (no nodes table); "
+            "write one with `buildkit build VARIANT --release`"
+        )
     if lock.get("variant") != variant:
         raise UsageError(f"{path} is the lock of variant {lock.get('variant')!r}, not {variant!r}")
     return lock
@@ -78,7 +86,11 @@ def read_lock(path: str | Path, variant: str) -> dict:
 def _differ(a: dict, b: dict) -> str:
     """'name A (lock) vs B (here)' for each entry that differs between two version tables."""
     a, b = a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}
-    return ", ".join(f"{k} {a.get(k)} (lock) vs {b.get(k)} (here)" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+    return ", ".join(
+        f"{k} {a.get(k)} (lock) vs {b.get(k)} (here)"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    )
 
 
 def verify_against(manifest, against: str | Path, jobs: int = 2, remote=None) -> int:
@@ -92,15 +104,21 @@ def verify_against(manifest, against: str | Path, jobs: int = 2, remote=None) ->
     tools = _differ(lock.get("tools"), tool_versions())
     if tools:
         print(
-            f"buildkit: warning: tool versions differ from the lock's: {tools}. Cache keys include the "
-            "versions of libraries that change bytes, so the nodes that use them cannot reproduce "
+            f"buildkit: warning: tool versions differ from the lock's: {tools}. "
+            "Cache keys include the versions of libraries that change bytes, "
+            "so the nodes that use them cannot reproduce "
             f"the lock; install the release pins (pip install -c {PINS} -e .) and verify again",
             file=sys.stderr,
         )
     if lock.get("platform", machine()) != machine():
-        print(f"buildkit: note: the lock was made on {lock['platform']}, this is {machine()}", file=sys.stderr)
+        print(
+            f"buildkit: note: the lock was made on {lock['platform']}, this is {machine()}",
+            file=sys.stderr,
+        )
     with tempfile.TemporaryDirectory(prefix="buildkit-verify-") as tmp:
-        opts = BuildOptions(project_root=Path.cwd(), out_dir=Path(tmp) / "out", release=True, remote=remote)
+        opts = BuildOptions(
+            project_root=Path.cwd(), out_dir=Path(tmp) / "out", release=True, remote=remote
+        )
         sched = Scheduler(manifest, Store(Path(tmp) / "store"), opts)
         states = sched.build(jobs=jobs)
         got = lock_data(sched, states)
@@ -108,17 +126,29 @@ def verify_against(manifest, against: str | Path, jobs: int = 2, remote=None) ->
         want = lock["nodes"].get(name)
         have = got["nodes"][name]
         if want is None:
-            print(f"differs at node {name!r}: the lock has no such node (the manifest changed since)", file=sys.stderr)
+            print(
+                f"differs at node {name!r}: the lock has no such node (the manifest changed since)",
+                file=sys.stderr,
+            )
             return 1
         if any(want.get(f) != have[f] for f in ("kind", "key", "outputs")):
-            print(f"differs at node {name!r} ({have['kind']}), the first in build order:", file=sys.stderr)
+            print(
+                f"differs at node {name!r} ({have['kind']}), the first in build order:",
+                file=sys.stderr,
+            )
             for f in ("kind", "key", "outputs"):
                 if want.get(f) != have[f]:
-                    print(f"  {f}: lock {json.dumps(want.get(f))} vs rebuild {json.dumps(have[f])}", file=sys.stderr)
+                    print(
+                        f"  {f}: lock {json.dumps(want.get(f))} vs rebuild {json.dumps(have[f])}",
+                        file=sys.stderr,
+                    )
             libs = _differ(want.get("libraries"), have["libraries"])
             if libs:
-                print(f"  its key includes library versions that differ: {libs}; "
-                      f"install the release pins (pip install -c {PINS} -e .)", file=sys.stderr)
+                print(
+                    f"  its key includes library versions that differ: {libs}; "
+                    f"install the release pins (pip install -c {PINS} -e .)",
+                    file=sys.stderr,
+                )
             if have["kind"] == "fetch":
                 old = (lock.get("sources", {}).get(name) or {}).get("files") or {}
                 new = got["sources"][name]["files"] or {}
@@ -126,7 +156,10 @@ def verify_against(manifest, against: str | Path, jobs: int = 2, remote=None) ->
                 if files:
                     print(f"  source files differ: {', '.join(files)}", file=sys.stderr)
             elif tools and not libs:
-                print("  (an input of this node differs, or a tool version above changed its bytes)", file=sys.stderr)
+                print(
+                    "  (an input of this node differs, or a tool version above changed its bytes)",
+                    file=sys.stderr,
+                )
             return 1
     extra = sorted(set(lock["nodes"]) - set(got["nodes"]))
     if extra:
@@ -149,6 +182,10 @@ def push(sched, states, repo_id: str) -> None:
 
         api = HfApi()
         api.create_repo(repo_id, exist_ok=True)
-        info = api.upload_folder(repo_id=repo_id, folder_path=path, ignore_patterns=[".*"],
-                                 commit_message=f"buildkit {sched.m.name} {keys.short(st.key)}")
+        info = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=path,
+            ignore_patterns=[".*"],
+            commit_message=f"buildkit {sched.m.name} {keys.short(st.key)}",
+        )
         print(f"uploaded {path} to {info}")

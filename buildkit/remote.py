@@ -118,7 +118,9 @@ class Backend:
 
     def head(self, key: str) -> bool: ...
     def get(self, key: str) -> bytes: ...  # raises Absent
-    def download(self, key: str, sink, size: int | None = None) -> None: ...  # sink.write(chunk) in order; Absent
+    def download(
+        self, key: str, sink, size: int | None = None
+    ) -> None: ...  # sink.write(chunk) in order; Absent
     def put(self, key: str, data: bytes) -> None: ...
     def upload(self, key: str, path: Path) -> None: ...
     def list(self, prefix: str) -> Iterator[tuple[str, float]]: ...  # (key, mtime)
@@ -187,16 +189,26 @@ class S3Backend(Backend):
             from boto3.s3.transfer import TransferConfig
             from botocore.config import Config
         except ImportError:
-            raise UsageError(f"remote {url}: s3:// needs boto3; pip install 'buildkit[remote]'") from None
+            raise UsageError(
+                f"remote {url}: s3:// needs boto3; pip install 'buildkit[remote]'"
+            ) from None
 
         self.url, self.bucket, self.prefix, self.traffic = url, bucket, prefix.strip("/"), Traffic()
         # Short timeouts and few retries: a cache that does not answer is worth less than a rebuild.
-        cfg = Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 3, "mode": "standard"},
-                     max_pool_connections=THREADS * 2)
+        cfg = Config(
+            connect_timeout=5,
+            read_timeout=60,
+            retries={"max_attempts": 3, "mode": "standard"},
+            max_pool_connections=THREADS * 2,
+        )
         self.client = boto3.session.Session().client("s3", config=cfg)
-        self.transfer = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=16 << 20,
-                                       max_concurrency=4, io_chunksize=1 << 20,
-                                       num_download_attempts=2)
+        self.transfer = TransferConfig(
+            multipart_threshold=64 << 20,
+            multipart_chunksize=16 << 20,
+            max_concurrency=4,
+            io_chunksize=1 << 20,
+            num_download_attempts=2,
+        )
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -240,7 +252,9 @@ class S3Backend(Backend):
                 for chunk in body.iter_chunks(1 << 20):
                     counted.write(chunk)
             else:  # a sink without seek/tell is non-seekable: parts come together, written in order
-                self.client.download_fileobj(self.bucket, self._k(key), counted, Config=self.transfer)
+                self.client.download_fileobj(
+                    self.bucket, self._k(key), counted, Config=self.transfer
+                )
         except ClientError as e:
             if self._absent(e):
                 raise Absent(key) from None
@@ -256,10 +270,15 @@ class S3Backend(Backend):
         self.traffic.add(puts=1, bytes_up=path.stat().st_size)
 
     def list(self, prefix: str) -> Iterator[tuple[str, float]]:
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._k(prefix) + "/")
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self._k(prefix) + "/"
+        )
         for page in pages:
             for o in page.get("Contents", []):
-                yield o["Key"][len(self.prefix) + 1 if self.prefix else 0 :], o["LastModified"].timestamp()
+                yield (
+                    o["Key"][len(self.prefix) + 1 if self.prefix else 0 :],
+                    o["LastModified"].timestamp(),
+                )
 
     def delete(self, keys_: list[str]) -> None:
         for i in range(0, len(keys_), 1000):
@@ -306,7 +325,9 @@ def _need_cryptography() -> None:
     try:
         import cryptography  # noqa: F401
     except ImportError:
-        raise UsageError("signed records need cryptography; pip install 'buildkit[remote]'") from None
+        raise UsageError(
+            "signed records need cryptography; pip install 'buildkit[remote]'"
+        ) from None
 
 
 def _load_private(path: str):
@@ -324,7 +345,9 @@ def _load_private(path: str):
             return k
     with contextlib.suppress(ValueError):
         return Ed25519PrivateKey.from_private_bytes(base64.b64decode(data.strip(), validate=True))
-    raise UsageError(f"BUILDKIT_SIGNING_KEY: {path} is not an ed25519 private key (PEM, or 32 bytes base64)")
+    raise UsageError(
+        f"BUILDKIT_SIGNING_KEY: {path} is not an ed25519 private key (PEM, or 32 bytes base64)"
+    )
 
 
 def public_key_text(key) -> str:
@@ -346,7 +369,9 @@ def _load_trusted(spec: str) -> dict[str, object]:
         try:
             k = Ed25519PublicKey.from_public_bytes(base64.b64decode(t, validate=True))
         except ValueError:
-            raise UsageError(f"BUILDKIT_TRUSTED_KEYS: {where}: not an ed25519 public key (base64 of 32 bytes)") from None
+            raise UsageError(
+                f"BUILDKIT_TRUSTED_KEYS: {where}: not an ed25519 public key (base64 of 32 bytes)"
+            ) from None
         out[public_key_text(k)] = k
 
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -385,7 +410,13 @@ class _Sink:
 class Remote:
     """A remote cache: lookups that fill the local store, and uploads from it."""
 
-    def __init__(self, be: Backend, signing_key=None, trusted: dict | None = None, log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        be: Backend,
+        signing_key=None,
+        trusted: dict | None = None,
+        log: Callable[[str], None] | None = None,
+    ):
         self.be, self.url = be, be.url
         self.signing_key, self.trusted = signing_key, trusted
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -400,14 +431,19 @@ class Remote:
         """A remote from a URL, with the signing key and trusted keys of the environment."""
         key = os.environ.get("BUILDKIT_SIGNING_KEY")
         trusted = os.environ.get("BUILDKIT_TRUSTED_KEYS")
-        return cls(backend(url), _load_private(key) if key else None, _load_trusted(trusted) if trusted else None,
-                   (lambda msg: None) if quiet else None)
+        return cls(
+            backend(url),
+            _load_private(key) if key else None,
+            _load_trusted(trusted) if trusted else None,
+            (lambda msg: None) if quiet else None,
+        )
 
     def _warn(self, msg: str) -> None:
         print(f"buildkit: warning: {msg}", file=sys.stderr, flush=True)
 
     def _fail(self, e: Exception) -> None:
-        """The remote stopped answering: off for the rest of this process, the build goes on locally."""
+        """The remote stopped answering: off for the rest of this process, the build goes on
+        locally."""
         with self._lock:
             first, self.off = self.off is None, f"{type(e).__name__}: {e}"
         if first:
@@ -422,11 +458,17 @@ class Remote:
         return SIG_TAG + keys.canonical_json(body)
 
     def _envelope(self, body: dict) -> bytes:
-        env = {"body": body, "sha256": hashlib.sha256(keys.canonical_json(body)).hexdigest(), "signature": None}
+        env = {
+            "body": body,
+            "sha256": hashlib.sha256(keys.canonical_json(body)).hexdigest(),
+            "signature": None,
+        }
         if self.signing_key is not None:
             sig = self.signing_key.sign(self._signable(body))
-            env["signature"] = {"key": public_key_text(self.signing_key.public_key()),
-                                "ed25519": base64.b64encode(sig).decode()}
+            env["signature"] = {
+                "key": public_key_text(self.signing_key.public_key()),
+                "ed25519": base64.b64encode(sig).decode(),
+            }
         return keys.canonical_json(env)
 
     def _check_envelope(self, key: str, data: bytes) -> tuple[dict | None, str]:
@@ -439,11 +481,21 @@ class Remote:
             return None, "not a record (truncated or corrupt)"
         if not ok:
             return None, "content does not match its sha256 (corrupt)"
-        if not (isinstance(body, dict) and isinstance(body.get("listings"), dict) and isinstance(body.get("objects"), dict)):
+        if not (
+            isinstance(body, dict)
+            and isinstance(body.get("listings"), dict)
+            and isinstance(body.get("objects"), dict)
+        ):
             return None, "not a record (malformed)"
         rec = body.get("record")
-        if body.get("format") != FORMAT or body.get("key") != key or not isinstance(rec, dict) or rec.get("key") != key \
-                or not isinstance(rec.get("outputs"), dict) or not all(map(keys.is_digest, rec["outputs"].values())):
+        if (
+            body.get("format") != FORMAT
+            or body.get("key") != key
+            or not isinstance(rec, dict)
+            or rec.get("key") != key
+            or not isinstance(rec.get("outputs"), dict)
+            or not all(map(keys.is_digest, rec["outputs"].values()))
+        ):
             return None, "not the record of this key"
         if self.trusted is not None:
             sig = env.get("signature") if isinstance(env.get("signature"), dict) else {}
@@ -508,7 +560,9 @@ class Remote:
             try:
                 data = self.be.get(_fan("artifacts", digest))
             except Absent:
-                raise _Refused(f"its listing {self._where(_fan('artifacts', digest))} is missing") from None
+                raise _Refused(
+                    f"its listing {self._where(_fan('artifacts', digest))} is missing"
+                ) from None
             try:
                 art = Artifact.from_listing(json.loads(data))
                 ok = hashlib.sha256(data).hexdigest() == want and art.digest == digest
@@ -540,7 +594,9 @@ class Remote:
             for d in art.files.values():
                 if not store.has_object(d):
                     todo[d] = None
-        todo = {d: s for d, s in todo.items() if d in self.sha}  # unknown here: the store's miss as usual
+        todo = {
+            d: s for d, s in todo.items() if d in self.sha
+        }  # unknown here: the store's miss as usual
         if not todo:
             return
         t0, before = time.monotonic(), self.be.traffic.bytes_down
@@ -555,8 +611,10 @@ class Remote:
         store.sync_objects()
         got = self.be.traffic.bytes_down - before
         dt = max(time.monotonic() - t0, 1e-6)
-        self.log(f"[remote] {label or 'download'}: {len(todo)} objects, {got / 1e6:.1f} MB in {dt:.2f}s "
-                 f"({got / 1e6 / dt:.1f} MB/s) from {self.url}")
+        self.log(
+            f"[remote] {label or 'download'}: {len(todo)} objects, {got / 1e6:.1f} MB in {dt:.2f}s "
+            f"({got / 1e6 / dt:.1f} MB/s) from {self.url}"
+        )
 
     def _get_object(self, store: Store, digest: str, shape) -> None:
         with self._lock:
@@ -572,7 +630,10 @@ class Remote:
             raise StoreMiss(f"remote {self.url} failed")
         where = _fan("objects", digest)
         xxh = keys.tensor_hasher(*shape) if shape else keys.blob_hasher()
-        tmp = store.layout.tmp / f".remote.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}.tmp"
+        tmp = (
+            store.layout.tmp
+            / f".remote.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}.tmp"
+        )
         try:
             with DirectFile(tmp, direct=False, sync=False) as f:
                 sink = _Sink(f, xxh)
@@ -580,14 +641,23 @@ class Remote:
                     self.be.download(where, sink, nbytes(*shape) if shape else None)
                 except Absent:
                     sink = None
-            why = ("missing" if sink is None
-                   else "truncated" if shape and sink.size != nbytes(*shape)
-                   else "content does not match its digest" if keys.finish(xxh) != digest
-                   else "content does not match its sha256" if sink.sha.hexdigest() != self.sha[digest]
-                   else None)
+            why = (
+                "missing"
+                if sink is None
+                else "truncated"
+                if shape and sink.size != nbytes(*shape)
+                else "content does not match its digest"
+                if keys.finish(xxh) != digest
+                else "content does not match its sha256"
+                if sink.sha.hexdigest() != self.sha[digest]
+                else None
+            )
             if why:
                 self.refused.add(digest)
-                self._warn(f"remote object {self._where(where)} refused: {why}; the node that made it is rebuilt")
+                self._warn(
+                    f"remote object {self._where(where)} refused: {why}; "
+                    "the node that made it is rebuilt"
+                )
                 raise StoreMiss(f"remote object {keys.short(digest)} was {why}")
             dest = store.object_path(digest)
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -603,7 +673,9 @@ class Remote:
         """Upload nodes (name, key, outputs) the remote lacks: objects, listings, record last."""
         sent = {"nodes": 0, "objects": 0, "listings": 0, "bytes": 0, "skipped": 0}
         if self.off is not None:
-            raise RemoteError(f"remote {self.url} failed earlier in this run ({self.off}); nothing uploaded")
+            raise RemoteError(
+                f"remote {self.url} failed earlier in this run ({self.off}); nothing uploaded"
+            )
         for name, key, outputs in nodes:
             t0, up0, puts0 = time.monotonic(), self.be.traffic.bytes_up, self.be.traffic.puts
             try:
@@ -611,7 +683,9 @@ class Remote:
             except (OSError, BuildkitError):
                 raise
             except Exception as e:
-                raise RemoteError(f"upload to {self.url} failed at node {name}: {type(e).__name__}: {e}") from e
+                raise RemoteError(
+                    f"upload to {self.url} failed at node {name}: {type(e).__name__}: {e}"
+                ) from e
             if n is None:
                 sent["skipped"] += 1
                 continue
@@ -621,20 +695,29 @@ class Remote:
             up = self.be.traffic.bytes_up - up0
             sent["bytes"] += up
             dt = max(time.monotonic() - t0, 1e-6)
-            self.log(f"[upload] {name}: {n[0]} objects, {n[1]} listings, {self.be.traffic.puts - puts0} puts, "
-                     f"{up / 1e6:.1f} MB in {dt:.2f}s ({up / 1e6 / dt:.1f} MB/s) to {self.url}")
+            self.log(
+                f"[upload] {name}: {n[0]} objects, {n[1]} listings, "
+                f"{self.be.traffic.puts - puts0} puts, "
+                f"{up / 1e6:.1f} MB in {dt:.2f}s ({up / 1e6 / dt:.1f} MB/s) to {self.url}"
+            )
         return sent
 
     def _push_node(self, store: Store, key: str, outputs: dict[str, str]) -> tuple[int, int] | None:
         arts = {d: store.get_artifact(d) for d in outputs.values()}
         objs: dict[str, tuple | None] = {}
         for art in arts.values():
-            objs.update((t["digest"], (t["dtype"], t["shape"])) for t in art.tensors.values() if "digest" in t)
+            objs.update(
+                (t["digest"], (t["dtype"], t["shape"]))
+                for t in art.tensors.values()
+                if "digest" in t
+            )
             objs.update((d, None) for d in art.files.values())
         repair = self.refused.intersection([key, *arts, *objs])  # found corrupt here: send again
         if not repair and self.be.head(_fan("actions", key)):
             return None
-        with ThreadPoolExecutor(max(1, min(THREADS, len(objs))), thread_name_prefix="remote-put") as ex:
+        with ThreadPoolExecutor(
+            max(1, min(THREADS, len(objs))), thread_name_prefix="remote-put"
+        ) as ex:
             results = list(ex.map(lambda kv: self._put_object(store, *kv), objs.items()))
         shas = {d: s for d, s, _ in results}
         listings = {}
@@ -647,14 +730,17 @@ class Remote:
                 sent_listings += 1
         rec = store.get_action(key)
         if rec is None:
-            raise StoreMiss(f"the record of {keys.short(key)} is not complete in the local store; build first")
+            raise StoreMiss(
+                f"the record of {keys.short(key)} is not complete in the local store; build first"
+            )
         body = {"format": FORMAT, "key": key, "record": rec, "listings": listings, "objects": shas}
         self.be.put(_fan("actions", key), self._envelope(body))
         self.refused.discard(key)
         return sum(sent for _, _, sent in results), sent_listings
 
     def _put_object(self, store: Store, digest: str, shape) -> tuple[str, str, bool]:
-        """Re-hash a local object (never send a corrupt one), then send it unless the remote has it."""
+        """Re-hash a local object (never send a corrupt one), then send it unless the remote
+        has it."""
         path = store.object_path(digest)
         xxh = keys.tensor_hasher(*shape) if shape else keys.blob_hasher()
         sha = hashlib.sha256()
@@ -664,10 +750,15 @@ class Remote:
                     xxh.update(chunk)
                     sha.update(chunk)
         except FileNotFoundError:
-            raise StoreMiss(f"store object {keys.short(digest)} is missing locally; build again before uploading") from None
+            raise StoreMiss(
+                f"store object {keys.short(digest)} is missing locally; "
+                "build again before uploading"
+            ) from None
         if keys.finish(xxh) != digest:
             store._quarantine(path, "content does not match its digest")
-            raise StoreMiss(f"store object {keys.short(digest)} was corrupt and has been removed; build again")
+            raise StoreMiss(
+                f"store object {keys.short(digest)} was corrupt and has been removed; build again"
+            )
         where = _fan("objects", digest)
         if digest not in self.refused and self.be.head(where):
             return digest, sha.hexdigest(), False
@@ -696,7 +787,11 @@ class Remote:
         if not dry_run:
             self.be.delete(doomed)  # records first: none may name what goes next
         for kind in ("artifacts", "objects"):
-            gone = [k for k, mtime in self.be.list(kind) if _digest_of(k) not in named and now - mtime > GC_GRACE]
+            gone = [
+                k
+                for k, mtime in self.be.list(kind)
+                if _digest_of(k) not in named and now - mtime > GC_GRACE
+            ]
             removed[kind] = len(gone)
             if not dry_run:
                 self.be.delete(gone)
@@ -741,10 +836,13 @@ def pull_variant(sched, remote: Remote) -> list:
         try:
             remote.materialize(sched.store, s.outputs.values(), label=s.name)
         except StoreMiss as e:
-            raise RemoteError(f"pull from {remote.url} failed at node {s.name}: {remote.off or e}") from e
+            raise RemoteError(
+                f"pull from {remote.url} failed at node {s.name}: {remote.off or e}"
+            ) from e
     for s in states:
         if sched.store.get_action(s.key) is None:
-            raise RemoteError(f"pull from {remote.url}: node {s.name} is not complete (see the warnings above)")
+            raise RemoteError(
+                f"pull from {remote.url}: node {s.name} is not complete (see the warnings above)"
+            )
     sched._record({s.name: s for s in states})
     return states
-

@@ -49,8 +49,16 @@ class Reporter:
             return
         with self.lock:
             if p.node not in self.tasks:
-                self.tasks[p.node] = self.rich.add_task(p.node, total=p.total or None, mb=0.0, unit=p.unit)
-            self.rich.update(self.tasks[p.node], completed=p.done, total=p.total or None, mb=p.bytes / 1e6, unit=p.unit)
+                self.tasks[p.node] = self.rich.add_task(
+                    p.node, total=p.total or None, mb=0.0, unit=p.unit
+                )
+            self.rich.update(
+                self.tasks[p.node],
+                completed=p.done,
+                total=p.total or None,
+                mb=p.bytes / 1e6,
+                unit=p.unit,
+            )
 
     def finish_node(self, name: str) -> None:
         if self.rich and name in self.tasks:
@@ -60,5 +68,3 @@ class Reporter:
     def close(self) -> None:
         if self.rich:
             self.rich.stop()
-
-

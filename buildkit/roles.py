@@ -30,16 +30,24 @@ class Role(BaseModel):
     @model_validator(mode="after")
     def _check(self):
         if not self.passthrough and self.bits is None:
-            raise ValueError("a role needs `bits` (and optionally group_size) or `passthrough = true`")
+            raise ValueError(
+                "a role needs `bits` (and optionally group_size) or `passthrough = true`"
+            )
         if self.passthrough and (self.bits is not None or self.calibrated):
             raise ValueError("a passthrough role takes no bits and is not calibrated")
         for b in (self.bits, *(self.budget_bits or ())):
             if b is not None and b not in BITS:
                 raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8 (mlx affine), got {b}")
         if self.budget_bits is not None:
-            if self.passthrough or len(self.budget_bits) < 2 or list(self.budget_bits) != sorted(set(self.budget_bits)):
-                raise ValueError("budget_bits must list two or more distinct bits in increasing order, "
-                                 "on a quantized role (for example [3, 4, 6, 8])")
+            if (
+                self.passthrough
+                or len(self.budget_bits) < 2
+                or list(self.budget_bits) != sorted(set(self.budget_bits))
+            ):
+                raise ValueError(
+                    "budget_bits must list two or more distinct bits in increasing order, "
+                    "on a quantized role (for example [3, 4, 6, 8])"
+                )
         return self
 
     def key_dump(self) -> dict:
@@ -48,7 +56,11 @@ class Role(BaseModel):
         return self.model_dump(mode="json", exclude=None if self.budget_bits else {"budget_bits"})
 
     def quant(self) -> dict | None:
-        return None if self.passthrough else {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+        return (
+            None
+            if self.passthrough
+            else {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+        )
 
 
 class Recipe(BaseModel):

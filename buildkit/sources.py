@@ -47,7 +47,10 @@ class SourceIndex:
         return self.digest_files([path], rehash)[0]
 
     def digest_files(
-        self, paths: Iterable[str | Path], rehash: bool = False, on_hash: Callable[[int], None] | None = None
+        self,
+        paths: Iterable[str | Path],
+        rehash: bool = False,
+        on_hash: Callable[[int], None] | None = None,
     ) -> list[str]:
         """``digest_file`` of each path; files not remembered are hashed ``HASH_READERS`` at a
         time. ``on_hash(bytes)`` is called once with their total size before the first is read."""

@@ -117,17 +117,26 @@ class Store:
         self._put_object(digest, [data])
         return {"dtype": dtype, "shape": list(arr.shape), "digest": digest}
 
-    def put_tensor_chunks(self, dtype: str, shape: list[int] | tuple[int, ...], chunks: Iterable[np.ndarray]) -> dict:
+    def put_tensor_chunks(
+        self, dtype: str, shape: list[int] | tuple[int, ...], chunks: Iterable[np.ndarray]
+    ) -> dict:
         """Store a tensor given as consecutive blocks (numpy arrays of its storage dtype) without
         holding it whole: hashed as it is written, named by its digest once all of it is."""
         h = keys.tensor_hasher(dtype, shape)
         tmp, size = write_temp(
             (memoryview(np.ascontiguousarray(c, dtype=DTYPES[dtype])).cast("B") for c in chunks),
-            self.layout.tmp, "tensor", sync=False, on_chunk=h.update, direct=True,
+            self.layout.tmp,
+            "tensor",
+            sync=False,
+            on_chunk=h.update,
+            direct=True,
         )
         try:
             if size != nbytes(dtype, shape):
-                raise StoreError(f"tensor blocks add up to {size} bytes, expected {nbytes(dtype, shape)} for {dtype}{list(shape)}")
+                raise StoreError(
+                    f"tensor blocks add up to {size} bytes, "
+                    f"expected {nbytes(dtype, shape)} for {dtype}{list(shape)}"
+                )
             digest = keys.finish(h)
             path = self.object_path(digest)
             if path.exists():
@@ -143,7 +152,9 @@ class Store:
             raise
         return {"dtype": dtype, "shape": list(shape), "digest": digest}
 
-    def put_row_blocks(self, rows: int, blocks: Iterable[dict[str, tuple[np.ndarray, str]]], stream: str) -> dict[str, dict]:
+    def put_row_blocks(
+        self, rows: int, blocks: Iterable[dict[str, tuple[np.ndarray, str]]], stream: str
+    ) -> dict[str, dict]:
         """Tensors made together block by block along their first axis (``rows`` rows in all),
         each block a dict name -> (array, dtype): tensor ``stream`` is written as its blocks
         come, the others (small: a quantized weight's scales and biases) are joined at the end."""
@@ -188,7 +199,9 @@ class Store:
     def _corrupt(self, digest: str) -> StoreMiss:
         """Quarantine an object whose bytes do not match its digest; the miss to raise."""
         self._quarantine(self.object_path(digest), "content does not match its digest")
-        return StoreMiss(f"store object {keys.short(digest)} was corrupt and has been removed; rebuild")
+        return StoreMiss(
+            f"store object {keys.short(digest)} was corrupt and has been removed; rebuild"
+        )
 
     def read_tensor(self, entry: dict, verify: bool = True) -> np.ndarray:
         """Read a tensor entry (store object or source view) as a storage-dtype array."""
@@ -223,7 +236,12 @@ class Store:
             sliced = list(info.shape) if info is not None else []
             if slc is not None and sliced:
                 sliced[slc[0]] = slc[2] - slc[1]
-            if info is None or info.dtype != dtype or tuple(sliced) != shape or (slc is not None and slc[0] == 0):
+            if (
+                info is None
+                or info.dtype != dtype
+                or tuple(sliced) != shape
+                or (slc is not None and slc[0] == 0)
+            ):
                 # Not rows of its source as they lie (a reshaped view, say; or gone, which
                 # read_tensor reports): read whole, still handed out in blocks.
                 whole = self.read_tensor(entry)
@@ -233,7 +251,12 @@ class Store:
             stride = info.nbytes // info.shape[0]
             for a in range(0, n, step):
                 b = min(n, a + step)
-                part = replace(info, shape=(b - a, *info.shape[1:]), start=info.start + a * stride, end=info.start + b * stride)
+                part = replace(
+                    info,
+                    shape=(b - a, *info.shape[1:]),
+                    start=info.start + a * stride,
+                    end=info.start + b * stride,
+                )
                 arr = read_slice(part, path, *slc) if slc is not None else read_tensor(part, path)
                 self.stats.add(read=arr.nbytes)
                 yield arr
@@ -288,7 +311,8 @@ class Store:
         return done
 
     def header(self, file_digest: str) -> tuple[Path, Header]:
-        """Path and parsed header of a source file, by content digest (headers cached per process)."""
+        """Path and parsed header of a source file, by content digest (headers cached per
+        process)."""
         path = self.sources.resolve(file_digest)
         h = self._headers.get(file_digest)
         if h is None:
@@ -305,7 +329,10 @@ class Store:
         else:
             arr = read_tensor(info, path)
         if arr.dtype != DTYPES[dtype] or arr.size != int(np.prod(shape, dtype=np.int64)):
-            raise SourceError(f"{path}: tensor {view['tensor']!r} no longer matches its recorded {dtype}{list(shape)}")
+            raise SourceError(
+                f"{path}: tensor {view['tensor']!r} no longer matches its recorded "
+                f"{dtype}{list(shape)}"
+            )
         self.stats.add(read=arr.nbytes)
         return arr.reshape(shape)
 
@@ -378,7 +405,9 @@ class Store:
             return None
         except ValueError:
             rec = None
-        if not (isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("outputs"), dict)):
+        if not (
+            isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("outputs"), dict)
+        ):
             self._quarantine(path, "action record is corrupt")
             return None
         outputs = rec["outputs"]
@@ -405,7 +434,9 @@ class Store:
         """Builds hold the store shared; gc holds it exclusively and never waits for a build."""
         with open(self.layout.locks / "store.lock", "a+") as f:
             try:
-                fcntl.flock(f.fileno(), (fcntl.LOCK_EX | fcntl.LOCK_NB) if exclusive else fcntl.LOCK_SH)
+                fcntl.flock(
+                    f.fileno(), (fcntl.LOCK_EX | fcntl.LOCK_NB) if exclusive else fcntl.LOCK_SH
+                )
             except BlockingIOError:
                 raise StoreError(
                     f"a build is using the store {self.root}; run gc again when it has finished"
@@ -414,7 +445,6 @@ class Store:
                 yield
             finally:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
 
     # ---- memos ---------------------------------------------------------------------
 
@@ -456,7 +486,11 @@ class Store:
         """Keep what one build request (variant, source, out) built until the user forgets it:
         ``nodes`` maps node name -> {"key", "ingredients"}."""
         rec = {"request": request, "nodes": nodes, "built_ns": time.time_ns()}
-        atomic_write(self.layout.roots / f"{self.root_id(request)}.json", keys.canonical_json(rec), self.layout.tmp)
+        atomic_write(
+            self.layout.roots / f"{self.root_id(request)}.json",
+            keys.canonical_json(rec),
+            self.layout.tmp,
+        )
 
     def get_root(self, request: dict) -> dict | None:
         with contextlib.suppress(FileNotFoundError, ValueError):
@@ -473,7 +507,13 @@ class Store:
                     out.append({**rec, "path": str(p)})
         return sorted(out, key=lambda r: (r.get("built_ns", 0), r["path"]))
 
-    def forget(self, variant: str, out: str | None = None, keep_last: int | None = None, dry_run: bool = False) -> list[dict]:
+    def forget(
+        self,
+        variant: str,
+        out: str | None = None,
+        keep_last: int | None = None,
+        dry_run: bool = False,
+    ) -> list[dict]:
         """Drop build roots: a variant's (only those that published to ``out``, if given; the
         default output is recorded as None and matched by ``out/VARIANT``), or, with
         ``keep_last``, all but the newest ``keep_last`` of each variant (``variant`` "*": every
@@ -504,7 +544,9 @@ class Store:
         Refuses (StoreError) while a build holds the store, whose new objects no root names yet.
         """
         with self.in_use(exclusive=True):
-            dropped = [] if keep_last is None else self.forget("*", keep_last=keep_last, dry_run=dry_run)
+            dropped = (
+                [] if keep_last is None else self.forget("*", keep_last=keep_last, dry_run=dry_run)
+            )
             gone = {r["path"] for r in dropped}
             removed = self._gc(dry_run, [r for r in self.roots() if r["path"] not in gone])
             removed["roots"] = dropped
@@ -528,7 +570,9 @@ class Store:
             removed["actions"] += 1
             removed["bytes"] += p.stat().st_size
             group = removed["nodes"].setdefault(rec.get("variant", "?"), {})
-            group.setdefault(rec.get("node", "?"), []).append(keys.short(keys.PREFIX + p.parent.name + p.name))
+            group.setdefault(rec.get("node", "?"), []).append(
+                keys.short(keys.PREFIX + p.parent.name + p.name)
+            )
             if not dry_run:
                 p.unlink()
         live_objs: set[str] = set()
@@ -581,7 +625,8 @@ class Store:
             if not ok and d in tensor_shapes:
                 ok = keys.tensor_digest(*tensor_shapes[d], data) == d
             elif not ok and d not in blobs:
-                continue  # a tensor no listing names (its build was interrupted): unread, gc frees it
+                # a tensor no listing names (its build was interrupted): unread, gc frees it
+                continue
             if not ok:
                 self._quarantine(p, "content does not match its digest")
                 bad.append(f"object {keys.short(d)}: content does not match its digest")

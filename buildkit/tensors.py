@@ -24,8 +24,19 @@ np = lazy("numpy", __name__)
 
 # safetensors dtype -> numpy storage dtype (bf16 is stored as uint16 bit patterns)
 _DTYPE_CODES = {
-    "BF16": "<u2", "F16": "<f2", "F32": "<f4", "F64": "<f8", "U8": "u1", "I8": "i1", "U16": "<u2",
-    "I16": "<i2", "U32": "<u4", "I32": "<i4", "U64": "<u8", "I64": "<i8", "BOOL": "?",
+    "BF16": "<u2",
+    "F16": "<f2",
+    "F32": "<f4",
+    "F64": "<f8",
+    "U8": "u1",
+    "I8": "i1",
+    "U16": "<u2",
+    "I16": "<i2",
+    "U32": "<u4",
+    "I32": "<i4",
+    "U64": "<u8",
+    "I64": "<i8",
+    "BOOL": "?",
 }
 ITEMSIZE = {name: int(code[-1]) if code[-1].isdigit() else 1 for name, code in _DTYPE_CODES.items()}
 
@@ -101,7 +112,9 @@ def read_header(path: str | Path) -> Header:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SourceError(f"{path}: header is not valid JSON ({e})") from e
     except RecursionError:
-        raise SourceError(f"{path}: header is not a safetensors header (JSON nested too deeply)") from None
+        raise SourceError(
+            f"{path}: header is not a safetensors header (JSON nested too deeply)"
+        ) from None
     if not isinstance(head, dict):
         raise SourceError(f"{path}: header is not a JSON object")
     metadata = head.pop("__metadata__", None) or {}
@@ -117,7 +130,9 @@ def read_header(path: str | Path) -> Header:
         dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise SourceError(f"{where}: unsupported dtype {dtype!r}")
-        if not (isinstance(shape, list) and all(type(d) is int and 0 <= d < MAX_DIM for d in shape)):
+        if not (
+            isinstance(shape, list) and all(type(d) is int and 0 <= d < MAX_DIM for d in shape)
+        ):
             raise SourceError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
         if not (
             isinstance(offs, list)
@@ -132,7 +147,8 @@ def read_header(path: str | Path) -> Header:
         want = nbytes(dtype, shape)
         if offs[1] - offs[0] != want:
             raise SourceError(
-                f"{where}: {dtype}{shape} needs {want} bytes but data_offsets span {offs[1] - offs[0]}"
+                f"{where}: {dtype}{shape} needs {want} bytes "
+                f"but data_offsets span {offs[1] - offs[0]}"
             )
         tensors[name] = TensorInfo(name, dtype, tuple(shape), base + offs[0], base + offs[1])
     spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.end > t.start)
@@ -142,7 +158,9 @@ def read_header(path: str | Path) -> Header:
     return Header(path, tensors, {str(k): str(v) for k, v in metadata.items()})
 
 
-def read_tensor(info: TensorInfo, path: str | Path | None = None, fd: int | None = None) -> np.ndarray:
+def read_tensor(
+    info: TensorInfo, path: str | Path | None = None, fd: int | None = None
+) -> np.ndarray:
     """Read one tensor as a numpy array of its storage dtype."""
     out = np.empty(info.shape, DTYPES[info.dtype])
     _pread_into(byte_view(out), info.start, path, fd)
@@ -153,7 +171,9 @@ def read_slice(info: TensorInfo, path: str | Path, axis: int, start: int, stop: 
     """Read ``tensor[..., start:stop, ...]`` along ``axis`` without reading the rest."""
     shape = list(info.shape)
     if not (0 <= axis < len(shape) and 0 <= start <= stop <= shape[axis]):
-        raise SourceError(f"{path}: tensor {info.name!r} {shape} has no slice {axis}:{start}:{stop}")
+        raise SourceError(
+            f"{path}: tensor {info.name!r} {shape} has no slice {axis}:{start}:{stop}"
+        )
     inner = ITEMSIZE[info.dtype]
     for d in shape[axis + 1 :]:
         inner *= d
@@ -167,7 +187,9 @@ def read_slice(info: TensorInfo, path: str | Path, axis: int, start: int, stop: 
     fd = os.open(path, os.O_RDONLY)
     try:
         for o in range(outer):
-            _pread_into(view[o * run : (o + 1) * run], info.start + o * row + start * inner, path, fd)
+            _pread_into(
+                view[o * run : (o + 1) * run], info.start + o * row + start * inner, path, fd
+            )
     finally:
         os.close(fd)
     return out
@@ -195,7 +217,9 @@ def _pread_into(view: memoryview, offset: int, path=None, fd=None) -> None:
             os.close(fd)
 
 
-def header_bytes(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
+def header_bytes(
+    entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]
+) -> bytes:
     """Serialize a safetensors header for tensors written in the given order."""
     head: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     off = 0
@@ -299,7 +323,9 @@ def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     return out.view(np.uint8).reshape(*lead, n)
 
 
-def dequantize(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int) -> np.ndarray:
+def dequantize(
+    packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int
+) -> np.ndarray:
     """Affine dequantization in float32 numpy: ``scale * code + bias`` per group.
 
     An implementation independent of mlx's kernels (and faster than ``mx.dequantize`` on

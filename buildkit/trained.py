@@ -21,7 +21,9 @@ DATA = Path(__file__).parent / "data" / "trained"
 SPEC = FixtureSpec(vocab=2048)  # the generator's default shape with a larger vocabulary
 
 
-def write_trained(out: str | Path, data: Path = DATA, progress: Callable[[str], None] | None = None) -> Path:
+def write_trained(
+    out: str | Path, data: Path = DATA, progress: Callable[[str], None] | None = None
+) -> Path:
     """Write the trained checkpoint in full Hugging Face layout to ``out`` and return its path.
 
     Deterministic: the same data gives byte-identical files. Raises ``FileExistsError`` if
@@ -43,5 +45,7 @@ def write_trained(out: str | Path, data: Path = DATA, progress: Callable[[str], 
 
 def data_digest(data: Path = DATA) -> str:
     """Short digest of the shipped files: a changed ``data`` is written anew, never reused."""
-    files = {p.name: keys.blob_digest(p.read_bytes()) for p in sorted(data.iterdir()) if p.is_file()}
+    files = {
+        p.name: keys.blob_digest(p.read_bytes()) for p in sorted(data.iterdir()) if p.is_file()
+    }
     return keys.short(keys.digest_json("trained", files), 16)

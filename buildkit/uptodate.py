@@ -48,12 +48,19 @@ def ident(path: str | Path) -> list[int] | None:
 def environment_files() -> list[Path]:
     """buildkit's own modules and the directories packages are installed in."""
     pkg = Path(__file__).resolve().parent
-    libs = {Path(p) for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)}
+    libs = {
+        Path(p)
+        for p in sys.path
+        if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)
+    }
     return sorted(pkg.rglob("*.py")) + sorted(libs)
 
 
 def record_path(store_root: Path, request: dict) -> Path:
-    return Layout(store_root).uptodate / f"{keys.short(keys.digest_json('uptodate', [FORMAT, request]), 32)}.json"
+    return (
+        Layout(store_root).uptodate
+        / f"{keys.short(keys.digest_json('uptodate', [FORMAT, request]), 32)}.json"
+    )
 
 
 def check(store_root: Path, request: dict) -> dict | None:
@@ -71,7 +78,14 @@ def check(store_root: Path, request: dict) -> dict | None:
     return rec
 
 
-def record(store_root: Path, request: dict, inputs: list[Path], outputs: list[Path], report: dict, started_ns: int) -> bool:
+def record(
+    store_root: Path,
+    request: dict,
+    inputs: list[Path],
+    outputs: list[Path],
+    report: dict,
+    started_ns: int,
+) -> bool:
     """Remember a success of ``request``; False (and the old record removed) if an input is
     missing or too recent to vouch for its content."""
     from .fsio import RACY_TICK_NS, atomic_write
@@ -84,5 +98,10 @@ def record(store_root: Path, request: dict, inputs: list[Path], outputs: list[Pa
         path.unlink(missing_ok=True)
         return False
     rec = {"request": request, "files": files, **report}
-    atomic_write(path, json.dumps(rec, separators=(",", ":")).encode(), Layout(store_root).tmp, sync_dir=False)
+    atomic_write(
+        path,
+        json.dumps(rec, separators=(",", ":")).encode(),
+        Layout(store_root).tmp,
+        sync_dir=False,
+    )
     return True

@@ -40,7 +40,9 @@ class Pool:
         """Run ``fn(*args)`` on one of (at least) ``workers`` threads of this pool."""
         with self.lock:
             while len(self.threads) < workers:
-                t = threading.Thread(target=self._worker, name=f"{self.name}-{len(self.threads)}", daemon=True)
+                t = threading.Thread(
+                    target=self._worker, name=f"{self.name}-{len(self.threads)}", daemon=True
+                )
                 self.threads.append(t)
                 t.start()
         fut: Future = Future()

@@ -36,7 +36,9 @@ def source(tmp_path_factory) -> Path:
 
 def written(project: Project) -> list[str]:
     """What a failed build left behind that it should not have: outputs, temp files, bad objects."""
-    left = [str(p) for p in project.root.rglob("*") if ".tmp" in p.name or p.name.endswith(".partial")]
+    left = [
+        str(p) for p in project.root.rglob("*") if ".tmp" in p.name or p.name.endswith(".partial")
+    ]
     if project.out.exists() and any(project.out.iterdir()):
         left.append(f"{project.out} is not empty: {sorted(x.name for x in project.out.iterdir())}")
     if project.store.exists():
@@ -46,7 +48,9 @@ def written(project: Project) -> list[str]:
 
 
 def outside_store(project: Project) -> list[Path]:
-    return sorted(p for p in project.root.rglob("*") if p != project.store and project.store not in p.parents)
+    return sorted(
+        p for p in project.root.rglob("*") if p != project.store and project.store not in p.parents
+    )
 
 
 def fail(project: Project, capsys, *argv: str) -> tuple[int, str]:
@@ -59,8 +63,14 @@ def fail(project: Project, capsys, *argv: str) -> tuple[int, str]:
 
 MANIFESTS = {  # the messages of every manifest error are pinned in test_manifest.py
     "malformed_toml": ('extends = "xl"\n[steps.quantize\n', "invalid TOML"),
-    "bad_bits": ('extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 7 }\n', "bits must be one of"),
-    "recipe_not_a_table": ('extends = "xl"\n[steps.quantize]\nparams.recipe = "oops"\n', "steps.quantize.params.recipe"),
+    "bad_bits": (
+        'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 7 }\n',
+        "bits must be one of",
+    ),
+    "recipe_not_a_table": (
+        'extends = "xl"\n[steps.quantize]\nparams.recipe = "oops"\n',
+        "steps.quantize.params.recipe",
+    ),
     "cycle": (
         'extends = "xl"\n[steps.quantize]\ninputs = { model = "requant" }\n'
         '[steps.requant]\nkind = "requantize"\ninputs = { model = "quantize" }\n',
@@ -80,15 +90,29 @@ def test_bad_manifest_exits_2_and_writes_nothing(project, capsys, case):
 
 
 def test_rule_matching_nothing_fails_naming_the_pattern(project, capsys, source):
-    project.write_manifest("typo", 'extends = "xl"\n[recipe.rules]\n"*.self_attn.typo_proj" = "attention"\n')
-    code, err = fail(project, capsys, "build", "typo", "--source", str(source), "--out", str(project.out / "typo"))
+    project.write_manifest(
+        "typo", 'extends = "xl"\n[recipe.rules]\n"*.self_attn.typo_proj" = "attention"\n'
+    )
+    code, err = fail(
+        project,
+        capsys,
+        "build",
+        "typo",
+        "--source",
+        str(source),
+        "--out",
+        str(project.out / "typo"),
+    )
     assert code == 1 and "'*.self_attn.typo_proj' match no tensor" in err
     assert written(project) == []
 
 
 def test_failing_quantize_exits_1_from_a_real_process(project):
-    """A tensor failing mid-quantize stops the other workers first (mlx aborts on exit otherwise)."""
-    project.write_manifest("g128", 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 6, group_size = 128 }\n')
+    """A tensor failing mid-quantize stops the other workers first (mlx aborts on exit
+    otherwise)."""
+    project.write_manifest(
+        "g128", 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 6, group_size = 128 }\n'
+    )
     r = project.run("build", "g128", "--out", str(project.out / "g128"), check=False)
     assert r.returncode == 1, r.stderr
     assert "last dimension 64 is not a multiple of group_size 128" in r.stderr
@@ -115,7 +139,8 @@ def write_shard(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
 
 
 def edit_tensors(src: Path, fn) -> None:
-    """Rewrite every shard through ``fn(name, dtype, array) -> [(name, dtype, array), ...]``, index too."""
+    """Rewrite every shard through ``fn(name, dtype, array) -> [(name, dtype, array), ...]``,
+    index too."""
     wmap = {}
     for shard, tensors in shards(src).items():
         new = {}
@@ -158,8 +183,14 @@ def raw_header(src: Path, head: dict, data: bytes = b"") -> None:
 MUTATIONS = {
     "no_such_directory": (lambda s: shutil.rmtree(s), "no such directory"),
     "no_config": (lambda s: (s / "config.json").unlink(), "config.json is missing"),
-    "config_not_json": (lambda s: (s / "config.json").write_text("{nope"), "config.json is not valid JSON"),
-    "no_shards": (lambda s: [p.unlink() for p in s.glob("*.safetensors")], "no *.safetensors files"),
+    "config_not_json": (
+        lambda s: (s / "config.json").write_text("{nope"),
+        "config.json is not valid JSON",
+    ),
+    "no_shards": (
+        lambda s: [p.unlink() for p in s.glob("*.safetensors")],
+        "no *.safetensors files",
+    ),
     "missing_tensor": (
         lambda s: edit_tensors(s, lambda n, d, a: [] if n == GATE else [(n, d, a)]),
         f"source is missing 1 tensor(s): {GATE}",
@@ -169,31 +200,52 @@ MUTATIONS = {
         f"tensor {GATE!r} has shape [4, 128] but config.json implies [8, 128]",
     ),
     "config_disagrees": (
-        lambda s: edit_json(s / "config.json", lambda c: c["text_config"].update(moe_intermediate_size=32)),
+        lambda s: edit_json(
+            s / "config.json", lambda c: c["text_config"].update(moe_intermediate_size=32)
+        ),
         "but config.json implies",
     ),
     "wrong_dtype": (
-        lambda s: edit_tensors(s, lambda n, d, a: [(n, "I16", a.view(np.int16)) if n == GATE else (n, d, a)]),
+        lambda s: edit_tensors(
+            s, lambda n, d, a: [(n, "I16", a.view(np.int16)) if n == GATE else (n, d, a)]
+        ),
         "has dtype I16",
     ),
     "extra_tensor": (
-        lambda s: edit_tensors(s, lambda n, d, a: [(n, d, a)] + ([("model.language_model.extra.weight", d, a)] if n == GATE else [])),
+        lambda s: edit_tensors(
+            s,
+            lambda n, d, a: (
+                [(n, d, a)] + ([("model.language_model.extra.weight", d, a)] if n == GATE else [])
+            ),
+        ),
         "'model.language_model.extra.weight' is not part of the qwen3_5_moe layout",
     ),
     "tensor_named_to_escape": (
-        lambda s: edit_tensors(s, lambda n, d, a: [(n, d, a)] + ([("../../escape", d, a)] if n == GATE else [])),
+        lambda s: edit_tensors(
+            s, lambda n, d, a: [(n, d, a)] + ([("../../escape", d, a)] if n == GATE else [])
+        ),
         "'../../escape' is not part of the qwen3_5_moe layout",
     ),
     "tensor_named_absolute": (
-        lambda s: edit_tensors(s, lambda n, d, a: [(n, d, a)] + ([("/tmp/escape", d, a)] if n == GATE else [])),
+        lambda s: edit_tensors(
+            s, lambda n, d, a: [(n, d, a)] + ([("/tmp/escape", d, a)] if n == GATE else [])
+        ),
         "'/tmp/escape' is not part of the qwen3_5_moe layout",
     ),
     "duplicate_across_shards": (
-        lambda s: write_shard(s / "model-00002-of-00002.safetensors", {**shards(s)["model-00002-of-00002.safetensors"], GATE: ("BF16", np.zeros((8, 128), np.uint16))}),
+        lambda s: write_shard(
+            s / "model-00002-of-00002.safetensors",
+            {
+                **shards(s)["model-00002-of-00002.safetensors"],
+                GATE: ("BF16", np.zeros((8, 128), np.uint16)),
+            },
+        ),
         f"tensor {GATE!r} appears in both",
     ),
     "index_points_outside": (
-        lambda s: edit_json(s / INDEX, lambda d: d["weight_map"].update({GATE: "../../evil.safetensors"})),
+        lambda s: edit_json(
+            s / INDEX, lambda d: d["weight_map"].update({GATE: "../../evil.safetensors"})
+        ),
         "weight_map puts",
     ),
     "truncated_shard": (
@@ -213,12 +265,20 @@ MUTATIONS = {
         "header claims 4611686018427387904 bytes",
     ),
     "absurd_tensor_size": (
-        lambda s: raw_header(s, {GATE: {"dtype": "BF16", "shape": [1 << 31, 1 << 31], "data_offsets": [0, 1 << 63]}}),
+        lambda s: raw_header(
+            s, {GATE: {"dtype": "BF16", "shape": [1 << 31, 1 << 31], "data_offsets": [0, 1 << 63]}}
+        ),
         "fall outside the 0 data bytes",
     ),
     "overlapping_tensors": (
-        lambda s: raw_header(s, {"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
-                                 "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, b"\0" * 8),
+        lambda s: raw_header(
+            s,
+            {
+                "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]},
+            },
+            b"\0" * 8,
+        ),
         "overlap",
     ),
 }
@@ -231,18 +291,26 @@ def test_bad_source_is_refused_and_nothing_is_half_written(project, capsys, sour
     shutil.copytree(source, src)
     mutate(src)
     before = outside_store(project)
-    code, err = fail(project, capsys, "build", "xl", "--source", str(src), "--out", str(project.out / "xl"))
-    assert code == (2 if case == "no_such_directory" else 1), err  # no directory: the user's input is wrong
+    code, err = fail(
+        project, capsys, "build", "xl", "--source", str(src), "--out", str(project.out / "xl")
+    )
+    assert code == (2 if case == "no_such_directory" else 1), (
+        err
+    )  # no directory: the user's input is wrong
     assert message in err and "Traceback" not in err and "internal error" not in err
     assert written(project) == []
-    assert outside_store(project) == before  # nothing written outside the store, in the source or beside it
+    assert (
+        outside_store(project) == before
+    )  # nothing written outside the store, in the source or beside it
 
 
 def test_nan_and_inf_fail_verify_naming_each_tensor(project, capsys, source):
     src = project.root / "src"
     shutil.copytree(source, src)
     edit_tensors(src, set_nan_inf)
-    code, err = fail(project, capsys, "build", "xl", "--source", str(src), "--out", str(project.out / "xl"))
+    code, err = fail(
+        project, capsys, "build", "xl", "--source", str(src), "--out", str(project.out / "xl")
+    )
     assert code == 1 and "step 'verify' (verify) failed" in err
     assert "step 'publish'" not in err and "[run]    publish" not in err  # publish never starts
     assert "language_model.model.layers.0.mlp.gate.weight" in err
@@ -250,7 +318,8 @@ def test_nan_and_inf_fail_verify_naming_each_tensor(project, capsys, source):
     report = json.loads(next((project.store / "reports").iterdir()).read_text())
     assert report["checks"]["finite"]["figure"] == {"non_finite": 4}
     assert sorted(report["checks"]["finite"]["detail"])[2:] == [
-        f"language_model.model.layers.2.mlp.switch_mlp.{p}_proj.weight" for p in ("gate", "up")]
+        f"language_model.model.layers.2.mlp.switch_mlp.{p}_proj.weight" for p in ("gate", "up")
+    ]
     assert written(project) == []
 
 
@@ -264,10 +333,15 @@ def test_fetch_refuses_a_source_that_changed_after_its_key_was_made(tmp_path, so
     step, params = Fetch(), FetchParams(source=str(src))
     ctx.fingerprint = step.fingerprint(params, ctx)
     art = step.run(ctx, params, {})["out"]
-    assert {**art.external, **{k: keys.blob_digest(store.get_blob(d)) for k, d in art.files.items()}} == ctx.fingerprint
+    assert {
+        **art.external,
+        **{k: keys.blob_digest(store.get_blob(d)) for k, d in art.files.items()},
+    } == ctx.fingerprint
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "edited": True}))
-    with pytest.raises(SourceError, match=r"changed after this build hashed them \(config\.json\); run again"):
+    with pytest.raises(
+        SourceError, match=r"changed after this build hashed them \(config\.json\); run again"
+    ):
         step.run(ctx, params, {})
 
 
@@ -293,8 +367,14 @@ def test_escaping_tensor_names_stay_header_keys(project, capsys, source):
 
 
 def test_donor_head_with_other_head_dim_is_refused(project, capsys, source):
-    project.write_manifest("donor", 'extends = "oq4e-mtp-xl"\n[steps.donor_fetch]\nparams.source = "fixture:seed=1,head_dim=64"\n')
-    code, err = fail(project, capsys, "build", "donor", "--source", str(source), "--target", "graft")
+    project.write_manifest(
+        "donor",
+        'extends = "oq4e-mtp-xl"\n[steps.donor_fetch]\n'
+        'params.source = "fixture:seed=1,head_dim=64"\n',
+    )
+    code, err = fail(
+        project, capsys, "build", "donor", "--source", str(source), "--target", "graft"
+    )
     assert code == 1 and "head_dim: trunk 32 vs head 64" in err and "1 field(s) differ" in err
     assert written(project) == []
 
@@ -303,7 +383,11 @@ def test_donor_head_disagreeing_with_its_own_config_is_refused(project, capsys, 
     donor = project.root / "donor"
     shutil.copytree(source, donor)
     edit_tensors(donor, lambda n, d, a: [(n, d, a[:, :128] if n == "mtp.fc.weight" else a)])
-    project.write_manifest("donor", f'extends = "oq4e-mtp-xl"\n[steps.donor_fetch]\nparams.source = "{donor}"\n')
-    code, err = fail(project, capsys, "build", "donor", "--source", str(source), "--target", "graft")
+    project.write_manifest(
+        "donor", f'extends = "oq4e-mtp-xl"\n[steps.donor_fetch]\nparams.source = "{donor}"\n'
+    )
+    code, err = fail(
+        project, capsys, "build", "donor", "--source", str(source), "--target", "graft"
+    )
     assert code == 1 and "step 'donor_sanitize'" in err
     assert "'mtp.fc.weight' has shape [128, 128] but config.json implies [128, 256]" in err

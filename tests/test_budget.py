@@ -39,7 +39,9 @@ def measured(tmp_path_factory):
     _, sens = artifact(project, VARIANT, "sensitivity")
     params = manifest.load(VARIANT, project.manifests).nodes["quantize"].params
     roles = assign_roles(sorted(model.tensors), params)
-    return project, budget.reachable(model.tensors, roles, params.recipe.roles, sens.meta["tensors"])
+    return project, budget.reachable(
+        model.tensors, roles, params.recipe.roles, sens.meta["tensors"]
+    )
 
 
 def budgeted(project: Project, name: str, target: float) -> str:
@@ -76,7 +78,9 @@ def test_budgeted_model_publishes_with_its_plan_in_the_card(measured):
     assert {"calibrate", "sensitivity"} <= set(cached(proc)) and "quantize" in ran(proc)
     out = project.out / name
     card = (out / "README.md").read_text()
-    assert "## Bits-per-weight budget" in card and "| sensitivity at 3 |" in card.replace(" | sensitivity at 4", "")
+    assert "## Bits-per-weight budget" in card and "| sensitivity at 3 |" in card.replace(
+        " | sensitivity at 4", ""
+    )
     config = json.loads((out / "config.json").read_text())
     _, quant = artifact(project, name, "quantize")
     for tensor, bits in quant.meta["budget"]["bits"].items():
@@ -94,7 +98,10 @@ def _plan_inputs():
     roles = {**{f"t{i}.weight": "e" for i in range(3)}, "k.weight": "k"}
     recipe_roles = {"e": role, "k": Role(bits=8)}
     # t0 matters most, t2 least
-    sens = {f"t{i}.weight": {"3": 100.0 / (i + 1), "4": 20.0 / (i + 1), "8": 1.0 / (i + 1)} for i in range(3)}
+    sens = {
+        f"t{i}.weight": {"3": 100.0 / (i + 1), "4": 20.0 / (i + 1), "8": 1.0 / (i + 1)}
+        for i in range(3)
+    }
     return tensors, roles, recipe_roles, sens
 
 
@@ -103,7 +110,11 @@ def test_plan_spends_bits_where_sensitivity_drops_most():
     lo, hi = budget.reachable(tensors, roles, recipe_roles, sens)
     assert (lo, hi) == pytest.approx(((3 * 3.5 + 8.5) / 4, (3 * 8.5 + 8.5) / 4))
     bits, summary = budget.plan(tensors, roles, recipe_roles, (3 * 3.5 + 1 + 8.5) / 4, sens)
-    assert bits == {"t0.weight": 4, "t1.weight": 3, "t2.weight": 3}  # one bit to spend: the most sensitive
+    assert bits == {
+        "t0.weight": 4,
+        "t1.weight": 3,
+        "t2.weight": 3,
+    }  # one bit to spend: the most sensitive
     assert summary["bits_per_weight"] <= (3 * 3.5 + 1 + 8.5) / 4
     bits, _ = budget.plan(tensors, roles, recipe_roles, hi, sens)
     assert set(bits.values()) == {8}
@@ -118,7 +129,13 @@ def test_plan_refuses_an_unreachable_budget_and_says_the_floor():
 
 
 def test_roles_without_budget_bits_keep_their_keys():
-    assert Role(bits=6).key_dump() == {"passthrough": False, "bits": 6, "group_size": 64, "mode": "affine", "calibrated": False}
+    assert Role(bits=6).key_dump() == {
+        "passthrough": False,
+        "bits": 6,
+        "group_size": 64,
+        "mode": "affine",
+        "calibrated": False,
+    }
     assert Role(bits=4, budget_bits=(3, 4)).key_dump()["budget_bits"] == [3, 4]
     with pytest.raises(ValueError, match="increasing order"):
         Role(bits=4, budget_bits=(4, 3))
@@ -136,12 +153,21 @@ def test_a_budgeted_plan_enters_quantize_key_per_tensor(measured):
     store, model = artifact(project, VARIANT, "sanitize", "model")
     _, sens = artifact(project, VARIANT, "sensitivity")
     node = manifest.load(VARIANT, project.manifests).nodes["quantize"]
-    params = node.params.model_copy(update={"recipe": node.params.recipe.model_copy(update={"target_bpw": hi})})
+    params = node.params.model_copy(
+        update={"recipe": node.params.recipe.model_copy(update={"target_bpw": hi})}
+    )
     kp = node.step.key_params(params, {"model": [model], "sensitivity": [sens]})
     plan = kp["plan"]
-    assert plan["budget"]["target_bpw"] == hi and plan["budget"]["sensitivity"] == sens.meta["tensors"]
+    assert (
+        plan["budget"]["target_bpw"] == hi and plan["budget"]["sensitivity"] == sens.meta["tensors"]
+    )
     experts = {t: r for t, r in plan["tensors"].items() if ".switch_mlp." in t}
-    assert len(experts) == 12 and set(experts.values()) == {"routed_expert@8"}  # the whole budget: 8 bits
-    assert plan["roles"]["routed_expert@8"]["bits"] == 8 and "budget_bits" not in plan["roles"]["routed_expert@8"]
+    assert len(experts) == 12 and set(experts.values()) == {
+        "routed_expert@8"
+    }  # the whole budget: 8 bits
+    assert (
+        plan["roles"]["routed_expert@8"]["bits"] == 8
+        and "budget_bits" not in plan["roles"]["routed_expert@8"]
+    )
     with pytest.raises(StepError, match="needs measured sensitivities: add inputs.sensitivity"):
         node.step.key_params(params, {"model": [model]})

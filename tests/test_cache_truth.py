@@ -48,23 +48,33 @@ def test_rule_order_is_in_the_key(project, seed):
     project.build("order-a")
     b = project.build("order-b")
     assert "quantize" in ran(b)
-    assert bits(project.out / "order-a", LAYER0_GATE) == 6 and bits(project.out / "order-b", LAYER0_GATE) == 8
+    assert (
+        bits(project.out / "order-a", LAYER0_GATE) == 6
+        and bits(project.out / "order-b", LAYER0_GATE) == 8
+    )
     fresh = project.__class__(project.root / "empty")  # an empty store makes the same bytes
     fresh.write_manifest("order-b", with_rules_first(XL, [GATES, SPECIFIC]))
     fresh.build("order-b")
     assert (fresh.out / "order-b" / "model.safetensors.index.json").read_bytes() == (
-        project.out / "order-b" / "model.safetensors.index.json").read_bytes()
+        project.out / "order-b" / "model.safetensors.index.json"
+    ).read_bytes()
     shards = sorted((project.out / "order-b").glob("*.safetensors"))
-    assert [p.read_bytes() for p in shards] == [(fresh.out / "order-b" / p.name).read_bytes() for p in shards]
+    assert [p.read_bytes() for p in shards] == [
+        (fresh.out / "order-b" / p.name).read_bytes() for p in shards
+    ]
 
 
 def test_a_child_rule_overrides_its_parent(project, seed):
     """Defect 2: a child's rules are tried before its parent's; explain lists them in that order."""
     project.adopt(seed)
-    project.write_manifest("xl-l0", 'extends = "xl"\n[recipe.rules]\n"*.layers.0.mlp.switch_mlp.*" = "attention"\n')
+    project.write_manifest(
+        "xl-l0", 'extends = "xl"\n[recipe.rules]\n"*.layers.0.mlp.switch_mlp.*" = "attention"\n'
+    )
     project.build("xl-l0")
     assert bits(project.out / "xl-l0", LAYER0_GATE) == 8
-    assert bits(project.out / "xl-l0", "language_model.model.layers.1.mlp.switch_mlp.gate_proj") == 6
+    assert (
+        bits(project.out / "xl-l0", "language_model.model.layers.1.mlp.switch_mlp.gate_proj") == 6
+    )
     text = project.run("explain", "xl-l0", "quantize").stdout
     rules = re.findall(r"^\s*\d+\. '([^']+)'", text, re.M)
     assert rules[0] == "*.layers.0.mlp.switch_mlp.*" and rules[1:] == list(dict(XL_RULES))
@@ -90,7 +100,9 @@ def test_gc_keeps_every_build_request_until_forgotten(project, seed, tmp_path, c
     assert "xl:\n" in dry and "  quantize: 1 action(s)" in dry and "  fetch: 1 action(s)" in dry
     assert project.cli("gc") == 0
     capsys.readouterr()
-    plan = project.run("plan", "xl", "--source", str(other), "--out", str(project.out / "xl-other")).stdout
+    plan = project.run(
+        "plan", "xl", "--source", str(other), "--out", str(project.out / "xl-other")
+    ).stdout
     assert "stale quantize (quantize)" in plan and "output missing from the store" in plan
     assert "input" not in plan.split("stale fetch")[1].splitlines()[0]
     assert project.run("plan", "xl").stdout.count("fresh") == 5
@@ -100,7 +112,12 @@ def test_gc_keeps_every_build_request_until_forgotten(project, seed, tmp_path, c
     assert "would forget build xl" in capsys.readouterr().out
     assert project.cli("gc", "--keep-last", "1") == 0
     capsys.readouterr()
-    assert project.run("plan", "xl", "--source", str(other), "--out", str(project.out / "xl-other")).stdout.count("fresh") == 5
+    assert (
+        project.run(
+            "plan", "xl", "--source", str(other), "--out", str(project.out / "xl-other")
+        ).stdout.count("fresh")
+        == 5
+    )
 
 
 def test_plan_takes_builds_flags_and_predicts_it(project, seed, tmp_path):
@@ -128,14 +145,18 @@ def test_bad_output_paths_fail_before_any_step(project, tmp_path):
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     r = project.run("build", "xl", "--out", str(foreign), check=False)
-    assert r.returncode == 2 and "was not written by buildkit" in r.stderr and "[run]" not in r.stderr
+    assert (
+        r.returncode == 2 and "was not written by buildkit" in r.stderr and "[run]" not in r.stderr
+    )
     assert not list((project.store / "actions").glob("*/*"))  # nothing ran
     assert project.run("plan", "xl", "--out", str(foreign), check=False).returncode == 2
 
 
 # ---- the systematic defence: manifests and their mutations -------------------------------
 
-ROLE_BITS = {"router": 8, "attention": 8, "shared_expert": 8, "embedding": 8, "routed_expert": 6}
+XL_ROLES = __import__("tomllib").loads(XL)["recipe"]["roles"]
+ROLE_BITS = {r: v["bits"] for r, v in XL_ROLES.items() if "bits" in v}  # the quantized roles
+PASSTHROUGH = [r for r, v in XL_ROLES.items() if v.get("passthrough")]
 
 
 def effective(text: str, names: list[str]) -> dict[str, tuple]:
@@ -151,7 +172,9 @@ def effective(text: str, names: list[str]) -> dict[str, tuple]:
         doc = tomllib.loads((REPO / "manifests" / f"{doc['extends']}.toml").read_text())
     rules, roles = [], {}
     for d in chain:  # child first
-        rules += [(p, r) for p, r in d.get("recipe", {}).get("rules", {}).items() if p not in dict(rules)]
+        rules += [
+            (p, r) for p, r in d.get("recipe", {}).get("rules", {}).items() if p not in dict(rules)
+        ]
     for d in reversed(chain):
         for k, v in d.get("recipe", {}).get("roles", {}).items():
             roles[k] = {**roles.get(k, {}), **v}
@@ -160,7 +183,11 @@ def effective(text: str, names: list[str]) -> dict[str, tuple]:
         module = n.removesuffix(".weight")
         role = next(r for p, r in rules if fnmatchcase(n, p) or fnmatchcase(module, p))
         spec = roles[role]
-        out[n] = ("passthrough",) if spec.get("passthrough") else (spec["bits"], spec.get("group_size", 64))
+        out[n] = (
+            ("passthrough",)
+            if spec.get("passthrough")
+            else (spec["bits"], spec.get("group_size", 64))
+        )
     return out
 
 
@@ -177,40 +204,73 @@ def planned(seed, tmp_path_factory):
             for f in ("xl.toml", "xl-mtp.toml"):
                 (root / f).write_text((REPO / "manifests" / f).read_text())
             m = manifest.load(str(root / "m.toml"), root)
-            st = {s.name: s for s in Planner(m, store, BuildOptions(project_root=seed.root)).plan(["quantize"])}
+            st = {
+                s.name: s
+                for s in Planner(m, store, BuildOptions(project_root=seed.root)).plan(["quantize"])
+            }
             cache[text] = st["quantize"].key
         return cache[text]
 
-    names = sorted(Store(seed.store).get_artifact(store.get_ref("xl")["nodes"]["sanitize"]["outputs"]["model"]).tensors)
+    names = sorted(
+        Store(seed.store)
+        .get_artifact(store.get_ref("xl")["nodes"]["sanitize"]["outputs"]["model"])
+        .tensors
+    )
     return key, names
 
 
 XL_RULES = list(__import__("tomllib").loads(XL)["recipe"]["rules"].items())
-EXTRA = [("*.layers.0.mlp.switch_mlp.*", "attention"), ("*.layers.1.*_proj", "embedding"),
-         ("*.mlp.switch_mlp.down_proj", "router"), ("*.self_attn.q_proj", "routed_expert")]
+EXTRA = [
+    ("*.layers.0.mlp.switch_mlp.*", "attention"),
+    ("*.layers.1.*_proj", "embedding"),
+    ("*.mlp.switch_mlp.down_proj", "router"),
+    ("*.self_attn.q_proj", "routed_expert"),
+]
 
 
 def render(rules, bits: dict[str, int], description: str, comment: str, child: list | None) -> str:
-    lines = [f"# {comment}", f'description = "{description}"', 'source = "fixture:seed=0"', "", "[recipe.roles]"]
+    lines = [
+        f"# {comment}",
+        f'description = "{description}"',
+        'source = "fixture:seed=0"',
+        "",
+        "[recipe.roles]",
+    ]
     lines += [f"{r} = {{ bits = {b}, group_size = 64 }}" for r, b in bits.items()]
-    lines += ["keep = { passthrough = true }", "", "[recipe.rules]"]
+    lines += [f"{r} = {{ passthrough = true }}" for r in PASSTHROUGH]
+    lines += ["", "[recipe.rules]"]
     lines += [f'"{p}" = "{r}"' for p, r in rules]
-    lines.append(XL[XL.index("[steps.fetch]"):])
+    lines.append(XL[XL.index("[steps.fetch]") :])
     text = "\n".join(lines)
     if child:  # the same as a child manifest overriding a parent written out above
-        return text + "\n" if not child else text.replace("[recipe.rules]\n", "[recipe.rules]\n" + "".join(f'"{p}" = "{r}"\n' for p, r in child), 1)
+        return (
+            text + "\n"
+            if not child
+            else text.replace(
+                "[recipe.rules]\n",
+                "[recipe.rules]\n" + "".join(f'"{p}" = "{r}"\n' for p, r in child),
+                1,
+            )
+        )
     return text
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     swap=st.integers(-1, len(XL_RULES) - 2),
-    bits=st.one_of(st.just(ROLE_BITS), st.fixed_dictionaries({r: st.sampled_from([4, 6, 8]) for r in ROLE_BITS})),
+    bits=st.one_of(
+        st.just(ROLE_BITS),
+        st.fixed_dictionaries({r: st.sampled_from([4, 6, 8]) for r in ROLE_BITS}),
+    ),
     child=st.lists(st.sampled_from(EXTRA), max_size=2, unique=True),
     description=st.sampled_from(["a", "b"]),
     comment=st.sampled_from(["x", "y"]),
 )
-def test_keys_change_exactly_when_what_a_tensor_becomes_changes(planned, swap, bits, child, description, comment):
+def test_keys_change_exactly_when_what_a_tensor_becomes_changes(
+    planned, swap, bits, child, description, comment
+):
     """Reorder rules, change a role's bits, add an override tried first, edit the description or
     a comment: quantize's key changes if and only if some tensor would become something else."""
     key, names = planned
@@ -243,5 +303,11 @@ def test_the_mutations_reached_both_outcomes():
 def test_cosmetic_edits_change_no_key(planned):
     key, _ = planned
     base = render(XL_RULES, ROLE_BITS, "a", "x", None)
-    assert key(render(XL_RULES, ROLE_BITS, "another description", "another comment", None)) == key(base)
-    assert key(base.replace('keep = { passthrough = true }', 'keep = { passthrough = true }\nunused = { bits = 2 }')) == key(base)
+    assert key(render(XL_RULES, ROLE_BITS, "another description", "another comment", None)) == key(
+        base
+    )
+    assert key(
+        base.replace(
+            "keep = { passthrough = true }", "keep = { passthrough = true }\nunused = { bits = 2 }"
+        )
+    ) == key(base)

@@ -65,7 +65,9 @@ def clean(tmp_path_factory) -> Clean:
     p.build(VARIANT)
     seconds = time.monotonic() - t
     p.build(OLD)
-    return Clean(p, seconds, outputs(p.store, VARIANT), snapshot(p.out / VARIANT), snapshot(p.out / OLD))
+    return Clean(
+        p, seconds, outputs(p.store, VARIANT), snapshot(p.out / VARIANT), snapshot(p.out / OLD)
+    )
 
 
 class Child:
@@ -73,12 +75,22 @@ class Child:
 
     def __init__(self, project: Project, variant: str, out: Path):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "buildkit.cli", *project.args("build", variant, "--out", str(out))],
-            cwd=project.root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "buildkit.cli",
+                *project.args("build", variant, "--out", str(out)),
+            ],
+            cwd=project.root,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         self.t0 = time.monotonic()
         self.lines: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(x.rstrip("\n") for x in self.proc.stderr))
+        self.reader = threading.Thread(
+            target=lambda: self.lines.extend(x.rstrip("\n") for x in self.proc.stderr)
+        )
         self.reader.start()
 
     def kill_when(self, trigger) -> bool:
@@ -111,26 +123,35 @@ def on_line(prefix: str, then: float = 0.0):
             if not seen and any(x.startswith(prefix) for x in c.lines):
                 seen.append(time.monotonic())
             return bool(seen) and time.monotonic() - seen[0] >= then
+
         return trigger
+
     return make
 
 
 def temp_files(n: int):
-    """Once the child has had n temp files in the store's tmp/ (objects and records being written)."""
+    """Once the child has had n temp files in the store's tmp/ (objects and records being
+    written)."""
+
     def make(p, out):
         seen: set[str] = set()
 
         def trigger(c):
-            mine = f".{c.proc.pid}."  # temp names carry the writer's pid; killed builds leave theirs
+            mine = (
+                f".{c.proc.pid}."  # temp names carry the writer's pid; killed builds leave theirs
+            )
             with contextlib.suppress(FileNotFoundError):
                 seen.update(x for x in os.listdir(p.store / "tmp") if mine in x)
             return len(seen) >= n
+
         return trigger
+
     return make
 
 
 def publishing(then: float):
     """``then`` seconds after the child's publish directory appears beside the output."""
+
     def make(p, out):
         seen: list[float] = []
 
@@ -138,25 +159,37 @@ def publishing(then: float):
             if not seen and (out.parent / f".{out.name}.tmp-{c.proc.pid}").exists():
                 seen.append(time.monotonic())
             return bool(seen) and time.monotonic() - seen[0] >= then
+
         return trigger
+
     return make
 
 
 def rounds(seconds: float) -> dict[str, list]:
     return {
-        "delay sweep": [after(f * seconds) for f in (0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)],
-        "delay sweep, shifted": [after(f * seconds) for f in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)],
+        "delay sweep": [
+            after(f * seconds) for f in (0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
+        ],
+        "delay sweep, shifted": [
+            after(f * seconds) for f in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+        ],
         "store writes": [temp_files(n) for n in (1, 2, 4, 8, 16, 32, 64, 128)],
         "node boundaries and publish": [
-            on_line("[done]   fetch"), on_line("[done]   sanitize"), on_line("[done]   quantize"),
-            on_line("[done]   verify"), publishing(0.0), publishing(0.3), publishing(0.6),
+            on_line("[done]   fetch"),
+            on_line("[done]   sanitize"),
+            on_line("[done]   quantize"),
+            on_line("[done]   verify"),
+            publishing(0.0),
+            publishing(0.3),
+            publishing(0.6),
             on_line("  publish: published"),
         ],
     }
 
 
 def kill_round(root: Path, clean: Clean, triggers: list) -> list[str]:
-    """Kill successive builds at ``triggers``, then finish; returns the last line seen at each kill."""
+    """Kill successive builds at ``triggers``, then finish; returns the last line seen at each
+    kill."""
     p = Project(root)
     out = p.out / "model"
     shutil.copytree(clean.project.out / OLD, out)
@@ -183,11 +216,15 @@ def test_killed_builds_resume_to_a_clean_builds_digests(clean, tmp_path, capsys)
         kills[name] = kill_round(tmp_path / f"round{i}", clean, triggers)
     with capsys.disabled():
         total = sum(map(len, kills.values()))
-        print(f"\n{total} kills ({', '.join(f'{k}: {len(v)}' for k, v in kills.items())}); "
-              f"clean build {clean.seconds:.1f}s")
+        print(
+            f"\n{total} kills ({', '.join(f'{k}: {len(v)}' for k, v in kills.items())}); "
+            f"clean build {clean.seconds:.1f}s"
+        )
     every = [line for v in kills.values() for line in v]
     assert len(every) >= 20, kills
-    assert any(line.startswith(("[run]    publish", "  publish:")) for line in every), kills  # mid-publish
+    assert any(line.startswith(("[run]    publish", "  publish:")) for line in every), (
+        kills
+    )  # mid-publish
     assert len(kills["store writes"]) >= 4, kills
 
 
@@ -235,20 +272,31 @@ def test_two_processes_remembering_copies_of_one_file_both_keep_theirs(tmp_path)
         c.write_bytes(data)
         os.utime(c, (old, old))
     digest, root, held = keys.blob_digest(data), tmp_path / "store", tmp_path / "held"
-    first = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys, time\n"
-        "from buildkit.store import Store\n"
-        f"store = Store({str(root)!r})\n"
-        "def hook(event, args):\n"
-        f"    if event == 'os.rename' and str(args[1]).endswith({digest.split(':')[-1][2:]!r}):\n"
-        f"        open({str(held)!r}, 'w').close()\n"
-        "        time.sleep(2)\n"
-        "sys.addaudithook(hook)\n"
-        f"store.sources.digest_files([{str(copies[0])!r}])\n"
-    )], stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import os, sys, time\n"
+                "from buildkit.store import Store\n"
+                f"store = Store({str(root)!r})\n"
+                "def hook(event, args):\n"
+                "    if event == 'os.rename' and "
+                f"str(args[1]).endswith({digest.split(':')[-1][2:]!r}):\n"
+                f"        open({str(held)!r}, 'w').close()\n"
+                "        time.sleep(2)\n"
+                "sys.addaudithook(hook)\n"
+                f"store.sources.digest_files([{str(copies[0])!r}])\n"
+            ),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not held.exists():
-        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.poll() else "not held"
+        assert first.poll() is None and time.monotonic() < deadline, (
+            first.stderr.read() if first.poll() else "not held"
+        )
         time.sleep(0.01)
     Store(root).sources.digest_files([copies[1]])  # waits for the first's list while it is held
     assert first.wait(timeout=60) == 0, first.stderr.read()
@@ -345,27 +393,40 @@ def test_readers_never_see_a_mix_of_two_publishes(clean, tmp_path):
 
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str):
-    """A size-limited tmpfs at ``path``; yields a function that resizes it. Skips if mounting is not allowed."""
+    """A size-limited tmpfs at ``path``; yields a function that resizes it. Skips if mounting is
+    not allowed."""
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
-        yield lambda size: subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True)
+        yield lambda size: subprocess.run(
+            ["mount", "-o", f"remount,size={size}", str(path)], check=True
+        )
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def assert_disk_full_message(r: subprocess.CompletedProcess, step: str) -> None:
     assert r.returncode == 1, r.stderr
-    assert f"step {step!r} ({step}) failed: [Errno 28] No space left on device" in r.stderr, r.stderr
+    assert f"step {step!r} ({step}) failed: [Errno 28] No space left on device" in r.stderr, (
+        r.stderr
+    )
     assert "free space" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_full_store_disk_fails_cleanly_and_a_later_build_succeeds(clean, tmp_path):
-    fixture = sum(f.stat().st_size for f in (clean.project.store / "fixtures").rglob("*") if f.is_file())
+    fixture = sum(
+        f.stat().st_size for f in (clean.project.store / "fixtures").rglob("*") if f.is_file()
+    )
     p = Project(tmp_path)
-    with tmpfs(p.store, f"{fixture // 1024 + 1024}k") as resize:  # room for the source, not the objects
+    with tmpfs(
+        p.store, f"{fixture // 1024 + 1024}k"
+    ) as resize:  # room for the source, not the objects
         r = p.run("build", OLD, "--out", str(p.out / OLD), check=False)
         assert_disk_full_message(r, r.stderr.split("step '")[1].split("'")[0])
         assert not (p.out / OLD).exists() and leftovers(p.root) == []

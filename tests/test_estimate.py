@@ -1,4 +1,5 @@
-"""buildkit estimate: size and bits per weight from config.json and headers, equal to the build's."""
+"""buildkit estimate: size and bits per weight from config.json and headers, equal to the
+build's."""
 
 from __future__ import annotations
 
@@ -55,7 +56,11 @@ def test_estimate_equals_the_built_models_bytes(built3, capsys, variant):
 
 def rchar() -> int:
     """Bytes this process has read through read() so far (Linux /proc/self/io)."""
-    return int(next(ln for ln in Path("/proc/self/io").read_text().splitlines() if ln.startswith("rchar:")).split()[1])
+    return int(
+        next(
+            ln for ln in Path("/proc/self/io").read_text().splitlines() if ln.startswith("rchar:")
+        ).split()[1]
+    )
 
 
 def test_estimate_reads_headers_only(project, capsys, tmp_path):
@@ -85,7 +90,10 @@ def test_the_35b_sparse_fixture_estimates_as_the_published_xl(tmp_path, project,
         assert len([f for f in files if f.suffix == ".safetensors"]) == 26
         m = manifest.load("xl-mtp", project.manifests, source=str(src))
         e = estimate(m)
-        assert e["parts"]["language_model"]["params"] + e["parts"]["vision_tower"]["params"] == 35_107_181_936
+        assert (
+            e["parts"]["language_model"]["params"] + e["parts"]["vision_tower"]["params"]
+            == 35_107_181_936
+        )
         assert e["parts"]["mtp"]["params"] == 844_640_768
         xl = run_json(project, capsys, "xl", "--source", str(src))
         assert 6.81 <= xl["bits_per_weight"] <= 6.82
@@ -101,7 +109,9 @@ def test_the_35b_sparse_fixture_estimates_as_the_published_xl(tmp_path, project,
 
 
 def test_estimate_refuses_what_quantize_refuses(project, capsys):
-    project.write_manifest("g128", 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 6, group_size = 128 }\n')
+    project.write_manifest(
+        "g128", 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 6, group_size = 128 }\n'
+    )
     assert project.cli("estimate", "g128") != 0
     assert "last dimension 64 is not a multiple of group_size 128" in capsys.readouterr().err
     project.write_manifest("typo", 'extends = "xl"\n[recipe.rules]\n"*.mlp.gaet" = "router"\n')

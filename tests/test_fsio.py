@@ -1,4 +1,5 @@
-"""Durable writes: atomic_write and write_temp leave whole files or none, DirectFile's exact bytes, settle."""
+"""Durable writes: atomic_write and write_temp leave whole files or none, DirectFile's exact
+bytes, settle."""
 
 from __future__ import annotations
 
@@ -40,14 +41,20 @@ def test_atomic_write_leaves_no_temp_files(tmp_path):
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["d", "entry", "tmp"]
 
 
-
 def test_atomic_write_returns_the_size_and_replaces_whole(tmp_path):
     target = tmp_path / "a" / "b" / "entry"
     assert atomic_write(target, b"first version") == 13  # parents made
-    assert atomic_write(target, [b"se", memoryview(b"cond"), bytearray(b"!")], sync=False, sync_dir=False) == 7
+    assert (
+        atomic_write(
+            target, [b"se", memoryview(b"cond"), bytearray(b"!")], sync=False, sync_dir=False
+        )
+        == 7
+    )
     assert target.read_bytes() == b"second!"
     assert atomic_write(target, b"") == 0 and target.read_bytes() == b""
-    assert sorted(p.name for p in target.parent.iterdir()) == ["entry"]  # temp files went beside it, and went
+    assert sorted(p.name for p in target.parent.iterdir()) == [
+        "entry"
+    ]  # temp files went beside it, and went
 
 
 def test_atomic_write_over_a_directory_fails_and_leaves_no_temp_file(tmp_path):
@@ -62,9 +69,15 @@ def test_atomic_write_over_a_directory_fails_and_leaves_no_temp_file(tmp_path):
 
 def test_write_temp_names_sizes_and_reports_chunks(tmp_path):
     seen = []
-    path, size = write_temp([b"ab", b"cde"], tmp_path / "t", "obj", sync=False, on_chunk=seen.append)
+    path, size = write_temp(
+        [b"ab", b"cde"], tmp_path / "t", "obj", sync=False, on_chunk=seen.append
+    )
     assert size == 5 and path.read_bytes() == b"abcde" and seen == [b"ab", b"cde"]
-    assert path.parent == tmp_path / "t" and path.name.startswith(f".obj.{os.getpid()}.") and path.name.endswith(".tmp")
+    assert (
+        path.parent == tmp_path / "t"
+        and path.name.startswith(f".obj.{os.getpid()}.")
+        and path.name.endswith(".tmp")
+    )
     again, _ = write_temp(b"abcde", tmp_path / "t", "obj", sync=True, direct=True)
     assert again != path and again.read_bytes() == b"abcde"  # every writer its own temp file
 
@@ -140,7 +153,9 @@ def test_direct_file_holds_exactly_the_bytes_written(tmp_path, direct):
         assert (tmp_path / "shard").read_bytes() == b"".join(parts), sizes
 
 
-def test_direct_file_goes_on_through_the_page_cache_if_direct_writes_are_refused(tmp_path, monkeypatch):
+def test_direct_file_goes_on_through_the_page_cache_if_direct_writes_are_refused(
+    tmp_path, monkeypatch
+):
     if not hasattr(os, "O_DIRECT"):
         pytest.skip("no O_DIRECT here")
     real_write, calls = os.write, []
@@ -151,7 +166,9 @@ def test_direct_file_goes_on_through_the_page_cache_if_direct_writes_are_refused
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_write(fd, data)
 
-    data = np.random.default_rng(1).integers(0, 256, (8 << 20) * 2 + 12345, dtype=np.uint8).tobytes()
+    data = (
+        np.random.default_rng(1).integers(0, 256, (8 << 20) * 2 + 12345, dtype=np.uint8).tobytes()
+    )
     with DirectFile(tmp_path / "shard") as f:
         monkeypatch.setattr(os, "write", write)
         f.write(data)
@@ -160,7 +177,9 @@ def test_direct_file_goes_on_through_the_page_cache_if_direct_writes_are_refused
     assert len(calls) >= 3 and (tmp_path / "shard").read_bytes() == data
 
 
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="DirectFile buffers only for O_DIRECT writes")
+@pytest.mark.skipif(
+    not hasattr(os, "O_DIRECT"), reason="DirectFile buffers only for O_DIRECT writes"
+)
 def test_direct_writes_reuse_their_page_aligned_buffer(tmp_path):
     """Objects written past the page cache go through one buffer, not a fresh mapping each:
     twenty 2 MB objects fault in far fewer pages than the 512 a fresh buffer would take each."""
@@ -192,10 +211,13 @@ def test_idle_write_buffers_stay_resident_until_dropped(tmp_path):
         f.write(b"x")
     drop_idle_write_buffers()
     store = Store(tmp_path / "store")
-    store.put_tensor_chunks("F32", [1 << 21], [np.ones(1 << 21, np.float32)])  # fills a whole 8 MB buffer
+    store.put_tensor_chunks(
+        "F32", [1 << 21], [np.ones(1 << 21, np.float32)]
+    )  # fills a whole 8 MB buffer
     before = rss()
     drop_idle_write_buffers()
     assert before - rss() > 6 << 20, f"RSS {before >> 20} -> {rss() >> 20} MB"
+
 
 # ---- stat identities and settle ----------------------------------------------------------------
 

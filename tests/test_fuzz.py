@@ -25,66 +25,159 @@ from buildkit.steps import REGISTRY
 from buildkit.tensors import DTYPES, read_header, read_tensor
 
 # Fixed examples (derandomize) so CI is repeatable; no example database written into the tree.
-SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 # ---- manifests --------------------------------------------------------------------------
 
-NAMES = ["fetch", "sanitize", "quantize", "verify", "publish", "graft", "requantize", "calibrate",
-         "a", "b-1", "x.y", "bad name", "", "../up"]
+NAMES = [
+    "fetch",
+    "sanitize",
+    "quantize",
+    "verify",
+    "publish",
+    "graft",
+    "requantize",
+    "calibrate",
+    "a",
+    "b-1",
+    "x.y",
+    "bad name",
+    "",
+    "../up",
+]
 OUTPUTS = ["", ":out", ":model", ":mtp", ":heldout", ":nope", ":out:x"]
-PARAMS = sorted({f for cls in REGISTRY.values() for f in cls.Params.model_fields}
-                | {"recipe", "rules", "junk", "source"})
-SOURCES = ["fixture:", "fixture:seed=1", "fixture:seed=x", "fixture:layers=-1", "fixture:bogus=1",
-           "hf://a/b@main", "hf://a", "hf://../..@x", "/nonexistent", "", "../src"]
+PARAMS = sorted(
+    {f for cls in REGISTRY.values() for f in cls.Params.model_fields}
+    | {"recipe", "rules", "junk", "source"}
+)
+SOURCES = [
+    "fixture:",
+    "fixture:seed=1",
+    "fixture:seed=x",
+    "fixture:layers=-1",
+    "fixture:bogus=1",
+    "hf://a/b@main",
+    "hf://a",
+    "hf://../..@x",
+    "/nonexistent",
+    "",
+    "../src",
+]
 
 scalars = st.one_of(
-    st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12), st.sampled_from(SOURCES), st.sampled_from(["*.mlp.gate", "*norm*", "keep", "router"]),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(SOURCES),
+    st.sampled_from(["*.mlp.gate", "*norm*", "keep", "router"]),
 )
 values = st.recursive(
     scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=3),
-                            st.dictionaries(st.sampled_from(PARAMS + ["bits", "group_size", "passthrough"]), inner, max_size=3)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(
+            st.sampled_from(PARAMS + ["bits", "group_size", "passthrough"]), inner, max_size=3
+        ),
+    ),
     max_leaves=8,
 )
 roles = st.dictionaries(
     st.sampled_from(["router", "keep", "routed_expert", "x"]),
     st.one_of(
-        st.fixed_dictionaries({}, optional={"bits": st.integers(0, 9) | values, "group_size": st.sampled_from([16, 32, 64, 7, 0]),
-                                            "passthrough": st.booleans(), "calibrated": st.booleans(), "mode": st.just("affine")}),
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "bits": st.integers(0, 9) | values,
+                "group_size": st.sampled_from([16, 32, 64, 7, 0]),
+                "passthrough": st.booleans(),
+                "calibrated": st.booleans(),
+                "mode": st.just("affine"),
+            },
+        ),
         values,
     ),
     max_size=3,
 )
-recipes = st.fixed_dictionaries({}, optional={
-    "roles": roles | values,
-    "rules": st.dictionaries(st.sampled_from(["*.mlp.gate", "*norm*", "vision_tower.*", "["]), st.sampled_from(["router", "keep", "nope"]) | values, max_size=3),
-    "junk": values,
-})
+recipes = st.fixed_dictionaries(
+    {},
+    optional={
+        "roles": roles | values,
+        "rules": st.dictionaries(
+            st.sampled_from(["*.mlp.gate", "*norm*", "vision_tower.*", "["]),
+            st.sampled_from(["router", "keep", "nope"]) | values,
+            max_size=3,
+        ),
+        "junk": values,
+    },
+)
 refs = st.builds(lambda n, o: n + o, st.sampled_from(NAMES), st.sampled_from(OUTPUTS))
-steps = st.fixed_dictionaries({}, optional={
-    "kind": st.sampled_from(sorted(REGISTRY) + ["quantise", ""]) | values,
-    "inputs": st.dictionaries(st.sampled_from(["model", "source", "head", "trunk", "report", "base", "calibration", "nope"]),
-                              refs | st.lists(refs, max_size=3) | values, max_size=3),
-    "params": st.dictionaries(st.sampled_from(PARAMS), values | recipes, max_size=3),
-    "junk": values,
-})
-wild = st.fixed_dictionaries({}, optional={
-    "extends": st.sampled_from(["xl", "xl-mtp", "oq4e-mtp-xl", "fuzz", "nope", "../x", ""]) | values,
-    "description": st.text(max_size=8) | values,
-    "source": st.sampled_from(SOURCES) | values,
-    "recipe": recipes | values,
-    "steps": st.dictionaries(st.sampled_from(NAMES), steps | values, max_size=4) | values,
-    "junk": values,
-})
+steps = st.fixed_dictionaries(
+    {},
+    optional={
+        "kind": st.sampled_from(sorted(REGISTRY) + ["quantise", ""]) | values,
+        "inputs": st.dictionaries(
+            st.sampled_from(
+                ["model", "source", "head", "trunk", "report", "base", "calibration", "nope"]
+            ),
+            refs | st.lists(refs, max_size=3) | values,
+            max_size=3,
+        ),
+        "params": st.dictionaries(st.sampled_from(PARAMS), values | recipes, max_size=3),
+        "junk": values,
+    },
+)
+wild = st.fixed_dictionaries(
+    {},
+    optional={
+        "extends": st.sampled_from(["xl", "xl-mtp", "oq4e-mtp-xl", "fuzz", "nope", "../x", ""])
+        | values,
+        "description": st.text(max_size=8) | values,
+        "source": st.sampled_from(SOURCES) | values,
+        "recipe": recipes | values,
+        "steps": st.dictionaries(st.sampled_from(NAMES), steps | values, max_size=4) | values,
+        "junk": values,
+    },
+)
 # A real manifest with one or two things changed, so that validation gets past the first check.
-HOT = ["recipe", "rules", "source", "text", "out", "max_rel_l1", "max_shard_bytes", "require_all_rules", "tags"]
+HOT = [
+    "recipe",
+    "rules",
+    "source",
+    "text",
+    "out",
+    "max_rel_l1",
+    "max_shard_bytes",
+    "require_all_rules",
+    "tags",
+]
 overrides = st.one_of(
-    st.fixed_dictionaries({"params": st.dictionaries(st.sampled_from(HOT) | st.sampled_from(PARAMS), values | recipes,
-                                                     min_size=1, max_size=1)}),
-    st.fixed_dictionaries({"inputs": st.dictionaries(st.sampled_from(["model", "source", "head", "report", "calibration"]),
-                                                     refs | st.lists(refs, max_size=2), min_size=1, max_size=1)}),
+    st.fixed_dictionaries(
+        {
+            "params": st.dictionaries(
+                st.sampled_from(HOT) | st.sampled_from(PARAMS),
+                values | recipes,
+                min_size=1,
+                max_size=1,
+            )
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "inputs": st.dictionaries(
+                st.sampled_from(["model", "source", "head", "report", "calibration"]),
+                refs | st.lists(refs, max_size=2),
+                min_size=1,
+                max_size=1,
+            )
+        }
+    ),
     st.fixed_dictionaries({"kind": st.sampled_from(sorted(REGISTRY))}),
 )
 tame = st.fixed_dictionaries(
@@ -92,7 +185,9 @@ tame = st.fixed_dictionaries(
     optional={
         "source": st.sampled_from(SOURCES),
         "recipe": recipes,
-        "steps": st.dictionaries(st.sampled_from(NAMES[:8] + ["donor_fetch", "extra"]), overrides, min_size=1, max_size=2),
+        "steps": st.dictionaries(
+            st.sampled_from(NAMES[:8] + ["donor_fetch", "extra"]), overrides, min_size=1, max_size=2
+        ),
     },
 )
 manifests = tame | wild
@@ -107,7 +202,9 @@ def toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, float):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
+        return (
+            "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
+        )
     if isinstance(v, int):
         return str(v)  # out-of-range integers are a TOML error, which is fine
     if isinstance(v, str):
@@ -148,15 +245,31 @@ def test_arbitrary_text_manifests_load_or_raise_buildkit_errors(text):
 
 # ---- safetensors headers ----------------------------------------------------------------
 
-ints = st.one_of(st.integers(0, 64), st.integers(-5, 2**64), st.booleans(), st.floats(0, 10), st.text(max_size=2))
+ints = st.one_of(
+    st.integers(0, 64), st.integers(-5, 2**64), st.booleans(), st.floats(0, 10), st.text(max_size=2)
+)
 shapes = st.lists(st.integers(0, 6), max_size=3) | st.lists(ints, max_size=3) | ints
-dtypes = st.sampled_from(sorted(DTYPES)) | st.sampled_from(["bf16", "F8", "", "BF16 "]) | st.lists(st.integers(), max_size=1) | st.none()
-entries = st.fixed_dictionaries({}, optional={
-    "dtype": dtypes, "shape": shapes,
-    "data_offsets": st.lists(ints, min_size=0, max_size=3) | ints,
-    "junk": st.integers(),
-}) | ints
-metadata = st.dictionaries(st.text(max_size=4), st.text(max_size=4) | ints, max_size=2) | ints | st.none()
+dtypes = (
+    st.sampled_from(sorted(DTYPES))
+    | st.sampled_from(["bf16", "F8", "", "BF16 "])
+    | st.lists(st.integers(), max_size=1)
+    | st.none()
+)
+entries = (
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "dtype": dtypes,
+            "shape": shapes,
+            "data_offsets": st.lists(ints, min_size=0, max_size=3) | ints,
+            "junk": st.integers(),
+        },
+    )
+    | ints
+)
+metadata = (
+    st.dictionaries(st.text(max_size=4), st.text(max_size=4) | ints, max_size=2) | ints | st.none()
+)
 
 
 @st.composite
@@ -166,7 +279,10 @@ def headers(draw) -> bytes:
     off = 0
     for name in draw(st.lists(st.text(max_size=8), max_size=4, unique=True)):
         if draw(st.booleans()):
-            dtype, shape = draw(st.sampled_from(sorted(DTYPES))), draw(st.lists(st.integers(0, 6), max_size=3))
+            dtype, shape = (
+                draw(st.sampled_from(sorted(DTYPES))),
+                draw(st.lists(st.integers(0, 6), max_size=3)),
+            )
             n = DTYPES[dtype].itemsize * int(np.prod(shape, dtype=np.int64))
             head[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}
             off += n
@@ -176,7 +292,9 @@ def headers(draw) -> bytes:
         head["__metadata__"] = draw(metadata)
     blob = json.dumps(head).encode()
     data = b"\0" * draw(st.sampled_from([off, max(off - 1, 0), off + 7, 0]))
-    hlen = draw(st.sampled_from([len(blob), len(blob) + 1, max(len(blob) - 1, 0), 2**64 - 1, 2**40]))
+    hlen = draw(
+        st.sampled_from([len(blob), len(blob) + 1, max(len(blob) - 1, 0), 2**64 - 1, 2**40])
+    )
     return struct.pack("<Q", hlen) + blob + data
 
 
@@ -185,7 +303,10 @@ raw = st.one_of(
     st.binary(max_size=64),
     st.builds(lambda b: struct.pack("<Q", len(b)) + b, st.binary(max_size=64)),
     st.builds(lambda t: struct.pack("<Q", len(t.encode())) + t.encode(), st.text(max_size=64)),
-    st.builds(lambda n: struct.pack("<Q", 2 * n + 2) + b"[" * (n + 1) + b"]" * (n + 1), st.integers(0, 200_000)),
+    st.builds(
+        lambda n: struct.pack("<Q", 2 * n + 2) + b"[" * (n + 1) + b"]" * (n + 1),
+        st.integers(0, 200_000),
+    ),
 )
 
 

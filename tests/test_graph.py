@@ -1,4 +1,5 @@
-"""The step graph: one edge per input reference, cycle errors, deterministic order, topology, renderings."""
+"""The step graph: one edge per input reference, cycle errors, deterministic order, topology,
+renderings."""
 
 from __future__ import annotations
 
@@ -11,14 +12,22 @@ from buildkit import manifest
 from buildkit.errors import ManifestError
 
 MTP_EDGES = {
-    ("fetch", "sanitize", "source"), ("sanitize", "quantize", "model = sanitize:model"),
-    ("sanitize", "graft", "head = sanitize:mtp"), ("sanitize", "graft", "trunk = sanitize:model"),
+    ("fetch", "sanitize", "source"),
+    ("sanitize", "quantize", "model = sanitize:model"),
+    ("sanitize", "graft", "head = sanitize:mtp"),
+    ("sanitize", "graft", "trunk = sanitize:model"),
     ("graft", "requantize", "model"),
-    ("quantize", "verify", "model"), ("fetch", "verify", "source"),
-    ("quantize", "verify_head", "model"), ("requantize", "verify_head", "model"),
-    ("fetch", "verify_head", "source"), ("quantize", "verify_head", "base"),
-    ("quantize", "publish", "model"), ("requantize", "publish", "model"),
-    ("fetch", "publish", "source"), ("verify", "publish", "report"), ("verify_head", "publish", "report"),
+    ("quantize", "verify", "model"),
+    ("fetch", "verify", "source"),
+    ("quantize", "verify_head", "model"),
+    ("requantize", "verify_head", "model"),
+    ("fetch", "verify_head", "source"),
+    ("quantize", "verify_head", "base"),
+    ("quantize", "publish", "model"),
+    ("requantize", "publish", "model"),
+    ("fetch", "publish", "source"),
+    ("verify", "publish", "report"),
+    ("verify_head", "publish", "report"),
 }
 
 
@@ -36,12 +45,16 @@ def test_graph_edges_and_order(project):
 def test_graph_command_renders_every_node_and_edge(project, capsys, fmt):
     assert project.cli("graph", "xl-mtp", "--format", fmt) == 0
     out = capsys.readouterr().out
-    kinds = {n: n for n in ("fetch", "sanitize", "quantize", "graft", "requantize", "verify", "publish")}
+    kinds = {
+        n: n for n in ("fetch", "sanitize", "quantize", "graft", "requantize", "verify", "publish")
+    }
     kinds["verify_head"] = "verify"
     if fmt == "text":
         assert "graft (graft) <- head=sanitize:mtp, trunk=sanitize:model" in out
         assert "verify (verify) <- model=quantize, source=fetch" in out
-        assert "verify_head (verify) <- model=quantize, requantize, source=fetch, base=quantize" in out
+        assert (
+            "verify_head (verify) <- model=quantize, requantize, source=fetch, base=quantize" in out
+        )
         assert "fetch (fetch)\n" in out
         return
     if fmt == "dot":
@@ -62,22 +75,33 @@ def test_graph_command_renders_every_node_and_edge(project, capsys, fmt):
 
 
 def test_cycle_error_names_the_file_line_slot_and_the_loop(project):
-    f = project.write_manifest("bad", 'extends = "xl"\n[steps.sanitize]\ninputs = { source = "quantize" }\n')
+    f = project.write_manifest(
+        "bad", 'extends = "xl"\n[steps.sanitize]\ninputs = { source = "quantize" }\n'
+    )
     m = manifest.load("bad", project.manifests)  # loading checks references, not loops
     with pytest.raises(ManifestError) as e:
         graphs.build(m)
     assert e.value.exit_code == 2
     assert e.value.file == f"{f.resolve()}:3"
     assert e.value.where == "steps.sanitize.inputs.source"
-    assert "cycle between steps: sanitize -> quantize -> sanitize; a step cannot depend on its own output" in str(e.value)
+    assert (
+        "cycle between steps: sanitize -> quantize -> sanitize; "
+        "a step cannot depend on its own output" in str(e.value)
+    )
     with pytest.raises(ManifestError, match="cycle between steps"):
         graphs.topology(m)
 
 
 def test_cycle_closed_by_a_child_is_blamed_on_the_child(project):
-    """Of a loop's edges, the one the most derived manifest declared is where the loop was closed."""
-    project.write_manifest("mid", 'extends = "xl"\n[steps.extra]\nkind = "quantize"\ninputs = { model = "sanitize:model" }\n')
-    f = project.write_manifest("bad", 'extends = "mid"\n\n[steps.sanitize]\ninputs = { source = "extra" }\n')
+    """Of a loop's edges, the one the most derived manifest declared is where the loop was
+    closed."""
+    project.write_manifest(
+        "mid",
+        'extends = "xl"\n[steps.extra]\nkind = "quantize"\ninputs = { model = "sanitize:model" }\n',
+    )
+    f = project.write_manifest(
+        "bad", 'extends = "mid"\n\n[steps.sanitize]\ninputs = { source = "extra" }\n'
+    )
     with pytest.raises(ManifestError) as e:
         graphs.build(manifest.load("bad", project.manifests))
     assert e.value.file == f"{f.resolve()}:4"
@@ -87,12 +111,14 @@ def test_cycle_closed_by_a_child_is_blamed_on_the_child(project):
 
 
 def test_a_step_reading_its_own_output_is_a_cycle_of_one(project):
-    f = project.write_manifest("bad", 'extends = "xl"\n[steps.verify]\ninputs = { model = ["verify"] }\n')
+    f = project.write_manifest(
+        "bad", 'extends = "xl"\n[steps.verify]\ninputs = { model = ["verify"] }\n'
+    )
     with pytest.raises(ManifestError) as e:
         graphs.build(manifest.load("bad", project.manifests))
     assert str(e.value).startswith(
         f"{f.resolve()}:3: steps.verify.inputs.model: cycle between steps: verify -> verify; "
-        "a step cannot depend on its own output\n    inputs = { model = [\"verify\"] }\n    ^^^"
+        'a step cannot depend on its own output\n    inputs = { model = ["verify"] }\n    ^^^'
     )
 
 
@@ -100,22 +126,46 @@ def test_a_step_reading_its_own_output_is_a_cycle_of_one(project):
 
 
 def test_order_breaks_ties_by_name_not_declaration_order(project):
-    project.write_manifest("ties", (
-        'extends = "xl"\n'
-        '[steps.zz]\nkind = "quantize"\ninputs = { model = "sanitize:model" }\n'
-        '[steps.aa]\nkind = "quantize"\ninputs = { model = "sanitize:model" }\n'
-    ))
+    project.write_manifest(
+        "ties",
+        (
+            'extends = "xl"\n'
+            '[steps.zz]\nkind = "quantize"\ninputs = { model = "sanitize:model" }\n'
+            '[steps.aa]\nkind = "quantize"\ninputs = { model = "sanitize:model" }\n'
+        ),
+    )
     m = manifest.load("ties", project.manifests)
     assert list(m.nodes)[-2:] == ["zz", "aa"]  # declared zz first
-    assert graphs.order(graphs.build(m)) == ["fetch", "sanitize", "aa", "quantize", "verify", "publish", "zz"]
+    assert graphs.order(graphs.build(m)) == [
+        "fetch",
+        "sanitize",
+        "aa",
+        "quantize",
+        "verify",
+        "publish",
+        "zz",
+    ]
     mtp = graphs.order(graphs.build(manifest.load("xl-mtp", project.manifests)))
-    assert mtp == ["fetch", "sanitize", "graft", "quantize", "requantize", "verify", "verify_head", "publish"]
+    assert mtp == [
+        "fetch",
+        "sanitize",
+        "graft",
+        "quantize",
+        "requantize",
+        "verify",
+        "verify_head",
+        "publish",
+    ]
 
 
 def test_topology_lists_preds_ancestors_and_descendants_sorted(project):
     t = graphs.topology(manifest.load("xl-mtp", project.manifests))
     assert t.order[0] == "fetch" and t.order[-1] == "publish"
-    assert t.preds["verify_head"] == ["fetch", "quantize", "requantize"]  # quantize twice, once here
+    assert t.preds["verify_head"] == [
+        "fetch",
+        "quantize",
+        "requantize",
+    ]  # quantize twice, once here
     assert t.preds["fetch"] == [] and t.ancestors["fetch"] == []
     assert t.ancestors["requantize"] == ["fetch", "graft", "sanitize"]
     assert t.descendants["graft"] == ["publish", "requantize", "verify_head"]
@@ -135,35 +185,39 @@ def test_render_text_dot_and_mermaid_of_xl(project):
         "verify (verify) <- model=quantize, source=fetch\n"
         "publish (publish) <- model=quantize, source=fetch, report=verify"
     )
-    assert graphs.render(g, "dot") == "\n".join([
-        "digraph buildkit {",
-        "  rankdir=LR;",
-        '  "fetch" [label="fetch\\n(fetch)"];',
-        '  "sanitize" [label="sanitize\\n(sanitize)"];',
-        '  "quantize" [label="quantize\\n(quantize)"];',
-        '  "verify" [label="verify\\n(verify)"];',
-        '  "publish" [label="publish\\n(publish)"];',
-        '  "fetch" -> "publish" [label="source"];',
-        '  "fetch" -> "sanitize" [label="source"];',
-        '  "fetch" -> "verify" [label="source"];',
-        '  "quantize" -> "publish" [label="model"];',
-        '  "quantize" -> "verify" [label="model"];',
-        '  "sanitize" -> "quantize" [label="model = sanitize:model"];',
-        '  "verify" -> "publish" [label="report"];',
-        "}",
-    ])
-    assert graphs.render(g, "mermaid") == "\n".join([
-        "flowchart LR",
-        '  n0["fetch (fetch)"]',
-        '  n1["sanitize (sanitize)"]',
-        '  n2["quantize (quantize)"]',
-        '  n3["verify (verify)"]',
-        '  n4["publish (publish)"]',
-        '  n0 -->|"source"| n4',
-        '  n0 -->|"source"| n1',
-        '  n0 -->|"source"| n3',
-        '  n2 -->|"model"| n4',
-        '  n2 -->|"model"| n3',
-        '  n1 -->|"model = sanitize:model"| n2',
-        '  n3 -->|"report"| n4',
-    ])
+    assert graphs.render(g, "dot") == "\n".join(
+        [
+            "digraph buildkit {",
+            "  rankdir=LR;",
+            '  "fetch" [label="fetch\\n(fetch)"];',
+            '  "sanitize" [label="sanitize\\n(sanitize)"];',
+            '  "quantize" [label="quantize\\n(quantize)"];',
+            '  "verify" [label="verify\\n(verify)"];',
+            '  "publish" [label="publish\\n(publish)"];',
+            '  "fetch" -> "publish" [label="source"];',
+            '  "fetch" -> "sanitize" [label="source"];',
+            '  "fetch" -> "verify" [label="source"];',
+            '  "quantize" -> "publish" [label="model"];',
+            '  "quantize" -> "verify" [label="model"];',
+            '  "sanitize" -> "quantize" [label="model = sanitize:model"];',
+            '  "verify" -> "publish" [label="report"];',
+            "}",
+        ]
+    )
+    assert graphs.render(g, "mermaid") == "\n".join(
+        [
+            "flowchart LR",
+            '  n0["fetch (fetch)"]',
+            '  n1["sanitize (sanitize)"]',
+            '  n2["quantize (quantize)"]',
+            '  n3["verify (verify)"]',
+            '  n4["publish (publish)"]',
+            '  n0 -->|"source"| n4',
+            '  n0 -->|"source"| n1',
+            '  n0 -->|"source"| n3',
+            '  n2 -->|"model"| n4',
+            '  n2 -->|"model"| n3',
+            '  n1 -->|"model = sanitize:model"| n2',
+            '  n3 -->|"report"| n4',
+        ]
+    )

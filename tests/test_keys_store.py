@@ -25,7 +25,11 @@ from buildkit.store import Store
 def test_canonical_json_is_order_and_whitespace_independent():
     a = {"b": 1, "a": [1, {"d": 2.5, "c": "é"}]}
     b = json.loads('{ "a": [1, {"c": "é", "d": 2.5}],\n "b": 1 }')
-    assert keys.canonical_json(a) == keys.canonical_json(b) == '{"a":[1,{"c":"é","d":2.5}],"b":1}'.encode()
+    assert (
+        keys.canonical_json(a)
+        == keys.canonical_json(b)
+        == '{"a":[1,{"c":"é","d":2.5}],"b":1}'.encode()
+    )
     assert keys.digest_json("t", a) == keys.digest_json("t", b)
     assert keys.canonical_json([2, 1]) != keys.canonical_json([1, 2])  # lists keep their order
     with pytest.raises(ValueError):
@@ -34,10 +38,13 @@ def test_canonical_json_is_order_and_whitespace_independent():
 
 def test_digests_are_pinned():
     """Changing how anything is hashed changes every key in every store: it must be deliberate."""
-    assert keys.digest_json("action", {"kind": "quantize", "version": 1, "params": {"bits": 6}}) == (
-        "xxh3_128:e8f3e8eec1a15715a110012259c46274"
+    assert keys.digest_json(
+        "action", {"kind": "quantize", "version": 1, "params": {"bits": 6}}
+    ) == ("xxh3_128:e8f3e8eec1a15715a110012259c46274")
+    assert (
+        keys.tensor_digest("BF16", [2, 3], bytes(range(12)))
+        == "xxh3_128:1516ce38591f7cc0e58e5513ef22fccb"
     )
-    assert keys.tensor_digest("BF16", [2, 3], bytes(range(12))) == "xxh3_128:1516ce38591f7cc0e58e5513ef22fccb"
     assert keys.blob_digest(b"hello\n") == "xxh3_128:b64f11bb105ad27c8cb6085f727ca64c"
 
 
@@ -48,10 +55,17 @@ def test_digest_scheme():
     assert keys.digest_json("action", value) == "xxh3_128:" + raw
     assert keys.digest_json("artifact", value) != keys.digest_json("action", value)
     data = bytes(range(12))
-    assert len({
-        keys.tensor_digest("BF16", [2, 3], data), keys.tensor_digest("BF16", [3, 2], data),
-        keys.tensor_digest("F16", [2, 3], data), keys.blob_digest(data),
-    }) == 4
+    assert (
+        len(
+            {
+                keys.tensor_digest("BF16", [2, 3], data),
+                keys.tensor_digest("BF16", [3, 2], data),
+                keys.tensor_digest("F16", [2, 3], data),
+                keys.blob_digest(data),
+            }
+        )
+        == 4
+    )
     h = keys.tensor_hasher("BF16", (2, 3))
     h.update(data[:5])
     h.update(memoryview(data)[5:])
@@ -83,7 +97,11 @@ def test_objects_are_fanned_out_deduplicated_and_verified_on_read(tmp_path, caps
     store = Store(tmp_path / "s")
     arr = np.arange(12, dtype=np.uint16).reshape(3, 4)
     e = store.put_tensor("BF16", arr)
-    assert e == {"dtype": "BF16", "shape": [3, 4], "digest": keys.tensor_digest("BF16", [3, 4], arr.tobytes())}
+    assert e == {
+        "dtype": "BF16",
+        "shape": [3, 4],
+        "digest": keys.tensor_digest("BF16", [3, 4], arr.tobytes()),
+    }
     hexd = e["digest"].removeprefix("xxh3_128:")
     path = tmp_path / "s" / "objects" / hexd[:2] / hexd[2:]
     assert path.read_bytes() == arr.tobytes()
@@ -92,7 +110,9 @@ def test_objects_are_fanned_out_deduplicated_and_verified_on_read(tmp_path, caps
     assert (store.read_tensor(e) == arr).all()
 
     path.write_bytes(b"\xff" + arr.tobytes()[1:])  # same size, wrong content
-    with pytest.raises(StoreMiss, match=f"store object {hexd[:12]} was corrupt and has been removed"):
+    with pytest.raises(
+        StoreMiss, match=f"store object {hexd[:12]} was corrupt and has been removed"
+    ):
         store.read_tensor(e)
     assert not path.exists()
     assert "content does not match its digest; removed" in capsys.readouterr().err
@@ -108,7 +128,10 @@ def test_objects_are_fanned_out_deduplicated_and_verified_on_read(tmp_path, caps
 
 def test_an_action_is_a_hit_only_when_whole(tmp_path, capsys):
     store = Store(tmp_path / "s")
-    art = Artifact(tensors={"w": store.put_tensor("F32", np.ones(4, np.float32))}, files={"f": store.put_blob(b"x")})
+    art = Artifact(
+        tensors={"w": store.put_tensor("F32", np.ones(4, np.float32))},
+        files={"f": store.put_blob(b"x")},
+    )
     key = keys.digest_json("action", {"test": 1})
     store.put_action(key, {"key": key, "outputs": {"out": store.put_artifact(art)}})
     assert store.get_action(key)["outputs"] == {"out": art.digest}
@@ -132,7 +155,10 @@ def test_an_action_is_a_hit_only_when_whole(tmp_path, capsys):
 
 
 def test_lock_excludes_other_holders(tmp_path):
-    store, other = Store(tmp_path / "s"), Store(tmp_path / "s")  # separate open files, as two processes
+    store, other = (
+        Store(tmp_path / "s"),
+        Store(tmp_path / "s"),
+    )  # separate open files, as two processes
     events = []
     entered = threading.Event()
 
@@ -159,10 +185,13 @@ def _quantize_only_object(store: Store, ref: dict) -> str:
     art = store.get_artifact(ref["nodes"]["quantize"]["outputs"]["out"])
     others = {
         t.get("digest")
-        for n in ("fetch", "sanitize") for d in ref["nodes"][n]["outputs"].values()
+        for n in ("fetch", "sanitize")
+        for d in ref["nodes"][n]["outputs"].values()
         for t in store.get_artifact(d).tensors.values()
     }
-    return sorted(t["digest"] for t in art.tensors.values() if "digest" in t and t["digest"] not in others)[0]
+    return sorted(
+        t["digest"] for t in art.tensors.values() if "digest" in t and t["digest"] not in others
+    )[0]
 
 
 def _flip(path) -> None:
@@ -190,7 +219,10 @@ def test_corrupt_object_is_removed_and_rebuilt_never_served(project, seed):
     assert f"{store.object_path(digest)}: content does not match its digest; removed" in b.stderr
     assert f"store object {keys.short(digest)} was corrupt and has been removed" in b.stderr
     assert ran(b) == ["publish", "quantize", "publish"]  # found by publish, restored by quantize
-    assert "[run]    quantize (quantize): output missing from the store (collected or corrupt)\n" in b.stderr
+    assert (
+        "[run]    quantize (quantize): output missing from the store (collected or corrupt)\n"
+        in b.stderr
+    )
     assert _published(project.out / "xl") == want
     assert store.object_path(digest).exists()
     assert ran(project.build("xl")) == []
@@ -201,7 +233,10 @@ def test_deleted_action_record_reruns_the_node_with_a_reason(project, seed):
     key = json.loads((project.store / "refs" / "xl.json").read_text())["keys"]["quantize"]
     (project.store / "actions" / key[9:11] / key[11:]).unlink()
     plan = project.run("plan", "xl").stdout
-    assert f"stale quantize (quantize) {keys.short(key)}: output missing from the store (collected or corrupt)\n" in plan
+    assert (
+        f"stale quantize (quantize) {keys.short(key)}: "
+        "output missing from the store (collected or corrupt)\n" in plan
+    )
     b = project.build("xl")
     assert ran(b) == ["quantize"]  # same bytes again: verify and publish stay cached
     assert cached(b) == ["fetch", "sanitize", "verify", "publish"]
@@ -210,7 +245,10 @@ def test_deleted_action_record_reruns_the_node_with_a_reason(project, seed):
     for root in (project.store / "roots").iterdir():  # each build request remembers its nodes too
         root.unlink()
     (project.store / "actions" / key[9:11] / key[11:]).unlink()
-    assert f"stale quantize (quantize) {keys.short(key)}: never built\n" in project.run("plan", "xl").stdout
+    assert (
+        f"stale quantize (quantize) {keys.short(key)}: never built\n"
+        in project.run("plan", "xl").stdout
+    )
 
 
 def _objects(store: Store) -> set[str]:
@@ -242,15 +280,23 @@ def test_gc_frees_what_only_a_deleted_variant_used(project, seed, capsys):
     freed = sum(store.object_path("xxh3_128:" + d).stat().st_size for d in mtp_only)
     assert project.cli("gc") == 0
     out = capsys.readouterr().out
-    assert out.replace("freed", "would free") == dry.splitlines(keepends=True)[-1]  # the last line is the sum
-    assert "xl-mtp:\n  graft: 1 action(s)" in dry and "  verify_head: 1 action(s)" in dry  # listed by variant, step
+    assert (
+        out.replace("freed", "would free") == dry.splitlines(keepends=True)[-1]
+    )  # the last line is the sum
+    assert (
+        "xl-mtp:\n  graft: 1 action(s)" in dry and "  verify_head: 1 action(s)" in dry
+    )  # listed by variant, step
     m = json.loads("[" + out.split("(", 1)[1].split(" bytes")[0] + "]")
     assert m[0] > freed  # objects plus the listings and action records that named them
     assert f"{len(mtp_only)} objects" in out and out.startswith("freed ")
     assert _objects(store) == xl
 
     assert project.cli("gc") == 0
-    assert capsys.readouterr().out == "freed 0.0 MB (0 bytes): 0 actions, 0 artifacts, 0 objects, 0 memos, 0 records of deleted files\n"
+    assert (
+        capsys.readouterr().out
+        == "freed 0.0 MB (0 bytes): 0 actions, 0 artifacts, 0 objects, 0 memos, "
+        "0 records of deleted files\n"
+    )
     assert ran(project.build("xl")) == []
     b = project.build("xl-mtp")
     assert sorted(ran(b)) == ["graft", "publish", "requantize", "verify_head"]
@@ -302,7 +348,9 @@ def _source(tmp_path, tensors: dict[str, np.ndarray]):
 
 
 def _bf16(rng, shape) -> np.ndarray:
-    return ((rng.standard_normal(shape, dtype=np.float32) * 0.02).view(np.uint32) >> 16).astype(np.uint16)
+    return ((rng.standard_normal(shape, dtype=np.float32) * 0.02).view(np.uint32) >> 16).astype(
+        np.uint16
+    )
 
 
 @pytest.mark.parametrize("block_rows", [1, 3, 1000])
@@ -322,21 +370,47 @@ def test_quantizing_in_blocks_of_rows_gives_the_whole_tensors_bytes(tmp_path, bl
     store, digest = _source(tmp_path, {"fused": fused, "plain": plain})
     obj = store.put_tensor("BF16", _bf16(rng, (9, 3, 64)))
     cases = {
-        "plain": (plain, {"dtype": "BF16", "shape": [11, 192], "view": {"file": digest, "tensor": "plain"}}),
-        "gate": (fused[:, :5], {"dtype": "BF16", "shape": [7, 5, 128], "view": {"file": digest, "tensor": "fused", "slice": [1, 0, 5]}}),
-        "up": (fused[:, 5:], {"dtype": "BF16", "shape": [7, 5, 128], "view": {"file": digest, "tensor": "fused", "slice": [1, 5, 10]}}),
+        "plain": (
+            plain,
+            {"dtype": "BF16", "shape": [11, 192], "view": {"file": digest, "tensor": "plain"}},
+        ),
+        "gate": (
+            fused[:, :5],
+            {
+                "dtype": "BF16",
+                "shape": [7, 5, 128],
+                "view": {"file": digest, "tensor": "fused", "slice": [1, 0, 5]},
+            },
+        ),
+        "up": (
+            fused[:, 5:],
+            {
+                "dtype": "BF16",
+                "shape": [7, 5, 128],
+                "view": {"file": digest, "tensor": "fused", "slice": [1, 5, 10]},
+            },
+        ),
         "object": (store.read_tensor(obj), obj),
-        "reshaped": (plain.reshape(33, 64), {"dtype": "BF16", "shape": [33, 64], "view": {"file": digest, "tensor": "plain"}}),
+        "reshaped": (
+            plain.reshape(33, 64),
+            {"dtype": "BF16", "shape": [33, 64], "view": {"file": digest, "tensor": "plain"}},
+        ),
     }
     for bits in (4, 6, 8):
         role = Role(bits=bits, group_size=64)
         for name, (raw, entry) in cases.items():
             row_bytes = raw.nbytes // raw.shape[0]
-            got = quantize_entry(store, f"{name}.weight", entry, role, block_bytes=block_rows * row_bytes)
+            got = quantize_entry(
+                store, f"{name}.weight", entry, role, block_bytes=block_rows * row_bytes
+            )
             whole = mx.quantize(to_mlx(np.ascontiguousarray(raw), "BF16"), group_size=64, bits=bits)
             for suffix, arr in zip(("weight", "scales", "biases"), whole):
                 want, dtype = from_mlx(arr)
-                assert got[f"{name}.{suffix}"] == store.put_tensor(dtype, want), (name, bits, suffix)
+                assert got[f"{name}.{suffix}"] == store.put_tensor(dtype, want), (
+                    name,
+                    bits,
+                    suffix,
+                )
                 assert store.read_tensor(got[f"{name}.{suffix}"]).tobytes() == want.tobytes()
     assert not list((tmp_path / "cache" / "tmp").iterdir())  # every block's temp file renamed
 

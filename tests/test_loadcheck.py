@@ -16,7 +16,10 @@ from buildkit.store import Store
 
 RAN = "load check: mlx_lm loaded the model and ran a token"
 SKIPPED = "load check: not run again"
-HEAD5 = 'extends = "xl-mtp"\n[steps.requantize.params.recipe.roles]\nrouted_expert = { bits = 5, group_size = 64 }\n'
+HEAD5 = (
+    'extends = "xl-mtp"\n[steps.requantize.params.recipe.roles]\n'
+    "routed_expert = { bits = 5, group_size = 64 }\n"
+)
 ATTN4 = 'extends = "xl-mtp"\n[recipe.roles]\nattention = { bits = 4, group_size = 64 }\n'
 
 
@@ -62,7 +65,9 @@ def test_the_key_covers_what_mlx_lm_reads_and_nothing_else(adopted: Project):
     config, tensors = published(p, "xl-mtp")
     writer = Publish().writer
     key, n_read = loadcheck.memo_key(store, config, tensors, writer)
-    assert store.get_memo("loadcheck", key) is not None  # the key publish recorded for this very model
+    assert (
+        store.get_memo("loadcheck", key) is not None
+    )  # the key publish recorded for this very model
     assert n_read == 140 and len(tensors) == 223
 
     def changed(config=config, tensors=tensors, writer=writer) -> bool:
@@ -80,10 +85,16 @@ def test_the_key_covers_what_mlx_lm_reads_and_nothing_else(adopted: Project):
         assert changed(tensors=t) is read, name
 
     c = copy.deepcopy(config)
-    c["quantization"]["language_model.mtp.layers.0.mlp.switch_mlp.up_proj"] = {"bits": 3, "group_size": 32}
+    c["quantization"]["language_model.mtp.layers.0.mlp.switch_mlp.up_proj"] = {
+        "bits": 3,
+        "group_size": 32,
+    }
     assert not changed(config=c)
     c = copy.deepcopy(config)
-    c["quantization"]["language_model.model.layers.0.mlp.switch_mlp.up_proj"] = {"bits": 3, "group_size": 32}
+    c["quantization"]["language_model.model.layers.0.mlp.switch_mlp.up_proj"] = {
+        "bits": 3,
+        "group_size": 32,
+    }
     assert changed(config=c)
     c = copy.deepcopy(config)
     c["quantization"]["bits"] = 3  # the default every unlisted module is read with
@@ -127,11 +138,16 @@ def test_the_check_runs_the_published_model_and_fails_when_it_cannot(tmp_path, s
         return d
 
     norm = "language_model.model.norm.weight"
-    inf = edited(norm, lambda w: w.update({norm: mx.full(w[norm].shape, float("inf"), w[norm].dtype)}))
+    inf = edited(
+        norm, lambda w: w.update({norm: mx.full(w[norm].shape, float("inf"), w[norm].dtype)})
+    )
     with pytest.raises(StepError, match="logits are not finite"):
         loadcheck.check_loads(inf)
 
     first = "language_model.model.layers.0.input_layernorm.weight"
     missing = edited(first, lambda w: w.pop(first))
-    with pytest.raises(StepError, match=f"(?s)mlx_lm cannot load the published model: .*Missing 1 parameters.*{first}"):
+    with pytest.raises(
+        StepError,
+        match=f"(?s)mlx_lm cannot load the published model: .*Missing 1 parameters.*{first}",
+    ):
         loadcheck.check_loads(missing)

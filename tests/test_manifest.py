@@ -1,4 +1,5 @@
-"""Manifests: extends, resolution at load, every manifest error (message and exit code 2) and --help."""
+"""Manifests: extends, resolution at load, every manifest error (message and exit code 2) and
+--help."""
 
 from __future__ import annotations
 
@@ -22,13 +23,18 @@ ERRORS = {
     ),
     "unknown top-level key": (
         {"bad": 'extends = "xl"\nsorce = "fixture:"\n'},
-        ["{d}/bad.toml:2: sorce: unknown key (did you mean 'source'?); "
-         "allowed: description, extends, source, recipe, steps", 'sorce = "fixture:"\n    ^^^'],
+        [
+            "{d}/bad.toml:2: sorce: unknown key (did you mean 'source'?); "
+            "allowed: description, extends, source, recipe, steps",
+            'sorce = "fixture:"\n    ^^^',
+        ],
     ),
     "unknown step key": (
         {"bad": 'extends = "xl"\n[steps.quantize]\nkinds = "quantize"\n'},
-        ["{d}/bad.toml:3: steps.quantize.kinds: unknown key (did you mean 'kind'?); "
-         "a step has kind, inputs, params"],
+        [
+            "{d}/bad.toml:3: steps.quantize.kinds: unknown key (did you mean 'kind'?); "
+            "a step has kind, inputs, params"
+        ],
     ),
     "step without a kind": (
         {"bad": 'extends = "xl"\n[steps.extra]\ninputs = { model = "sanitize:model" }\n'},
@@ -36,55 +42,94 @@ ERRORS = {
     ),
     "unknown step kind": (
         {"bad": 'extends = "xl"\n[steps.quantize]\nkind = "quantise"\n'},
-        ["{d}/bad.toml:3: steps.quantize.kind: unknown step kind 'quantise' (did you mean 'quantize'?); "
-         "known kinds: ", "publish, quantize, requantize"],
+        [
+            "{d}/bad.toml:3: steps.quantize.kind: unknown step kind 'quantise' "
+            "(did you mean 'quantize'?); "
+            "known kinds: ",
+            "publish, quantize, requantize",
+        ],
     ),
     "unknown param": (
         {"bad": 'extends = "xl"\n[steps.quantize]\nparams.rulez = {}\n'},
-        ["{d}/bad.toml:3: steps.quantize.params.rulez: unknown param (did you mean 'rules'?) "
-         "for kind 'quantize'; known: recipe, rules, ", "params.rulez = {}"],
+        [
+            "{d}/bad.toml:3: steps.quantize.params.rulez: unknown param (did you mean 'rules'?) "
+            "for kind 'quantize'; known: recipe, rules, ",
+            "params.rulez = {}",
+        ],
     ),
     "wrong param type": (
         {"bad": 'extends = "xl"\n[steps.publish]\nparams.max_shard_bytes = "big"\n'},
-        ["{d}/bad.toml:3: steps.publish.params.max_shard_bytes: Input should be a valid integer",
-         "(got 'big')"],
+        [
+            "{d}/bad.toml:3: steps.publish.params.max_shard_bytes: Input should be a valid integer",
+            "(got 'big')",
+        ],
     ),
     "wrong type in an inherited recipe": (
-        {"bad": 'extends = "xl"\n# 5-bit experts\n[recipe.roles]\nrouted_expert = { bits = "six" }\n'},
-        ["{d}/bad.toml:4: recipe.roles.routed_expert.bits: Input should be a valid integer",
-         "(got 'six')", 'routed_expert = { bits = "six" }'],
+        {
+            "bad": 'extends = "xl"\n# 5-bit experts\n[recipe.roles]\n'
+            'routed_expert = { bits = "six" }\n'
+        },
+        [
+            "{d}/bad.toml:4: recipe.roles.routed_expert.bits: Input should be a valid integer",
+            "(got 'six')",
+            'routed_expert = { bits = "six" }',
+        ],
     ),
     "missing required input": (
         {"bad": 'extends = "xl"\n[steps.extra]\nkind = "quantize"\n'},
         ["{d}/bad.toml:2: steps.extra.inputs: missing input 'model' for kind 'quantize'"],
     ),
     "input slot the kind does not have": (
-        {"bad": 'extends = "xl"\n[steps.extra]\nkind = "quantize"\ninputs = { modle = "sanitize:model" }\n'},
-        ["{d}/bad.toml:4: steps.extra.inputs.modle: kind 'quantize' has no input 'modle' "
-         "(did you mean 'model'?); its inputs: model"],
+        {
+            "bad": 'extends = "xl"\n[steps.extra]\nkind = "quantize"\n'
+            'inputs = { modle = "sanitize:model" }\n'
+        },
+        [
+            "{d}/bad.toml:4: steps.extra.inputs.modle: kind 'quantize' has no input 'modle' "
+            "(did you mean 'model'?); its inputs: model"
+        ],
     ),
     "input naming a missing step": (
-        {"bad": 'extends = "xl"\n[steps.extra]\nkind = "quantize"\ninputs = { model = "sanitise" }\n'},
-        ["{d}/bad.toml:4: steps.extra.inputs.model: input 'sanitise' names no step "
-         "(did you mean 'sanitize'?); steps: fetch, sanitize, quantize, verify, publish, extra"],
+        {
+            "bad": 'extends = "xl"\n[steps.extra]\nkind = "quantize"\n'
+            'inputs = { model = "sanitise" }\n'
+        },
+        [
+            "{d}/bad.toml:4: steps.extra.inputs.model: input 'sanitise' names no step "
+            "(did you mean 'sanitize'?); steps: fetch, sanitize, quantize, verify, publish, extra"
+        ],
     ),
     "input naming a missing output": (
-        {"bad": 'extends = "xl"\n[steps.extra]\nkind = "quantize"\ninputs = { model = "sanitize:nope" }\n'},
-        ["{d}/bad.toml:4: steps.extra.inputs.model: step 'sanitize' (sanitize) has no output 'nope'; "
-         "its outputs: model, mtp"],
+        {
+            "bad": 'extends = "xl"\n[steps.extra]\nkind = "quantize"\n'
+            'inputs = { model = "sanitize:nope" }\n'
+        },
+        [
+            "{d}/bad.toml:4: steps.extra.inputs.model: step 'sanitize' (sanitize) "
+            "has no output 'nope'; "
+            "its outputs: model, mtp"
+        ],
     ),
     "cycle between steps": (
         {"bad": 'extends = "xl"\n[steps.sanitize]\ninputs = { source = "quantize" }\n'},
-        ["{d}/bad.toml:3: steps.sanitize.inputs.source: cycle between steps: "
-         "sanitize -> quantize -> sanitize; a step cannot depend on its own output"],
+        [
+            "{d}/bad.toml:3: steps.sanitize.inputs.source: cycle between steps: "
+            "sanitize -> quantize -> sanitize; a step cannot depend on its own output"
+        ],
     ),
     "extends loop": (
         {"bad": 'extends = "loop"\n', "loop": 'extends = "bad"\n'},
-        ["{d}/loop.toml:1: extends: extends loop: bad -> loop -> bad; a manifest cannot extend itself"],
+        [
+            "{d}/loop.toml:1: extends: extends loop: bad -> loop -> bad; "
+            "a manifest cannot extend itself"
+        ],
     ),
     "unknown extends parent": (
         {"bad": 'extends = "xll"\n'},
-        ["{d}/bad.toml:1: extends: unknown parent: ", "no manifest named 'xll' (did you mean 'xl'?); known: "],
+        [
+            "{d}/bad.toml:1: extends: unknown parent: ",
+            "no manifest named 'xll' (did you mean 'xl'?); known: ",
+        ],
     ),
     "no steps": (
         {"bad": 'source = "fixture:"\n'},
@@ -117,7 +162,10 @@ def test_manifest_error_exits_2_from_a_real_process(project):
 def test_unknown_variant_on_the_command_line(project, capsys):
     assert project.cli("build", "xll") == 2
     err = capsys.readouterr().err
-    assert f"{project.manifests}/xll.toml: no manifest named 'xll' (did you mean 'xl'?); known: " in err
+    assert (
+        f"{project.manifests}/xll.toml: no manifest named 'xll' (did you mean 'xl'?); known: "
+        in err
+    )
     assert "xl, xl-3bit, xl-mtp" in err
 
 
@@ -151,7 +199,9 @@ def test_extends_inherits_and_deep_merges(project):
     assert mtp.nodes["verify"].file.endswith("/xl.toml")  # the trunk's verify is xl's own
     assert mtp.nodes["verify_head"].params.only == "language_model.mtp.*"
     assert {s: list(map(str, r)) for s, r in mtp.nodes["verify_head"].inputs.items()} == {
-        "model": ["quantize", "requantize"], "source": ["fetch"], "base": ["quantize"],
+        "model": ["quantize", "requantize"],
+        "source": ["fetch"],
+        "base": ["quantize"],
     }
     assert mtp.source == xl.source == "fixture:seed=0"
     assert mtp.nodes["fetch"].params.source == "fixture:seed=0"
@@ -161,15 +211,24 @@ def test_extends_inherits_and_deep_merges(project):
     assert mtp.nodes["requantize"].params.rules == {"language_model.mtp.fc": "mtp_fc"}
     # ...and a role no recipe rule names stays out of quantize's key: xl-mtp shares xl's quantize
     q = REGISTRY["quantize"]()
-    names = ["language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight", "language_model.model.norm.weight",
-             "language_model.model.embed_tokens.weight", "language_model.lm_head.weight"]
+    names = [
+        "language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight",
+        "language_model.model.norm.weight",
+        "language_model.model.embed_tokens.weight",
+        "language_model.lm_head.weight",
+    ]
     model = {"model": [Artifact(tensors={n: {} for n in names})]}
-    params = [m.nodes["quantize"].params.model_copy(update={"require_all_rules": False}) for m in (mtp, xl)]
+    params = [
+        m.nodes["quantize"].params.model_copy(update={"require_all_rules": False})
+        for m in (mtp, xl)
+    ]
     assert q.key_params(params[0], model) == q.key_params(params[1], model)
 
 
 def test_override_of_one_role_field_and_source_on_the_command_line(project):
-    project.write_manifest("xl4", 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 4, group_size = 64 }\n')
+    project.write_manifest(
+        "xl4", 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 4, group_size = 64 }\n'
+    )
     m = manifest.load("xl4", project.manifests, source="/data/model")
     roles = m.nodes["quantize"].params.recipe.roles
     assert (roles["routed_expert"].bits, roles["attention"].bits) == (4, 8)

@@ -119,30 +119,37 @@ def test_peak_rss_does_not_grow_with_the_largest_tensor(tmp_path):
     """The real embedding and lm_head are 1 GB each: quantize and verify stream a tensor in
     blocks of rows, so peak RSS must not follow the largest tensor either. Same model but for
     the vocabulary: embed_tokens and lm_head go from 32 MB to 160 MB each (both many blocks)."""
-    small, large = FixtureSpec(layers=4, **{**DIMS, "vocab": 32768}), FixtureSpec(layers=4, **{**DIMS, "vocab": 163840})
+    small, large = (
+        FixtureSpec(layers=4, **{**DIMS, "vocab": 32768}),
+        FixtureSpec(layers=4, **{**DIMS, "vocab": 163840}),
+    )
     (_, largest_s), (_, largest_l) = model_facts(small), model_facts(large)
     peaks = {}
     for name, spec in (("small", small), ("large", large)):
-        peaks[name] = peak_rss_of_build(Project(tmp_path / name), generate(tmp_path / f"src-{name}", spec))
+        peaks[name] = peak_rss_of_build(
+            Project(tmp_path / name), generate(tmp_path / f"src-{name}", spec)
+        )
     growth = peaks["large"] - peaks["small"]
     # Quantizing a tensor whole holds its bf16 bytes and mlx's copy of them: 2 x the tensor
     # (measured: 2.0-2.05 x on real-size tensors), 4 x with both workers on one. In blocks,
     # what grows is verify's float32 scales and biases (1/16 of the tensor) and allocator
     # noise: 15-19 MB here (0.12-0.15 x). The line is drawn at 0.25 x (32 MB).
     assert growth < (largest_l - largest_s) / 4, (
-        f"peak RSS grew {growth / MB:.0f} MB when the largest tensor grew from {largest_s / MB:.0f} "
+        f"peak RSS grew {growth / MB:.0f} MB when the largest tensor grew from "
+        f"{largest_s / MB:.0f} "
         f"to {largest_l / MB:.0f} MB ({peaks['small'] / MB:.0f} -> {peaks['large'] / MB:.0f} MB): "
         "something holds a whole tensor"
     )
 
 
-MALLINFO = '''
+MALLINFO = """
 import ctypes, json, os, sys
 import numpy as np
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                 "uordblks", "fordblks", "keepcost")]
 
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = Mallinfo2
@@ -153,7 +160,7 @@ a = np.ones(16 << 20, np.uint8)  # a block of rows: above glibc's initial 128 Ki
 mapped = libc.mallinfo2().hblkhd  # bytes in blocks served by mmap of their own
 del a
 print(json.dumps({"mapped": mapped, "kept": libc.mallinfo2().fordblks}))
-'''
+"""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
@@ -167,8 +174,13 @@ def test_a_build_process_keeps_freed_buffers_for_reuse(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
 
     def child(*argv: str, **extra) -> dict:
-        out = subprocess.run([sys.executable, "-c", MALLINFO, *argv], env={**env, **extra}, cwd=tmp_path,
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", MALLINFO, *argv],
+            env={**env, **extra},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout.splitlines()[-1])  # after what the command printed
 
@@ -178,17 +190,20 @@ def test_a_build_process_keeps_freed_buffers_for_reuse(tmp_path):
     assert tuned["kept"] >= 16 * MB, f"a freed 16 MB buffer went back to the OS: {tuned}"
     # Without it (a plain process, or the user's own malloc settings), the same buffer is
     # mmapped and unmapped: the difference this test sees is the tuning.
-    for plain in (child("plain"), child("cli", *project.args("list"), MALLOC_ARENA_MAX="2", MALLOC_TRIM_THRESHOLD_="131072")):
+    for plain in (
+        child("plain"),
+        child("cli", *project.args("list"), MALLOC_ARENA_MAX="2", MALLOC_TRIM_THRESHOLD_="131072"),
+    ):
         assert plain["mapped"] >= 16 * MB and plain["kept"] < 16 * MB, plain
 
 
-MLX_CACHE = '''
+MLX_CACHE = """
 import json, sys
 from buildkit.cli import main
 assert main(sys.argv[1:]) == 0
 import mlx.core as mx
 print(json.dumps({"cached": mx.get_cache_memory(), "limit": mx.set_cache_limit(1 << 30)}))
-'''
+"""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
@@ -199,12 +214,24 @@ def test_a_build_process_keeps_no_second_reserve_in_mlx(tmp_path):
 
     def child(name: str, **extra) -> dict:  # a cold build each, in a project of its own
         project = Project(tmp_path / name)
-        out = subprocess.run([sys.executable, "-c", MLX_CACHE, *project.args("build", "xl", "--out", str(project.out))],
-                             env={**env, **extra}, cwd=project.root, capture_output=True, text=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                MLX_CACHE,
+                *project.args("build", "xl", "--out", str(project.out)),
+            ],
+            env={**env, **extra},
+            cwd=project.root,
+            capture_output=True,
+            text=True,
+        )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout.splitlines()[-1])
 
     tuned = child("tuned")
     assert tuned == {"cached": 0, "limit": 0}, tuned
-    plain = child("plain", MALLOC_TRIM_THRESHOLD_="131072")  # the user's malloc settings: tune stands aside
+    plain = child(
+        "plain", MALLOC_TRIM_THRESHOLD_="131072"
+    )  # the user's malloc settings: tune stands aside
     assert plain["limit"] > 0, plain

@@ -73,7 +73,10 @@ def test_data_aware_error_is_below_data_agnostic_and_in_the_card(built):
     assert fig["data_aware"] < fig["data_agnostic"] * 0.95  # measurably, not by a rounding error
     card = (out / "README.md").read_text()
     row = next(line for line in card.splitlines() if line.startswith("| calibrated_expert_error |"))
-    assert f'"data_aware": {fig["data_aware"]}' in row and f'"data_agnostic": {fig["data_agnostic"]}' in row
+    assert (
+        f'"data_aware": {fig["data_aware"]}' in row
+        and f'"data_agnostic": {fig["data_agnostic"]}' in row
+    )
     assert "routed_expert (calibrated) | 4 | 64" in card
 
 
@@ -105,7 +108,9 @@ def test_changing_the_calibration_text_reruns_only_calibrated_nodes(built):
     proc = project.build(name)
     downstream = {"calibrate", "quantize", "verify", "verify_head", "publish"}
     assert set(ran(proc)) == downstream
-    assert {"fetch", "sanitize", "donor_fetch", "donor_sanitize", "graft", "requantize"} <= set(cached(proc))
+    assert {"fetch", "sanitize", "donor_fetch", "donor_sanitize", "graft", "requantize"} <= set(
+        cached(proc)
+    )
 
     # an edit in place: the content digest, not the path, is what the key sees
     text.write_text(text.read_text().replace("lighthouse keeper", "harbour master"))
@@ -115,7 +120,9 @@ def test_changing_the_calibration_text_reruns_only_calibrated_nodes(built):
 
     # the same content under another name is the same calibration
     shutil.copy(BUILTIN_TEXT, project.root / "copy.txt")
-    proc = project.build(extend(project, "oq4e-copy", '[steps.calibrate]\nparams.text = "copy.txt"\n'))
+    proc = project.build(
+        extend(project, "oq4e-copy", '[steps.calibrate]\nparams.text = "copy.txt"\n')
+    )
     assert "calibrate" in cached(proc) and "quantize" in cached(proc)
 
 
@@ -130,7 +137,11 @@ def test_unreached_experts_fall_back_and_are_counted(built):
     # 3 tokens x 2 experts each reach at most 6 of a layer's 8 experts
     assert all(len(v) >= 2 for v in unreached.values()) and len(unreached) == 4
     report = quant.meta["calibration"]
-    assert report["fallback_experts"] == stats.meta["unreached_experts"] == sum(map(len, unreached.values()))
+    assert (
+        report["fallback_experts"]
+        == stats.meta["unreached_experts"]
+        == sum(map(len, unreached.values()))
+    )
     assert report["fallback_by_layer"] == unreached
     # a fallback expert is exactly mx.quantize's; a reached one is not
     layer = "language_model.model.layers.0"
@@ -149,13 +160,25 @@ def test_unreached_experts_fall_back_and_are_counted(built):
     one_expert = nbytes(entry["dtype"], entry["shape"]) // entry["shape"][0]
     role = Role(bits=4, group_size=64, calibrated=True)
     for block in (one_expert, 3 * one_expert):
-        entries = dataaware.quantize_entry(store, f"{layer}.mlp.switch_mlp.up_proj.weight", entry, role, stats, dataaware.Tally(), block)
+        entries = dataaware.quantize_entry(
+            store,
+            f"{layer}.mlp.switch_mlp.up_proj.weight",
+            entry,
+            role,
+            stats,
+            dataaware.Tally(),
+            block,
+        )
         assert entries == {k: quant.tensors[k] for k in entries}, block
 
 
 def test_incompatible_donor_is_refused_with_each_field(built):
     project, _ = built
-    name = extend(project, "oq4e-bad-donor", '[steps.donor_fetch]\nparams.source = "fixture:seed=1,hidden=192,experts=16"\n')
+    name = extend(
+        project,
+        "oq4e-bad-donor",
+        '[steps.donor_fetch]\nparams.source = "fixture:seed=1,hidden=192,experts=16"\n',
+    )
     proc = project.run("build", name, "--target", "graft", check=False)
     assert proc.returncode == 1
     assert "hidden_size: trunk 128 vs head 192" in proc.stderr
@@ -180,8 +203,10 @@ def test_search_is_never_worse_than_data_agnostic_on_its_objective():
     w = mx.array(rng.standard_normal((32, 128)).astype(np.float32) * 0.1).astype(mx.bfloat16)
     d = np.exp(rng.standard_normal(128)).astype(np.float32).reshape(1, 2, 64)
     wq, s, b = mx.quantize(w, group_size=64, bits=4)
-    base = (dataaware.unpack(np.array(wq), 4).reshape(32, 2, 64),
-            *(to_float32(*from_mlx(a)) for a in (s, b)))
+    base = (
+        dataaware.unpack(np.array(wq), 4).reshape(32, 2, 64),
+        *(to_float32(*from_mlx(a)) for a in (s, b)),
+    )
     w32 = np.array(w.astype(mx.float32)).reshape(32, 2, 64)
     q, s2, b2, won = dataaware.search(w32, d, 4, "BF16", base)
     err = (d * np.square(s2[..., None] * q + b2[..., None] - w32)).sum(-1)
@@ -199,14 +224,21 @@ def test_importance_weighting_matters_where_channels_differ():
     scale = np.exp(rng.standard_normal(c)).astype(np.float32)
     calib, held = (rng.standard_normal((n, c)).astype(np.float32) * scale for n in (2000, 500))
     wq, s, b = mx.quantize(w, group_size=64, bits=4)
-    base = (dataaware.unpack(np.array(wq), 4).reshape(o, 4, 64), *(to_float32(*from_mlx(a)) for a in (s, b)))
+    base = (
+        dataaware.unpack(np.array(wq), 4).reshape(o, 4, 64),
+        *(to_float32(*from_mlx(a)) for a in (s, b)),
+    )
     y = held @ w32.T
 
     def error(importance):
-        q, s2, b2, _ = dataaware.search(w32.reshape(o, 4, 64), importance.reshape(1, 4, 64), 4, "BF16", base)
+        q, s2, b2, _ = dataaware.search(
+            w32.reshape(o, 4, 64), importance.reshape(1, 4, 64), 4, "BF16", base
+        )
         return np.linalg.norm(held @ (s2[..., None] * q + b2[..., None]).reshape(o, c).T - y)
 
-    agnostic = np.linalg.norm(held @ (base[1][..., None] * base[0] + base[2][..., None]).reshape(o, c).T - y)
+    agnostic = np.linalg.norm(
+        held @ (base[1][..., None] * base[0] + base[2][..., None]).reshape(o, c).T - y
+    )
     uniform, aware = error(np.ones(c, np.float32)), error(np.square(calib).mean(0))
     assert aware < 0.85 * uniform < 0.85 * agnostic
 
@@ -216,18 +248,27 @@ def test_split_is_deterministic_and_skips_the_header():
     assert calib == ["a", "b", "d", "e"] and held == ["c", "f"]
     calib, held = cal.split_lines(BUILTIN_TEXT.read_text(), 5)
     assert len(calib) + len(held) >= 250 and len(held) == (len(calib) + len(held)) // 5
-    assert calib[0].startswith("The morning train") and not any(ln.startswith("#") for ln in calib + held)
+    assert calib[0].startswith("The morning train") and not any(
+        ln.startswith("#") for ln in calib + held
+    )
 
 
 def test_calibrate_key_has_params_but_not_the_path():
     step = Calibrate()
     kp = step.key_params(CalibrateParams(text="anywhere.txt"))
-    assert kp == {"heldout_every": 5, "seq_len": 128, "max_tokens": 4096, "max_heldout_tokens": 1024}
+    assert kp == {
+        "heldout_every": 5,
+        "seq_len": 128,
+        "max_tokens": 4096,
+        "max_heldout_tokens": 1024,
+    }
 
 
 def test_calibrated_role_needs_a_calibration_input():
-    recipe = Recipe(roles={"e": {"bits": 4, "calibrated": True}, "k": {"passthrough": True}},
-                    rules={"*.switch_mlp.*": "e", "*": "k"})
+    recipe = Recipe(
+        roles={"e": {"bits": 4, "calibrated": True}, "k": {"passthrough": True}},
+        rules={"*.switch_mlp.*": "e", "*": "k"},
+    )
     roles = {f"{LAYER0}.up_proj.weight": "e", "x.norm.weight": "k"}
     with pytest.raises(StepError, match="calibrated .* no calibration input"):
         dataaware.check_calibration(recipe, roles, None)

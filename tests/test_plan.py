@@ -1,4 +1,5 @@
-"""Planning: why_changed's reasons, action keys, and a Planner's fresh/stale view of a built store."""
+"""Planning: why_changed's reasons, action keys, and a Planner's fresh/stale view of a built
+store."""
 
 from __future__ import annotations
 
@@ -27,9 +28,13 @@ def ingredients(**over) -> dict:
     base = {
         "kind": "quantize",
         "version": 1,
-        "params": {"plan": {"roles": {"six": {"bits": 6, "group_size": 64}},
-                            "tensors": {T.format(i, p): "six" for i in range(3) for p in ("gate", "up")}},
-                   "require_all_rules": True},
+        "params": {
+            "plan": {
+                "roles": {"six": {"bits": 6, "group_size": 64}},
+                "tensors": {T.format(i, p): "six" for i in range(3) for p in ("gate", "up")},
+            },
+            "require_all_rules": True,
+        },
         "inputs": {"model": [D1]},
         "libraries": {"mlx": "0.29.0"},
         "fingerprint": None,
@@ -76,12 +81,15 @@ def test_a_plans_tensors_table_is_summarised_in_one_line(nodes):
     reasons = why_changed(nodes["quantize"], old, new)
     assert reasons == [
         "params.plan.tensors: 6 changed ("
-        f"{T.format(0, 'gate')} six→eight, {T.format(0, 'up')} six→eight, {T.format(1, 'gate')} six→eight"
+        f"{T.format(0, 'gate')} six→eight, {T.format(0, 'up')} six→eight, "
+        f"{T.format(1, 'gate')} six→eight"
         ", and 3 more)"
     ]
     one = copy.deepcopy(old)
     one["params"]["plan"]["tensors"][T.format(1, "up")] = "keep"
-    assert why_changed(nodes["quantize"], old, one) == [f"params.plan.tensors: 1 changed ({T.format(1, 'up')} six→keep)"]
+    assert why_changed(nodes["quantize"], old, one) == [
+        f"params.plan.tensors: 1 changed ({T.format(1, 'up')} six→keep)"
+    ]
 
 
 def test_an_input_is_named_once_with_every_slot_it_feeds(nodes):
@@ -90,23 +98,40 @@ def test_an_input_is_named_once_with_every_slot_it_feeds(nodes):
     new = ingredients(kind="verify", inputs={"model": [D3, D2], "source": [D3], "base": [D3]})
     assert why_changed(node, old, new) == ["input quantize changed (slot base, model)"]
     new["inputs"]["model"] = [D3, D1]
-    assert why_changed(node, old, new) == ["input quantize changed (slot base, model)", "input requantize changed (slot model)"]
+    assert why_changed(node, old, new) == [
+        "input quantize changed (slot base, model)",
+        "input requantize changed (slot model)",
+    ]
     # a slot whose list changed length: every reference in it is named
     short = ingredients(kind="verify", inputs={"model": [D1], "source": [D3], "base": [D1]})
-    assert why_changed(node, short, old) == ["input quantize changed (slot model)", "input requantize changed (slot model)"]
+    assert why_changed(node, short, old) == [
+        "input quantize changed (slot model)",
+        "input requantize changed (slot model)",
+    ]
 
 
 def test_a_source_change_is_described_by_its_step(nodes):
-    old = ingredients(kind="fetch", inputs={}, fingerprint={"config.json": D1, "model.safetensors": D2})
-    new = ingredients(kind="fetch", inputs={}, fingerprint={"config.json": D1, "model.safetensors": D3, "tokenizer.json": D1})
-    assert why_changed(nodes["fetch"], old, new) == ["source changed: model.safetensors, tokenizer.json"]
+    old = ingredients(
+        kind="fetch", inputs={}, fingerprint={"config.json": D1, "model.safetensors": D2}
+    )
+    new = ingredients(
+        kind="fetch",
+        inputs={},
+        fingerprint={"config.json": D1, "model.safetensors": D3, "tokenizer.json": D1},
+    )
+    assert why_changed(nodes["fetch"], old, new) == [
+        "source changed: model.safetensors, tokenizer.json"
+    ]
 
 
 def test_action_key_is_stable_for_equal_ingredients_and_pinned():
     a = ingredients()
     b = {k: a[k] for k in reversed(list(a))}  # another order, same content
     assert action_key(a) == action_key(b) == action_key(copy.deepcopy(a))
-    assert action_key({"kind": "quantize", "version": 1}) == "xxh3_128:fd554ab15ed2336adf35e0458bcac707"
+    assert (
+        action_key({"kind": "quantize", "version": 1})
+        == "xxh3_128:fd554ab15ed2336adf35e0458bcac707"
+    )
     changed = copy.deepcopy(a)
     changed["params"]["plan"]["tensors"][T.format(0, "gate")] = "eight"
     assert action_key(changed) != action_key(a)
@@ -124,30 +149,45 @@ def test_planner_on_a_built_store(project, seed):
     project.adopt(seed)
     ref = Store(project.store).get_ref("xl")
     states = planner(project, "xl").plan()
-    assert [(s.name, s.fresh, s.reasons) for s in states] == [(n, True, []) for n in ["fetch", "sanitize", "quantize", "verify", "publish"]]
+    assert [(s.name, s.fresh, s.reasons) for s in states] == [
+        (n, True, []) for n in ["fetch", "sanitize", "quantize", "verify", "publish"]
+    ]
     assert {s.name: s.key for s in states} == ref["keys"]
 
     project.write_manifest("xl4", 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 4 }\n')
     p = planner(project, "xl4")
     by = {s.name: s for s in p.plan()}
     assert [n for n, s in by.items() if s.fresh] == ["fetch", "sanitize"]
-    assert by["quantize"].reasons == ["params.plan.roles.routed_expert.bits changed 6→4"]  # against xl's build
-    assert by["verify"].reasons == ["input quantize will be rebuilt first"] and by["verify"].waits_for == ["quantize"]
+    assert by["quantize"].reasons == [
+        "params.plan.roles.routed_expert.bits changed 6→4"
+    ]  # against xl's build
+    assert by["verify"].reasons == ["input quantize will be rebuilt first"] and by[
+        "verify"
+    ].waits_for == ["quantize"]
     assert by["publish"].waits_for == ["quantize", "verify"] and by["publish"].key is None
 
-    project.write_manifest("xlr", 'extends = "xl"\n[recipe.rules]\n"*.mlp.shared_expert.*" = "routed_expert"\n')
+    project.write_manifest(
+        "xlr", 'extends = "xl"\n[recipe.rules]\n"*.mlp.shared_expert.*" = "routed_expert"\n'
+    )
     reasons = {s.name: s for s in planner(project, "xlr").plan()}["quantize"].reasons
     layer0 = "language_model.model.layers.0.mlp.shared_expert"
     assert reasons[-1] == (
         f"params.plan.tensors: 12 changed ({layer0}.down_proj.weight shared_expert→routed_expert, "
-        f"{layer0}.gate_proj.weight shared_expert→routed_expert, {layer0}.up_proj.weight shared_expert→routed_expert, "
+        f"{layer0}.gate_proj.weight shared_expert→routed_expert, "
+        f"{layer0}.up_proj.weight shared_expert→routed_expert, "
         "and 9 more)"
     )
-    assert reasons[0].startswith("params.plan.roles.shared_expert removed (was {")  # the role no tensor takes now
+    assert reasons[0].startswith(
+        "params.plan.roles.shared_expert removed (was {"
+    )  # the role no tensor takes now
 
     assert p.selection(["quantize"]) == ["fetch", "sanitize", "quantize"]
-    with pytest.raises(UsageError, match=r"xl4 has no step 'quantise' \(did you mean 'quantize'\?\)"):
+    with pytest.raises(
+        UsageError, match=r"xl4 has no step 'quantise' \(did you mean 'quantize'\?\)"
+    ):
         p.selection(["quantise"])
     ex = p.explain("quantize")
     assert ex["fresh"] is False and ex["inputs"] == {"model": ["sanitize:model"]}
-    assert ex["key"] == by["quantize"].key and ex["ingredients"]["libraries"] == {"mlx": ex["ingredients"]["libraries"]["mlx"]}
+    assert ex["key"] == by["quantize"].key and ex["ingredients"]["libraries"] == {
+        "mlx": ex["ingredients"]["libraries"]["mlx"]
+    }

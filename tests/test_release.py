@@ -29,7 +29,8 @@ ZERO = keys.PREFIX + "0" * 32
 
 @pytest.fixture(scope="module")
 def released(tmp_path_factory) -> Project:
-    """The default variants built with --release into one store (locks in the project's manifests/)."""
+    """The default variants built with --release into one store (locks in the project's
+    manifests/)."""
     p = Project(tmp_path_factory.mktemp("release"))
     for v in DEFAULTS:
         assert p.cli("build", v, "--release", "-q", "--out", str(p.out / v)) == 0
@@ -44,7 +45,9 @@ def nodes(table: dict) -> dict:
     return {n: (x["key"], x["outputs"]) for n, x in table.items()}
 
 
-def verify(monkeypatch, capsys, cwd: Path, variant: str, lock: Path, manifests: Path = REPO / "manifests") -> tuple[int, str]:
+def verify(
+    monkeypatch, capsys, cwd: Path, variant: str, lock: Path, manifests: Path = REPO / "manifests"
+) -> tuple[int, str]:
     monkeypatch.chdir(cwd)
     capsys.readouterr()
     code = main(["--manifests", str(manifests), "verify", variant, "--against", str(lock)])
@@ -95,7 +98,9 @@ def test_release_pins_are_the_versions_of_the_committed_locks():
     assert {"mlx", "mlx-lm", "numpy"} <= set(pins)
     for v in DEFAULTS:
         tools = json.loads((REPO / "manifests" / f"{v}.lock").read_text())["tools"]
-        assert {k: tools[k] for k in pins} == pins, f"manifests/{v}.lock was made with other versions; run make release"
+        assert {k: tools[k] for k in pins} == pins, (
+            f"manifests/{v}.lock was made with other versions; run make release"
+        )
 
 
 def test_verify_names_the_first_differing_node_and_library_versions(released, monkeypatch, capsys):
@@ -105,12 +110,21 @@ def test_verify_names_the_first_differing_node_and_library_versions(released, mo
             d["nodes"][n]["libraries"]["mlx"] = "0.0.1"
             d["nodes"][n]["key"] = ZERO
 
-    code, out = verify(monkeypatch, capsys, released.root, "xl", tampered(released, "xl", other_mlx), released.manifests)
+    code, out = verify(
+        monkeypatch,
+        capsys,
+        released.root,
+        "xl",
+        tampered(released, "xl", other_mlx),
+        released.manifests,
+    )
     here = version("mlx")
     assert code == 1
     assert f"tool versions differ from the lock's: mlx 0.0.1 (lock) vs {here} (here)" in out
     assert "differs at node 'quantize' (quantize), the first in build order" in out
-    assert f"its key includes library versions that differ: mlx 0.0.1 (lock) vs {here} (here)" in out
+    assert (
+        f"its key includes library versions that differ: mlx 0.0.1 (lock) vs {here} (here)" in out
+    )
     assert "pip install -c constraints.txt" in out
 
 
@@ -119,7 +133,14 @@ def test_verify_names_changed_source_files(released, monkeypatch, capsys):
         d["sources"]["fetch"]["files"]["model-00002-of-00002.safetensors"] = ZERO
         d["nodes"]["fetch"]["key"] = ZERO
 
-    code, out = verify(monkeypatch, capsys, released.root, "xl", tampered(released, "xl", other_shard), released.manifests)
+    code, out = verify(
+        monkeypatch,
+        capsys,
+        released.root,
+        "xl",
+        tampered(released, "xl", other_shard),
+        released.manifests,
+    )
     assert code == 1 and "differs at node 'fetch' (fetch)" in out
     assert "source files differ: model-00002-of-00002.safetensors" in out
     assert "tool versions differ" not in out
@@ -137,7 +158,9 @@ def test_verify_refuses_a_bad_lock_before_building(released, monkeypatch, capsys
         bad.write_text(text)
         code, out = verify(monkeypatch, capsys, released.root, "xl", bad, released.manifests)
         assert code == 2 and message in out and "[run]" not in out, out
-    code, out = verify(monkeypatch, capsys, released.root, "xl", released.root / "none.lock", released.manifests)
+    code, out = verify(
+        monkeypatch, capsys, released.root, "xl", released.root / "none.lock", released.manifests
+    )
     assert code == 2 and "cannot read lock file" in out
 
 
@@ -153,10 +176,20 @@ def test_release_of_part_of_a_variant_is_refused(project, capsys):
 def test_concurrent_builds_run_each_shared_node_once(released, tmp_path):
     """Four processes at once on one store: xl, xl-mtp twice (two --out dirs) and oq4e-mtp-xl."""
     p = Project(tmp_path)
-    jobs = [("xl", "xl"), ("xl-mtp", "xl-mtp"), ("xl-mtp", "xl-mtp-again"), ("oq4e-mtp-xl", "oq4e-mtp-xl")]
+    jobs = [
+        ("xl", "xl"),
+        ("xl-mtp", "xl-mtp"),
+        ("xl-mtp", "xl-mtp-again"),
+        ("oq4e-mtp-xl", "oq4e-mtp-xl"),
+    ]
     procs = [
-        subprocess.Popen([sys.executable, "-m", "buildkit.cli", *p.args("build", v, "--out", str(p.out / o))],
-                         cwd=p.root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-m", "buildkit.cli", *p.args("build", v, "--out", str(p.out / o))],
+            cwd=p.root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for v, o in jobs
     ]
     errs = [proc.communicate(timeout=600)[1] for proc in procs]
@@ -164,17 +197,25 @@ def test_concurrent_builds_run_each_shared_node_once(released, tmp_path):
         assert proc.returncode == 0, err
     # "[done]   name (kind) <key> in ...": every key but a publish (one per --out) ran once
     done = Counter(
-        (line.split()[1], line.split()[3]) for err in errs for line in err.splitlines()
+        (line.split()[1], line.split()[3])
+        for err in errs
+        for line in err.splitlines()
         if line.startswith("[done]") and "(publish)" not in line
     )
-    want = {(n, keys.short(x["key"])) for v in DEFAULTS
-            for n, x in Store(released.store).get_ref(v)["nodes"].items() if n != "publish"}
+    want = {
+        (n, keys.short(x["key"]))
+        for v in DEFAULTS
+        for n, x in Store(released.store).get_ref(v)["nodes"].items()
+        if n != "publish"
+    }
     assert set(done) == want and set(done.values()) == {1}, done
     assert sum(line.startswith("[cached] fetch ") for err in errs for line in err.splitlines()) == 3
     store = Store(p.store)
     assert store.check() == []
     for v in DEFAULTS:
-        assert nodes(store.get_ref(v)["nodes"]) == nodes(Store(released.store).get_ref(v)["nodes"]), v
+        assert nodes(store.get_ref(v)["nodes"]) == nodes(
+            Store(released.store).get_ref(v)["nodes"]
+        ), v
     for v, o in jobs:
         want, got = released.out / v, p.out / o
         files = sorted(str(x.relative_to(want)) for x in want.rglob("*") if x.is_file())  # with mtp/

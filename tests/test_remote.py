@@ -25,7 +25,11 @@ moto_server = pytest.importorskip("moto.server")
 ed25519 = pytest.importorskip("cryptography.hazmat.primitives.asymmetric.ed25519")
 from cryptography.hazmat.primitives import serialization  # noqa: E402
 
-CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+CREDS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 def free_port() -> int:
@@ -45,8 +49,13 @@ def server():
 
 
 def client(endpoint: str):
-    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
-                        aws_secret_access_key="testing", region_name="us-east-1")
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
 
 
 @pytest.fixture
@@ -60,7 +69,8 @@ def aws(server, monkeypatch):
 
 @pytest.fixture(scope="module")
 def uploaded(server, tmp_path_factory):
-    """xl built once with --remote-upload into bucket ``base`` (prefix ci) and pushed to a file remote."""
+    """xl built once with --remote-upload into bucket ``base`` (prefix ci) and pushed to a file
+    remote."""
     mp = pytest.MonkeyPatch()
     for k, v in {**CREDS, "AWS_ENDPOINT_URL": server}.items():
         mp.setenv(k, v)
@@ -88,8 +98,11 @@ def bucket_from_base(endpoint: str) -> str:
 
 def listing(endpoint: str, bucket: str) -> dict[str, tuple]:
     c = client(endpoint)
-    return {o["Key"]: (o["ETag"], o["LastModified"], o["Size"])
-            for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page.get("Contents", [])}
+    return {
+        o["Key"]: (o["ETag"], o["LastModified"], o["Size"])
+        for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for o in page.get("Contents", [])
+    }
 
 
 def tree(d: Path) -> dict[str, bytes]:
@@ -98,7 +111,11 @@ def tree(d: Path) -> dict[str, bytes]:
 
 def stray(store: Path) -> list[str]:
     """Files in the store that are not whole entries: temp files anywhere but tmp/."""
-    return [str(p) for p in store.rglob("*") if p.is_file() and "tmp" in p.name and p.parent.name != "tmp"]
+    return [
+        str(p)
+        for p in store.rglob("*")
+        if p.is_file() and "tmp" in p.name and p.parent.name != "tmp"
+    ]
 
 
 def test_empty_store_builds_from_s3_and_second_upload_sends_nothing(aws, uploaded, tmp_path):
@@ -132,18 +149,30 @@ def test_corrupt_remote_object_and_record_are_refused_and_rebuilt(aws, uploaded,
     c = client(aws)
     ref = json.loads((writer.store / "refs" / "xl.json").read_text())["nodes"]
     # One object publish needs (a quantized weight) and verify's record.
-    qart = json.loads(c.get_object(Bucket=bucket, Key="ci/actions/" + _fan(ref["quantize"]["key"]))["Body"].read())
+    qart = json.loads(
+        c.get_object(Bucket=bucket, Key="ci/actions/" + _fan(ref["quantize"]["key"]))["Body"].read()
+    )
     listing_digest = qart["body"]["record"]["outputs"]["out"]
-    tensors = json.loads((writer.store / "artifacts" / _fan(listing_digest)).read_bytes())["tensors"]
-    obj = next(t["digest"] for n, t in sorted(tensors.items()) if "digest" in t and n.endswith("switch_mlp.up_proj.weight"))
+    tensors = json.loads((writer.store / "artifacts" / _fan(listing_digest)).read_bytes())[
+        "tensors"
+    ]
+    obj = next(
+        t["digest"]
+        for n, t in sorted(tensors.items())
+        if "digest" in t and n.endswith("switch_mlp.up_proj.weight")
+    )
     obj_key = "ci/objects/" + _fan(obj)
     data = bytearray(c.get_object(Bucket=bucket, Key=obj_key)["Body"].read())
     data[len(data) // 2] ^= 0xFF
     c.put_object(Bucket=bucket, Key=obj_key, Body=bytes(data))
     # And a file sanitize's output names but quantize's does not (one fetch made): found only
     # once quantize runs, a round later, so fetch is rebuilt too.
-    sart = json.loads((writer.store / "artifacts" / _fan(ref["sanitize"]["outputs"]["model"])).read_bytes())
-    qart_files = json.loads((writer.store / "artifacts" / _fan(listing_digest)).read_bytes())["files"]
+    sart = json.loads(
+        (writer.store / "artifacts" / _fan(ref["sanitize"]["outputs"]["model"])).read_bytes()
+    )
+    qart_files = json.loads((writer.store / "artifacts" / _fan(listing_digest)).read_bytes())[
+        "files"
+    ]
     sobj = sorted(set(sart["files"].values()) - set(qart_files.values()))[0]
     c.put_object(Bucket=bucket, Key="ci/objects/" + _fan(sobj), Body=b"")
     rec_key = "ci/actions/" + _fan(ref["verify"]["key"])
@@ -152,9 +181,18 @@ def test_corrupt_remote_object_and_record_are_refused_and_rebuilt(aws, uploaded,
 
     b = Project(tmp_path / "reader")
     p = b.build("xl", "--remote", f"s3://{bucket}/ci", "--remote-upload")
-    assert f"remote object s3://{bucket}/ci/objects/{_fan(obj)} refused: content does not match its digest" in p.stderr
-    assert f"remote record s3://{bucket}/ci/actions/{_fan(ref['verify']['key'])} refused: not a record" in p.stderr
-    assert f"remote object s3://{bucket}/ci/objects/{_fan(sobj)} refused: content does not match its digest" in p.stderr
+    assert (
+        f"remote object s3://{bucket}/ci/objects/{_fan(obj)} refused: "
+        "content does not match its digest" in p.stderr
+    )
+    assert (
+        f"remote record s3://{bucket}/ci/actions/{_fan(ref['verify']['key'])} refused: not a record"
+        in p.stderr
+    )
+    assert (
+        f"remote object s3://{bucket}/ci/objects/{_fan(sobj)} refused: "
+        "content does not match its digest" in p.stderr
+    )
     assert {"fetch", "quantize", "verify", "publish"} <= set(ran(p)), p.stderr
     assert p.stderr.count("building again to restore it") == 2
     assert tree(b.out / "xl") == tree(writer.out / "xl")
@@ -173,8 +211,13 @@ def _fan(digest: str) -> str:
 def _keypair(d: Path, name: str) -> tuple[Path, str]:
     k = ed25519.Ed25519PrivateKey.generate()
     path = d / f"{name}.pem"
-    path.write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                     serialization.NoEncryption()))
+    path.write_bytes(
+        k.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     raw = k.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return path, base64.b64encode(raw).decode()
 
@@ -200,16 +243,26 @@ def test_trusted_keys_refuse_unsigned_and_wrongly_signed_records(uploaded, tmp_p
     assert ran(p) == ["fetch", "sanitize", "quantize", "verify", "publish"]
 
     # A valid signature moved onto other content: the envelope's sha256 is made to match.
-    rec_path = signed / "actions" / _fan(json.loads((writer.store / "refs" / "xl.json").read_text())["nodes"]["quantize"]["key"])
+    rec_path = (
+        signed
+        / "actions"
+        / _fan(
+            json.loads((writer.store / "refs" / "xl.json").read_text())["nodes"]["quantize"]["key"]
+        )
+    )
     env = json.loads(rec_path.read_bytes())
     env["body"]["record"]["stats"]["seconds"] = 0.5
     import hashlib
 
     from buildkit.keys import canonical_json
+
     env["sha256"] = hashlib.sha256(canonical_json(env["body"])).hexdigest()
     rec_path.write_bytes(canonical_json(env))
     p = Project(tmp_path / "forged").build("xl", "--remote", signed.as_uri())
-    assert f"remote record {signed.as_uri()}/actions/{_fan(env['body']['key'])} refused: signature does not verify" in p.stderr
+    assert (
+        f"remote record {signed.as_uri()}/actions/{_fan(env['body']['key'])} refused: "
+        "signature does not verify" in p.stderr
+    )
     assert "quantize" in ran(p)
 
     monkeypatch.setenv("BUILDKIT_TRUSTED_KEYS", other_pub)
@@ -267,7 +320,9 @@ class CutProxy:
             s.close()
 
 
-def test_server_gone_mid_pull_is_a_clear_error_and_a_build_goes_on_locally(aws, uploaded, tmp_path, monkeypatch):
+def test_server_gone_mid_pull_is_a_clear_error_and_a_build_goes_on_locally(
+    aws, uploaded, tmp_path, monkeypatch
+):
     writer, _ = uploaded
     bucket = bucket_from_base(aws)
     url = f"s3://{bucket}/ci"

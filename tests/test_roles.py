@@ -1,4 +1,5 @@
-"""Role rules: Role validation, first match wins, module-path matching, unassigned tensors and dead rules."""
+"""Role rules: Role validation, first match wins, module-path matching, unassigned tensors and
+dead rules."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ NORM = "language_model.model.norm.weight"
 
 
 def recipe(rules: dict[str, str]) -> Recipe:
-    roles = {"eight": {"bits": 8}, "six": {"bits": 6, "group_size": 32}, "keep": {"passthrough": True}}
+    roles = {
+        "eight": {"bits": 8},
+        "six": {"bits": 6, "group_size": 32},
+        "keep": {"passthrough": True},
+    }
     return Recipe(roles=roles, rules=rules)
 
 
@@ -29,18 +34,27 @@ def test_role_quant_settings_and_defaults():
     assert Role(bits=8, calibrated=True).calibrated
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"bits": 7}, "bits must be one of 2, 3, 4, 5, 6, 8 (mlx affine), got 7"),
-    ({"bits": 1}, "Input should be greater than or equal to 2"),
-    ({"bits": 9}, "Input should be less than or equal to 8"),
-    ({}, "a role needs `bits` (and optionally group_size) or `passthrough = true`"),
-    ({"group_size": 64}, "a role needs `bits`"),
-    ({"passthrough": True, "bits": 8}, "a passthrough role takes no bits and is not calibrated"),
-    ({"passthrough": True, "calibrated": True}, "a passthrough role takes no bits and is not calibrated"),
-    ({"bits": 4, "group_size": 8}, "Input should be greater than or equal to 16"),
-    ({"bits": 4, "mode": "mxfp4"}, "Input should be 'affine'"),
-    ({"bits": 4, "bit": 4}, "Extra inputs are not permitted"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"bits": 7}, "bits must be one of 2, 3, 4, 5, 6, 8 (mlx affine), got 7"),
+        ({"bits": 1}, "Input should be greater than or equal to 2"),
+        ({"bits": 9}, "Input should be less than or equal to 8"),
+        ({}, "a role needs `bits` (and optionally group_size) or `passthrough = true`"),
+        ({"group_size": 64}, "a role needs `bits`"),
+        (
+            {"passthrough": True, "bits": 8},
+            "a passthrough role takes no bits and is not calibrated",
+        ),
+        (
+            {"passthrough": True, "calibrated": True},
+            "a passthrough role takes no bits and is not calibrated",
+        ),
+        ({"bits": 4, "group_size": 8}, "Input should be greater than or equal to 16"),
+        ({"bits": 4, "mode": "mxfp4"}, "Input should be 'affine'"),
+        ({"bits": 4, "bit": 4}, "Extra inputs are not permitted"),
+    ],
+)
 def test_invalid_role_is_refused_saying_why(fields, message):
     with pytest.raises(ValidationError) as e:
         Role(**fields)
@@ -72,7 +86,10 @@ def test_first_matching_rule_wins():
     assert r.match(EXPERT) == ("*.mlp.*", "six")
     assert r.match(NORM) == ("*", "keep")
     flipped = recipe({"*.mlp.*": "six", "*.mlp.gate": "eight", "*": "keep"})
-    assert flipped.match(GATE) == ("*.mlp.*", "six")  # the same rules in another order: another role
+    assert flipped.match(GATE) == (
+        "*.mlp.*",
+        "six",
+    )  # the same rules in another order: another role
 
 
 def test_patterns_match_the_module_path_or_the_full_name():
@@ -85,8 +102,15 @@ def test_patterns_match_the_module_path_or_the_full_name():
 
 
 def test_assign_gives_every_tensor_its_role():
-    r = recipe({"*.mlp.gate": "eight", "*.switch_mlp.*": "six", "*.self_attn.*": "eight", "*norm*": "keep"})
-    assert r.assign([ATTN, GATE, EXPERT, NORM]) == {ATTN: "eight", GATE: "eight", EXPERT: "six", NORM: "keep"}
+    r = recipe(
+        {"*.mlp.gate": "eight", "*.switch_mlp.*": "six", "*.self_attn.*": "eight", "*norm*": "keep"}
+    )
+    assert r.assign([ATTN, GATE, EXPERT, NORM]) == {
+        ATTN: "eight",
+        GATE: "eight",
+        EXPERT: "six",
+        NORM: "keep",
+    }
 
 
 def test_unassigned_tensors_are_named_with_a_count_of_the_rest():
@@ -98,7 +122,10 @@ def test_unassigned_tensors_are_named_with_a_count_of_the_rest():
         "add a rule under [recipe.rules] (for example a passthrough role)"
     )
     names = [f"t{i}.weight" for i in range(8)]
-    with pytest.raises(StepError, match=r"tensor\(s\) t0.weight, t1.weight, t2.weight, t3.weight, t4.weight \(and 3 more\); "):
+    with pytest.raises(
+        StepError,
+        match=r"tensor\(s\) t0.weight, t1.weight, t2.weight, t3.weight, t4.weight \(and 3 more\); ",
+    ):
         r.assign(names)
 
 
@@ -106,7 +133,9 @@ def test_dead_rules_are_named_unless_allowed():
     r = recipe({"*.typo_proj": "eight", "*norm*": "keep", "*.gone": "six"})
     with pytest.raises(StepError) as e:
         r.assign([NORM])
-    assert str(e.value).startswith("recipe rule(s) '*.typo_proj', '*.gone' match no tensor; fix the pattern or remove it")
+    assert str(e.value).startswith(
+        "recipe rule(s) '*.typo_proj', '*.gone' match no tensor; fix the pattern or remove it"
+    )
     assert r.assign([NORM], require_all_rules=False) == {NORM: "keep"}
     # a rule shadowed by an earlier one for every tensor is dead too
     with pytest.raises(StepError, match=r"recipe rule\(s\) '\*norm\*' match no tensor"):

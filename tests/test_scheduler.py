@@ -1,4 +1,5 @@
-"""Plan and build: what re-runs and why, step versions, concurrent builds, explain, the store option."""
+"""Plan and build: what re-runs and why, step versions, concurrent builds, explain, the store
+option."""
 
 from __future__ import annotations
 
@@ -20,7 +21,16 @@ from buildkit.steps.base import library_version
 from buildkit.steps.quantize import Quantize
 
 XL = ["fetch", "sanitize", "quantize", "verify", "publish"]
-XL_MTP = ["fetch", "sanitize", "graft", "quantize", "requantize", "verify", "verify_head", "publish"]
+XL_MTP = [
+    "fetch",
+    "sanitize",
+    "graft",
+    "quantize",
+    "requantize",
+    "verify",
+    "verify_head",
+    "publish",
+]
 XL4 = 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 4, group_size = 64 }\n'
 
 
@@ -35,7 +45,12 @@ def plan(project, variant: str) -> dict[str, str]:
     """step -> its plan line without the key: 'fresh' or 'stale: <reasons>'."""
     out = project.run("plan", variant).stdout.splitlines()
     assert out[-1].startswith(f"{variant}: ")
-    lines = [re.fullmatch(r"(fresh|stale) (\S+) \((\S+)\) ([0-9a-f]{12}|\(key depends on [\w, -]+\))(: .+)?", s) for s in out[:-1]]
+    lines = [
+        re.fullmatch(
+            r"(fresh|stale) (\S+) \((\S+)\) ([0-9a-f]{12}|\(key depends on [\w, -]+\))(: .+)?", s
+        )
+        for s in out[:-1]
+    ]
     assert all(lines), out
     return {m[2]: m[1] + (m[5] or "") for m in lines}
 
@@ -43,7 +58,10 @@ def plan(project, variant: str) -> dict[str, str]:
 def popen(project, *argv) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "buildkit.cli", *project.args(*argv)],
-        cwd=project.root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=project.root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -71,18 +89,28 @@ def test_first_build_runs_everything_second_nothing(project):
     assert [p for p in project.root.rglob("*") if ".tmp" in p.name] == []
 
 
-def imported(project, *argv: str, check: bool = True) -> tuple[subprocess.CompletedProcess, set[str]]:
+def imported(
+    project, *argv: str, check: bool = True
+) -> tuple[subprocess.CompletedProcess, set[str]]:
     """Run the CLI with ``python -X importtime``: the result and the top-level packages imported."""
-    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "buildkit.cli", *project.args(*argv)],
-                       cwd=project.root, capture_output=True, text=True, check=check)
-    mods = {m[1].split(".")[0] for m in re.finditer(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", p.stderr, re.M)}
+    p = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "buildkit.cli", *project.args(*argv)],
+        cwd=project.root,
+        capture_output=True,
+        text=True,
+        check=check,
+    )
+    mods = {
+        m[1].split(".")[0]
+        for m in re.finditer(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", p.stderr, re.M)
+    }
     return p, mods
 
 
 def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):
-    """A no-op build (and a plan) decide from the store alone: numpy, mlx, mlx_lm and tokenizers are never
-    imported, not even by the scheduler's early imports, which start only for a node that runs
-    or was never built."""
+    """A no-op build (and a plan) decide from the store alone: numpy, mlx, mlx_lm and tokenizers
+    are never imported, not even by the scheduler's early imports, which start only for a node
+    that runs or was never built."""
     project.adopt(seed)
     heavy = {"numpy", "mlx", "mlx_lm", "transformers", "tokenizers"}
     p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))
@@ -105,11 +133,17 @@ def test_a_graph_edited_after_a_build_is_worked_out_again(project, seed):
     """An edit that adds a step, or closes a cycle, is seen by the next plan."""
     project.adopt(seed)
     text = (project.manifests / "xl.toml").read_text()
-    project.write_manifest("xl", text + '[steps.verify2]\nkind = "verify"\ninputs = { model = ["quantize"], source = "fetch" }\n')
+    project.write_manifest(
+        "xl",
+        text
+        + '[steps.verify2]\nkind = "verify"\ninputs = { model = ["quantize"], source = "fetch" }\n',
+    )
     steps = plan(project, "xl")  # verify2's key is verify's: same step, same inputs
     assert steps == {**dict.fromkeys(XL, "fresh"), "verify2": "fresh"}
     assert list(steps).index("verify2") > list(steps).index("quantize")
-    project.write_manifest("xl", text.replace('inputs = { source = "fetch" }', 'inputs = { source = "quantize" }'))
+    project.write_manifest(
+        "xl", text.replace('inputs = { source = "fetch" }', 'inputs = { source = "quantize" }')
+    )
     p = project.run("plan", "xl", check=False)
     assert p.returncode == 2 and "cycle between steps" in p.stderr, p.stderr
 
@@ -126,23 +160,35 @@ def test_one_param_change_reruns_exactly_its_dependents(project, seed):
     }
     # a partial build records only what it built (not the parent's nodes it compared against)
     assert cached(project.build("xl4", "--target", "sanitize")) == ["fetch", "sanitize"]
-    assert set(json.loads((project.store / "refs" / "xl4.json").read_text())["keys"]) == {"fetch", "sanitize"}
+    assert set(json.loads((project.store / "refs" / "xl4.json").read_text())["keys"]) == {
+        "fetch",
+        "sanitize",
+    }
     b = project.build("xl4")
     assert ran(b) == ["quantize", "verify", "publish"] and cached(b) == ["fetch", "sanitize"]
-    assert "[run]    quantize (quantize): params.plan.roles.routed_expert.bits changed 6→4\n" in b.stderr
+    assert (
+        "[run]    quantize (quantize): params.plan.roles.routed_expert.bits changed 6→4\n"
+        in b.stderr
+    )
     assert "[run]    verify (verify): input quantize changed (slot model)\n" in b.stderr
     assert ran(project.build("xl4")) == []
 
     # The same edit made to xl itself: quantize and verify are already in the store (xl4 built
     # them; keys name content, not variants), only xl's own output directory is out of date.
     xl = project.manifests / "xl.toml"
-    xl.write_text(xl.read_text().replace("routed_expert = { bits = 6,", "routed_expert = { bits = 4,"))
+    xl.write_text(
+        xl.read_text().replace("routed_expert = { bits = 6,", "routed_expert = { bits = 4,")
+    )
     p = plan(project, "xl")
     assert [n for n, s in p.items() if s != "fresh"] == ["publish"]
     assert p["publish"] == f"stale: output directory {project.out}/xl holds another build"
     # A value never built: the reason compares with xl's own last build.
-    xl.write_text(xl.read_text().replace("routed_expert = { bits = 4,", "routed_expert = { bits = 5,"))
-    assert plan(project, "xl")["quantize"] == "stale: params.plan.roles.routed_expert.bits changed 6→5"
+    xl.write_text(
+        xl.read_text().replace("routed_expert = { bits = 4,", "routed_expert = { bits = 5,")
+    )
+    assert (
+        plan(project, "xl")["quantize"] == "stale: params.plan.roles.routed_expert.bits changed 6→5"
+    )
 
 
 def test_target_and_failed_builds_keep_what_they_built(project):
@@ -172,7 +218,9 @@ def test_step_version_bump_reruns_only_that_kind(project, seed, capsys, monkeypa
     monkeypatch.setattr(Quantize, "version", 2)
     assert REGISTRY["requantize"].version == 1  # requantize subclasses quantize, keeps its own
     p = cli(project, capsys, "plan", "xl-mtp")
-    assert re.search(r"^stale quantize \(quantize\) \w{12}: step version changed 1→2$", p.stdout, re.M)
+    assert re.search(
+        r"^stale quantize \(quantize\) \w{12}: step version changed 1→2$", p.stdout, re.M
+    )
     assert re.search(r"^fresh requantize ", p.stdout, re.M)
     b = cli(project, capsys, "build", "xl-mtp")
     assert b.returncode == 0
@@ -214,7 +262,12 @@ def test_explain_prints_the_ingredients_of_the_key(project, seed, capsys):
     assert set(ingr) == {"kind", "version", "params", "inputs", "libraries", "fingerprint"}
     assert (ingr["kind"], ingr["version"]) == ("quantize", 1)
     assert ingr["params"]["plan"]["roles"]["routed_expert"]["bits"] == 6
-    assert ingr["params"]["plan"]["tensors"]["language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight"] == "routed_expert"
+    assert (
+        ingr["params"]["plan"]["tensors"][
+            "language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight"
+        ]
+        == "routed_expert"
+    )
     assert ingr["libraries"] == {"mlx": library_version("mlx")}
     ref = json.loads((project.store / "refs" / "xl.json").read_text())
     assert ingr["inputs"] == {"model": [ref["nodes"]["sanitize"]["outputs"]["model"]]}
@@ -228,12 +281,22 @@ def test_buildkit_store_env_var_is_honoured(project, tmp_path):
     env_store = tmp_path / "env-store"
     base = [sys.executable, "-m", "buildkit.cli", "--manifests", str(project.manifests)]
     env = {**os.environ, "BUILDKIT_STORE": str(env_store)}
-    p = subprocess.run([*base, "build", "xl", "--target", "fetch"], cwd=project.root, env=env,
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [*base, "build", "xl", "--target", "fetch"],
+        cwd=project.root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stderr
     assert ran(p) == ["fetch"]
     assert list((env_store / "actions").glob("*/*")) and not (project.root / "cache").exists()
     # --store wins over the variable
-    p = subprocess.run([*base, "--store", str(project.store), "plan", "xl"], cwd=project.root,
-                       env=env, capture_output=True, text=True)
+    p = subprocess.run(
+        [*base, "--store", str(project.store), "plan", "xl"],
+        cwd=project.root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0 and "stale fetch (fetch)" in p.stdout

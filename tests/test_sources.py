@@ -1,4 +1,5 @@
-"""The source index: digests of files outside the store by stat, files by digest, hard links, forgetting."""
+"""The source index: digests of files outside the store by stat, files by digest, hard links,
+forgetting."""
 
 from __future__ import annotations
 
@@ -72,7 +73,9 @@ def test_gc_forgets_the_records_of_deleted_files(tmp_path):
     c.unlink()
 
     def mentions(path) -> int:
-        return sum(str(path) in f.read_text() for f in (store.root / "sources").rglob("*") if f.is_file())
+        return sum(
+            str(path) in f.read_text() for f in (store.root / "sources").rglob("*") if f.is_file()
+        )
 
     dry = store.gc(dry_run=True)
     assert dry["files"] == 2 and mentions(a) == 2 and mentions(c) == 2
@@ -85,6 +88,7 @@ def test_gc_forgets_the_records_of_deleted_files(tmp_path):
     assert mentions(a) == mentions(c) == 0 and mentions(b) == 2
     assert store.sources.find(same) == b and store.sources.find(other) is None
     assert store.gc()["files"] == 0
+
 
 def test_fan_splits_the_hex_digest_after_two_characters(tmp_path):
     d = keys.blob_digest(b"x")
@@ -101,7 +105,9 @@ def test_a_digest_is_remembered_by_stat_and_hashed_again_after_a_change(tmp_path
     first = store.sources.digest_file(f)
     assert first == keys.blob_digest(b"a" * 1000) and store.stats.bytes_read == 1000
     assert store.sources.remembered(f.absolute()) == first
-    assert store.sources.digest_file(f) == first and store.stats.bytes_read == 1000  # by stat: not read
+    assert (
+        store.sources.digest_file(f) == first and store.stats.bytes_read == 1000
+    )  # by stat: not read
     with open(f, "r+b") as fh:  # same size, same inode, new bytes: only the mtime tells
         fh.write(b"b")
     t = time.time() - 5
@@ -175,7 +181,9 @@ def test_forget_gone_drops_the_records_of_deleted_files_only(tmp_path):
     a.unlink()
     c.unlink()
     gone, freed = store.sources.forget_gone(dry_run=True)
-    assert gone == 2 and sorted((store.root / "sources").glob("*/*")) == records  # dry run: nothing removed
+    assert (
+        gone == 2 and sorted((store.root / "sources").glob("*/*")) == records
+    )  # dry run: nothing removed
     assert store.sources.forget_gone(dry_run=False) == (2, freed)
     left = sorted((store.root / "sources").glob("*/*"))
     assert len(left) == 2 and not fan(store.root / "sources", other).exists()

@@ -1,4 +1,5 @@
-"""Safetensors I/O: header validation (file and tensor named), reads and slices, bf16 bits, sizes, dequantization."""
+"""Safetensors I/O: header validation (file and tensor named), reads and slices, bf16 bits,
+sizes, dequantization."""
 
 from __future__ import annotations
 
@@ -52,7 +53,13 @@ def test_header_round_trips_offsets_metadata_and_alignment(tmp_path):
     h = read_header(p)
     assert h.metadata == {"format": "mlx"} and list(h.tensors) == ["a", "b"]
     ta, tb = h.tensors["a"], h.tensors["b"]
-    assert (ta.dtype, ta.shape, ta.start, ta.end, ta.nbytes) == ("F32", (2, 3), 8 + hlen, 8 + hlen + 24, 24)
+    assert (ta.dtype, ta.shape, ta.start, ta.end, ta.nbytes) == (
+        "F32",
+        (2, 3),
+        8 + hlen,
+        8 + hlen + 24,
+        24,
+    )
     assert (tb.start, tb.end, tb.nbytes) == (ta.end, ta.end + 10, 10)
     assert np.array_equal(read_tensor(ta, p), a) and read_tensor(tb, p).dtype == np.uint16
     assert np.array_equal(read_tensor(tb, p), b)
@@ -60,14 +67,23 @@ def test_header_round_trips_offsets_metadata_and_alignment(tmp_path):
 
 
 BAD_HEADERS = {
-    "shorter than 8 bytes": (lambda p: p.write_bytes(b"\x01\x02"), "not a safetensors file (shorter than 8 bytes)"),
+    "shorter than 8 bytes": (
+        lambda p: p.write_bytes(b"\x01\x02"),
+        "not a safetensors file (shorter than 8 bytes)",
+    ),
     "truncated header": (
         lambda p: p.write_bytes(struct.pack("<Q", 100) + b'{"a": 1}'),
         "header claims 100 bytes but the file has 16: truncated or not a safetensors file",
     ),
-    "not json": (lambda p: p.write_bytes(struct.pack("<Q", 4) + b"\xff\xfe{]"), "header is not valid JSON"),
+    "not json": (
+        lambda p: p.write_bytes(struct.pack("<Q", 4) + b"\xff\xfe{]"),
+        "header is not valid JSON",
+    ),
     "not an object": (lambda p: raw_st(p, [1, 2]), "header is not a JSON object"),
-    "metadata not an object": (lambda p: raw_st(p, {"__metadata__": [1]}), "__metadata__ is not an object"),
+    "metadata not an object": (
+        lambda p: raw_st(p, {"__metadata__": [1]}),
+        "__metadata__ is not an object",
+    ),
     "entry not an object": (lambda p: raw_st(p, {"w": 3}), "tensor 'w': entry is not an object"),
     "unknown dtype": (
         lambda p: raw_st(p, {"w": {"dtype": "F8", "shape": [1], "data_offsets": [0, 1]}}, b"\0"),
@@ -78,24 +94,38 @@ BAD_HEADERS = {
         "tensor 'w': shape must be a list of non-negative ints, got [-1]",
     ),
     "float dim": (
-        lambda p: raw_st(p, {"w": {"dtype": "U8", "shape": [2.0], "data_offsets": [0, 2]}}, b"\0\0"),
+        lambda p: raw_st(
+            p, {"w": {"dtype": "U8", "shape": [2.0], "data_offsets": [0, 2]}}, b"\0\0"
+        ),
         "tensor 'w': shape must be a list of non-negative ints, got [2.0]",
     ),
     "offsets past the data": (
-        lambda p: raw_st(p, {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4),
+        lambda p: raw_st(
+            p, {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4
+        ),
         "tensor 'w': data_offsets [0, 8] fall outside the 4 data bytes (truncated or corrupt file)",
     ),
     "offsets reversed": (
-        lambda p: raw_st(p, {"w": {"dtype": "U8", "shape": [0], "data_offsets": [4, 0]}}, b"\0" * 4),
+        lambda p: raw_st(
+            p, {"w": {"dtype": "U8", "shape": [0], "data_offsets": [4, 0]}}, b"\0" * 4
+        ),
         "tensor 'w': data_offsets [4, 0] fall outside",
     ),
     "size disagrees with shape": (
-        lambda p: raw_st(p, {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 12),
+        lambda p: raw_st(
+            p, {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 12
+        ),
         "tensor 'w': F32[3] needs 12 bytes but data_offsets span 8",
     ),
     "overlap": (
-        lambda p: raw_st(p, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                             "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12),
+        lambda p: raw_st(
+            p,
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+        ),
         "tensors 'a' and 'b' overlap",
     ),
 }
@@ -124,7 +154,9 @@ def test_header_claiming_absurd_sizes_is_rejected_before_allocating(tmp_path):
         struct.pack("<Q", 90 << 20) + b"{",  # under the header limit, but not in the file
     ]
     for huge in (1 << 40, 1 << 62):
-        blob = json.dumps({"w": {"dtype": "F32", "shape": [huge], "data_offsets": [0, 4 * huge]}}).encode()
+        blob = json.dumps(
+            {"w": {"dtype": "F32", "shape": [huge], "data_offsets": [0, 4 * huge]}}
+        ).encode()
         cases.append(struct.pack("<Q", len(blob)) + blob + b"\0" * 16)
     for data in cases:
         path.write_bytes(data)
@@ -142,7 +174,9 @@ def test_header_claiming_absurd_sizes_is_rejected_before_allocating(tmp_path):
 def test_read_slice_equals_slicing_the_whole_tensor(tmp_path):
     rng = np.random.default_rng(0)
     arr = rng.integers(0, 1 << 16, (4, 6, 10), dtype=np.uint16)
-    p = write_st(tmp_path / "s.safetensors", {"pad": ("U8", np.ones(3, np.uint8)), "w": ("BF16", arr)})
+    p = write_st(
+        tmp_path / "s.safetensors", {"pad": ("U8", np.ones(3, np.uint8)), "w": ("BF16", arr)}
+    )
     info = read_header(p).tensors["w"]
     assert np.array_equal(read_tensor(info, p), arr)
     for axis in range(3):
@@ -151,7 +185,9 @@ def test_read_slice_equals_slicing_the_whole_tensor(tmp_path):
             want = np.take(arr, range(start, stop), axis=axis)
             got = read_slice(info, p, axis, start, stop)
             assert got.shape == want.shape and np.array_equal(got, want), (axis, start, stop)
-    with pytest.raises(SourceError, match=r"s\.safetensors: tensor 'w' \[4, 6, 10\] has no slice 1:2:7"):
+    with pytest.raises(
+        SourceError, match=r"s\.safetensors: tensor 'w' \[4, 6, 10\] has no slice 1:2:7"
+    ):
         read_slice(info, p, 1, 2, 7)
     with pytest.raises(SourceError, match="has no slice 3:0:1"):
         read_slice(info, p, 3, 0, 1)
@@ -161,7 +197,9 @@ def test_a_file_cut_short_after_its_header_was_read_fails_naming_the_offset(tmp_
     p = write_st(tmp_path / "t.safetensors", {"w": ("F32", np.arange(8, dtype=np.float32))})
     info = read_header(p).tensors["w"]
     p.write_bytes(p.read_bytes()[:-4])
-    with pytest.raises(SourceError, match=rf"t\.safetensors: unexpected end of file at {info.end - 4}"):
+    with pytest.raises(
+        SourceError, match=rf"t\.safetensors: unexpected end of file at {info.end - 4}"
+    ):
         read_tensor(info, p)
 
 
@@ -184,15 +222,37 @@ def test_every_bf16_pattern_round_trips_through_float32_and_nan_stays_nan():
 
 def test_f32_to_bf16_rounds_to_nearest_even():
     one, ulp = 1.0, 2.0**-7  # bf16 keeps 7 mantissa bits: 1.0 and 1.0 + 2**-7 are neighbours
-    x = np.array([one + ulp / 2, one + 3 * ulp / 2, one + ulp / 2 + 2**-20, -(one + ulp / 2), np.inf], np.float32)
-    assert f32_to_bf16(x).tolist() == [0x3F80, 0x3F82, 0x3F81, 0xBF80, 0x7F80]  # ties to even; inf stays inf
+    x = np.array(
+        [one + ulp / 2, one + 3 * ulp / 2, one + ulp / 2 + 2**-20, -(one + ulp / 2), np.inf],
+        np.float32,
+    )
+    assert f32_to_bf16(x).tolist() == [
+        0x3F80,
+        0x3F82,
+        0x3F81,
+        0xBF80,
+        0x7F80,
+    ]  # ties to even; inf stays inf
 
 
 def test_nbytes_and_itemsizes():
     assert nbytes("BF16", [2, 3]) == 12 and nbytes("F32", (4,)) == 16 and nbytes("F64", []) == 8
     assert nbytes("BOOL", [5]) == 5 and nbytes("I8", [0, 7]) == 0 and nbytes("U64", [2, 2]) == 32
-    assert ITEMSIZE == {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "U16": 2, "I16": 2,
-                        "U32": 4, "I32": 4, "U64": 8, "I64": 8, "BOOL": 1}
+    assert ITEMSIZE == {
+        "BF16": 2,
+        "F16": 2,
+        "F32": 4,
+        "F64": 8,
+        "U8": 1,
+        "I8": 1,
+        "U16": 2,
+        "I16": 2,
+        "U32": 4,
+        "I32": 4,
+        "U64": 8,
+        "I64": 8,
+        "BOOL": 1,
+    }
 
 
 def test_non_finite_checks_bf16_exponent_bits_and_floats():
@@ -218,7 +278,8 @@ def test_numpy_dequantize_matches_mlx(bits):
     w = mx.random.normal((3, 16, 256), key=mx.random.key(bits)).astype(mx.bfloat16)
     wq, s, b = mx.quantize(w, group_size=64, bits=bits)
     want = np.array(mx.dequantize(wq, s, b, group_size=64, bits=bits).astype(mx.float32))
-    got = dequantize(np.array(wq), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), bits, 64)
+    got = dequantize(
+        np.array(wq), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), bits, 64
+    )
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= np.abs(want).max() * 2**-7  # one bf16 rounding
-

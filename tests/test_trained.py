@@ -30,7 +30,8 @@ def heldout_text() -> str:
 
 
 def heldout_ids(ckpt: Path, window: int = 66) -> mx.array:
-    """Held-out token ids as rows of ``window``: the training's 64-token context plus two targets."""
+    """Held-out token ids as rows of ``window``: the training's 64-token context plus two
+    targets."""
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     ids = tok.encode(heldout_text(), add_special_tokens=False).ids
     return mx.array(ids[: len(ids) // window * window]).reshape(-1, window)
@@ -45,16 +46,31 @@ def test_layout_matches_the_generator_and_is_deterministic(ckpt, tmp_path):
     again = write_trained(tmp_path / "again")
     random = generate(tmp_path / "random", SPEC, tokenizer=(DATA / "tokenizer.json").read_text())
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == sorted(p.name for p in again.iterdir()) == sorted(p.name for p in random.iterdir())
+    assert (
+        names == sorted(p.name for p in again.iterdir()) == sorted(p.name for p in random.iterdir())
+    )
     assert not filecmp.cmpfiles(ckpt, again, names, shallow=False)[1]  # byte-identical
     # same config, tokenizer and index as the generator writes; other tensor values
-    for same in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"):
+    for same in (
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors.index.json",
+    ):
         assert (ckpt / same).read_bytes() == (random / same).read_bytes()
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    assert {f for k, f in index.items() if k.startswith("mtp.")} == {"model-00002-of-00002.safetensors"}
-    assert (ckpt / "model-00001-of-00002.safetensors").read_bytes() != (random / "model-00001-of-00002.safetensors").read_bytes()
+    assert {f for k, f in index.items() if k.startswith("mtp.")} == {
+        "model-00002-of-00002.safetensors"
+    }
+    assert (ckpt / "model-00001-of-00002.safetensors").read_bytes() != (
+        random / "model-00001-of-00002.safetensors"
+    ).read_bytes()
     config = json.loads((ckpt / "config.json").read_text())
-    assert config["text_config"]["vocab_size"] == SPEC.vocab == Tokenizer.from_file(str(ckpt / "tokenizer.json")).get_vocab_size()
+    assert (
+        config["text_config"]["vocab_size"]
+        == SPEC.vocab
+        == Tokenizer.from_file(str(ckpt / "tokenizer.json")).get_vocab_size()
+    )
     with pytest.raises(FileExistsError, match="not empty"):
         write_trained(ckpt)
 
@@ -72,13 +88,19 @@ def test_xl_build_from_fixture_trained_predicts_heldout_text(tmp_path):
     import mlx_lm
 
     p = Project(tmp_path)
-    assert p.cli("build", "xl", "--source", "fixture:trained", "--out", str(p.out / "xl"), "-q") == 0
+    assert (
+        p.cli("build", "xl", "--source", "fixture:trained", "--out", str(p.out / "xl"), "-q") == 0
+    )
     model, _ = mlx_lm.load(str(p.out / "xl"))
     ids = heldout_ids(p.out / "xl")[:16]  # ~1000 tokens: mlx's quantized CPU kernels are slow
     logits = model(ids[:, :-1]).astype(mx.float32)
-    nll = -mx.take_along_axis(logits - mx.logsumexp(logits, -1, keepdims=True), ids[:, 1:, None], -1)
+    nll = -mx.take_along_axis(
+        logits - mx.logsumexp(logits, -1, keepdims=True), ids[:, 1:, None], -1
+    )
     ppl = math.exp(float(nll.mean()))
-    assert ppl < SPEC.vocab / 20, f"xl held-out perplexity {ppl:.1f} (uniform would be {SPEC.vocab})"
+    assert ppl < SPEC.vocab / 20, (
+        f"xl held-out perplexity {ppl:.1f} (uniform would be {SPEC.vocab})"
+    )
 
 
 # ---- the MTP head, from the HF-layout weights --------------------------------------------
@@ -93,18 +115,33 @@ def load_trunk_and_head(ckpt: Path):
     model.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
     raw = {}
     for f in sorted(ckpt.glob("*.safetensors")):
-        raw.update({k[4:]: v.astype(mx.float32) for k, v in mx.load(str(f)).items() if k.startswith("mtp.")})
+        raw.update(
+            {
+                k[4:]: v.astype(mx.float32)
+                for k, v in mx.load(str(f)).items()
+                if k.startswith("mtp.")
+            }
+        )
     args = model.language_model.args
     layer = DecoderLayer(args, layer_idx=args.full_attention_interval - 1)  # full attention + MoE
     p = "layers.0."
     gate_up = raw[p + "mlp.experts.gate_up_proj"]
     mid = gate_up.shape[1] // 2
-    weights = {k[len(p):]: v + 1.0 if k.endswith("norm.weight") else v  # HF stores offset norms
-               for k, v in raw.items() if k.startswith(p) and ".experts." not in k}
-    weights |= {"mlp.switch_mlp.gate_proj.weight": gate_up[:, :mid], "mlp.switch_mlp.up_proj.weight": gate_up[:, mid:],
-                "mlp.switch_mlp.down_proj.weight": raw[p + "mlp.experts.down_proj"]}
+    weights = {
+        k[len(p) :]: v + 1.0 if k.endswith("norm.weight") else v  # HF stores offset norms
+        for k, v in raw.items()
+        if k.startswith(p) and ".experts." not in k
+    }
+    weights |= {
+        "mlp.switch_mlp.gate_proj.weight": gate_up[:, :mid],
+        "mlp.switch_mlp.up_proj.weight": gate_up[:, mid:],
+        "mlp.switch_mlp.down_proj.weight": raw[p + "mlp.experts.down_proj"],
+    }
     layer.load_weights(list(weights.items()), strict=True)
-    head = {k: raw[k] + 1.0 for k in ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")}
+    head = {
+        k: raw[k] + 1.0
+        for k in ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")
+    }
     head["fc"], head["layer"] = raw["fc.weight"], layer
     return model, head
 
@@ -138,8 +175,13 @@ def test_head_drafts_and_experts_specialise(ckpt):
 
     # head at position t: fc(cat([norm_e(embed(t+1)), norm_h(h_t)])) -> layer -> norm -> lm_head
     emb = text.embed_tokens(ids[:, 1:])
-    x = mx.concatenate([mx.fast.rms_norm(emb, head["pre_fc_norm_embedding.weight"], eps),
-                        mx.fast.rms_norm(h[:, :-1], head["pre_fc_norm_hidden.weight"], eps)], axis=-1)
+    x = mx.concatenate(
+        [
+            mx.fast.rms_norm(emb, head["pre_fc_norm_embedding.weight"], eps),
+            mx.fast.rms_norm(h[:, :-1], head["pre_fc_norm_hidden.weight"], eps),
+        ],
+        axis=-1,
+    )
     x = x @ head["fc"].T
     x = head["layer"](x, mask=create_attention_mask(x, None), cache=None)
     draft = model.language_model.lm_head(mx.fast.rms_norm(x, head["norm.weight"], eps))
@@ -155,7 +197,9 @@ def test_head_drafts_and_experts_specialise(ckpt):
         top = np.array(mx.argpartition(-r.seen[0], kth=k - 1, axis=-1)[..., :k]).reshape(-1)
         share = np.bincount(top, minlength=SPEC.experts) / top.size
         assert share.std() > 0.01, f"layer {n}: routing is uniform {share.round(3)}"
-        assert share.max() < 0.5 and (share > 0.02).sum() >= SPEC.experts // 2, f"layer {n}: routing collapsed {share.round(3)}"
+        assert share.max() < 0.5 and (share > 0.02).sum() >= SPEC.experts // 2, (
+            f"layer {n}: routing collapsed {share.round(3)}"
+        )
 
 
 def test_spec_is_a_valid_fixture_spec():

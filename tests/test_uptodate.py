@@ -50,8 +50,16 @@ def test_a_build_with_nothing_to_do_reads_only_stats_and_imports_neither_pydanti
         "print(rc, sorted(m for m in ('pydantic', 'numpy', 'mlx', 'networkx') if m in sys.modules))"
     )
     p = subprocess.run(
-        [sys.executable, "-c", code, *project.args("build", "xl", "--source", str(src), "--out", str(project.out / "xl"))],
-        cwd=project.root, capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            code,
+            *project.args("build", "xl", "--source", str(src), "--out", str(project.out / "xl")),
+        ],
+        cwd=project.root,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert p.stdout.split(None, 1) == ["0", "[]\n"]
     assert cached(p) == XL and ran(p) == []
@@ -64,7 +72,11 @@ def test_a_build_with_nothing_to_do_reads_only_stats_and_imports_neither_pydanti
         assert str(p.absolute()) in files, p
     store = Store(project.store)
     refs = json.loads((project.store / "refs" / "xl.json").read_text())["nodes"]
-    objects = {str(store.object_path(t["digest"])) for t in store.get_artifact(refs["quantize"]["outputs"]["out"]).tensors.values() if "digest" in t}
+    objects = {
+        str(store.object_path(t["digest"]))
+        for t in store.get_artifact(refs["quantize"]["outputs"]["out"]).tensors.values()
+        if "digest" in t
+    }
     assert objects and objects <= files
     assert str(Path(sys.modules["buildkit.cli"].__file__).resolve()) in files
 
@@ -94,7 +106,10 @@ def test_every_kind_of_change_takes_the_full_path_and_the_next_build_is_up_to_da
     changes = {  # what changes: (how, the steps the full path then runs)
         "a manifest's text": (edit_manifest, []),
         "a source file's mtime (same bytes)": (lambda: age(next(src.glob("*.safetensors"))), []),
-        "a new file in the source": (add_source_file, ["fetch", "sanitize", "quantize", "verify", "publish"]),
+        "a new file in the source": (
+            add_source_file,
+            ["fetch", "sanitize", "quantize", "verify", "publish"],
+        ),
         "a published shard removed": (lambda: shard().unlink(), ["publish"]),
         "a store object removed": (lambda: quantized_object().unlink(), ["quantize"]),
     }
@@ -111,7 +126,9 @@ def test_every_kind_of_change_takes_the_full_path_and_the_next_build_is_up_to_da
         assert UP_TO_DATE not in build(project, src, *extra).stderr, extra
         assert UP_TO_DATE in build(project, src).stderr, extra
     # Another output directory is another request: it publishes there.
-    other = project.run("build", "xl", "--source", str(src), "--out", str(project.out / "elsewhere"))
+    other = project.run(
+        "build", "xl", "--source", str(src), "--out", str(project.out / "elsewhere")
+    )
     assert UP_TO_DATE not in other.stderr and ran(other) == ["publish"]
 
 

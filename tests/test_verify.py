@@ -27,8 +27,19 @@ def run_verify(p: Project, swap_layer: str | None = None) -> dict:
         for suffix in ("weight", "scales", "biases"):
             g, u = f"{swap_layer}.gate_proj.{suffix}", f"{swap_layer}.up_proj.{suffix}"
             t[g], t[u] = t[u], t[g]
-    ctx = Context(store, "verify", "xl", BuildOptions(project_root=p.root), Progress("verify"), log_sink=lambda *a: None)
-    return Verify().run(ctx, VerifyParams(), {"model": [model], "source": [source]})["out"].meta["report"]
+    ctx = Context(
+        store,
+        "verify",
+        "xl",
+        BuildOptions(project_root=p.root),
+        Progress("verify"),
+        log_sink=lambda *a: None,
+    )
+    return (
+        Verify()
+        .run(ctx, VerifyParams(), {"model": [model], "source": [source]})["out"]
+        .meta["report"]
+    )
 
 
 def test_the_builds_outputs_pass_with_their_figures(seed: Project):

@@ -10,7 +10,8 @@ other processes shared):
 
     apt-get install bible-kjv libopenblas0-pthread   # the corpus; a fast BLAS for mlx's matmuls
     OPENBLAS_NUM_THREADS=2 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
-        PYTHONPATH=. .venv/bin/python training/train_fixture.py [--steps N] [--out buildkit/data/trained]
+        PYTHONPATH=. .venv/bin/python training/train_fixture.py \
+        [--steps N] [--out buildkit/data/trained]
 
 The preload is only for speed: the ``mlx[cpu]`` wheel's bundled reference BLAS makes a step
 ~2.5x slower here (measured on one step: 6.0 s against 2.5 s). Seeds fix the initialisation and
@@ -69,17 +70,25 @@ HELDOUT_SHIPPED = 120  # verses written to heldout.txt for the tests
 EVAL_TOKENS = 16384
 SEQ, BATCH = 64, 32
 AUX_COEF = 0.02
-OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
-                ".k_norm.weight", "model.language_model.norm.weight", "mtp.norm.weight",
-                "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
+OFFSET_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+    "model.language_model.norm.weight",
+    "mtp.norm.weight",
+    "mtp.pre_fc_norm_embedding.weight",
+    "mtp.pre_fc_norm_hidden.weight",
+)
 
 
 def kjv_verses() -> list[str]:
     """Every verse of the KJV, one per line, verse numbers and chapter headings removed."""
     if not shutil.which("bible"):
         sys.exit("the corpus comes from Debian's bible-kjv package: apt-get install bible-kjv")
-    text = subprocess.run(["bible", "-l200", "gen1:1-rev22:21"], capture_output=True, text=True,
-                          check=True).stdout
+    text = subprocess.run(
+        ["bible", "-l200", "gen1:1-rev22:21"], capture_output=True, text=True, check=True
+    ).stdout
     verses: list[str] = []
     for line in text.splitlines():
         m = re.match(r"^\s+\d+ (.*)$", line)
@@ -123,7 +132,9 @@ class MTPHead(nn.Module):
         self.norm = nn.RMSNorm(H, eps=eps)
 
     def __call__(self, h, next_embed):
-        x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(next_embed), self.pre_fc_norm_hidden(h)], -1))
+        x = self.fc(
+            mx.concatenate([self.pre_fc_norm_embedding(next_embed), self.pre_fc_norm_hidden(h)], -1)
+        )
         x = self.layers[0](x, mask=create_attention_mask(x, None), cache=None)
         return self.norm(x)
 
@@ -139,7 +150,8 @@ def trunk(model, ids):
 
 
 def forward(model, head, ids):
-    """Trunk logits at positions 0..T-2 (targets ids[1:]) and head logits at 0..T-3 (targets ids[2:])."""
+    """Trunk logits at positions 0..T-2 (targets ids[1:]) and head logits at 0..T-3
+    (targets ids[2:])."""
     h, logits = trunk(model, ids[:, :-1])
     emb = model.language_model.model.embed_tokens(ids[:, 1:-1])
     g = head(mx.stop_gradient(h[:, :-1]), mx.stop_gradient(emb))
@@ -151,7 +163,9 @@ def balance_loss(logs, k: int) -> mx.array:
     for logit in logs:
         p = mx.softmax(logit.reshape(-1, logit.shape[-1]), axis=-1)
         top = mx.argpartition(-p, kth=k - 1, axis=-1)[:, :k]
-        f = mx.stop_gradient(mx.zeros_like(p).at[mx.arange(p.shape[0])[:, None], top].add(1.0).mean(0) / k)
+        f = mx.stop_gradient(
+            mx.zeros_like(p).at[mx.arange(p.shape[0])[:, None], top].add(1.0).mean(0) / k
+        )
         total = total + p.shape[-1] * (f * p.mean(0)).sum()
     return total / max(len(logs), 1)
 
@@ -176,7 +190,7 @@ def to_hf(model, head) -> dict[str, np.ndarray]:
             else:
                 k = prefix + ".experts.down_proj"
         if k.startswith("language_model.model."):
-            k = "model.language_model." + k[len("language_model.model."):]
+            k = "model.language_model." + k[len("language_model.model.") :]
         elif k == "language_model.lm_head.weight":
             k = "lm_head.weight"
         if k.endswith("conv1d.weight"):
@@ -203,7 +217,7 @@ def load_hf(ckpt: Path):
     weights = {}
     for f in sorted(ckpt.glob("*.safetensors")):
         weights.update(mx.load(str(f)))
-    mtp = {k[len("mtp."):]: v for k, v in weights.items() if k.startswith("mtp.")}
+    mtp = {k[len("mtp.") :]: v for k, v in weights.items() if k.startswith("mtp.")}
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     head = MTPHead(model.language_model.args)
     for n in range(len(head.layers)):  # the same sanitize as the trunk's layers
@@ -232,9 +246,11 @@ def measure(model, head, ids: np.ndarray, n_experts: int, k: int) -> dict:
     batch = mx.array(ids[:n].reshape(-1, SEQ + 2))
     counts: dict[str, np.ndarray] = {}
     nll = hits = positions = tokens = 0.0
-    names = [f"layers.{i}" for i in range(len(model.language_model.model.layers))] + ["mtp.layers.0"]
+    names = [f"layers.{i}" for i in range(len(model.language_model.model.layers))] + [
+        "mtp.layers.0"
+    ]
     for i in range(0, batch.shape[0], 8):
-        x = batch[i:i + 8]
+        x = batch[i : i + 8]
         RouterTap.log.clear()
         logits, hlogits = forward(model, head, x)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -247,16 +263,22 @@ def measure(model, head, ids: np.ndarray, n_experts: int, k: int) -> dict:
             top = np.array(mx.argpartition(-logit, kth=k - 1, axis=-1)[..., :k]).reshape(-1)
             counts[name] = counts.get(name, 0) + np.bincount(top, minlength=n_experts)
     loss = nll / tokens
-    return {"heldout_tokens": int(tokens), "loss": loss, "perplexity": math.exp(loss),
-            "acceptance": hits / positions,
-            "expert_tokens": {k: [int(c) for c in v] for k, v in counts.items()}}
+    return {
+        "heldout_tokens": int(tokens),
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "acceptance": hits / positions,
+        "expert_tokens": {k: [int(c) for c in v] for k, v in counts.items()},
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=550)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "buildkit/data/trained")
+    ap.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "buildkit/data/trained"
+    )
     args = ap.parse_args()
     mx.random.seed(0)
     rng = np.random.default_rng(0)
@@ -267,8 +289,13 @@ def main() -> None:
     held_v = [v for i, v in enumerate(verses) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
     tok = fixture.train_tokenizer(train_v, spec.vocab)
     ids = np.array(tok.encode("\n".join(train_v), add_special_tokens=False).ids, np.int32)
-    held = np.array(tok.encode("\n".join(held_v), add_special_tokens=False).ids, np.int32)[:EVAL_TOKENS]
-    print(f"corpus: {len(verses)} verses, {len(ids)} training tokens, {len(held)} held-out tokens", flush=True)
+    held = np.array(tok.encode("\n".join(held_v), add_special_tokens=False).ids, np.int32)[
+        :EVAL_TOKENS
+    ]
+    print(
+        f"corpus: {len(verses)} verses, {len(ids)} training tokens, {len(held)} held-out tokens",
+        flush=True,
+    )
 
     ids_map = {t: tok.token_to_id(t) for t in fixture.SPECIAL_TOKENS}
     config, _ = fixture._configs(spec, ids_map)
@@ -289,8 +316,12 @@ def main() -> None:
 
     warm = max(args.steps // 20, 10)
     sched = optim.join_schedules(
-        [optim.linear_schedule(args.lr / 20, args.lr, warm), optim.cosine_decay(args.lr, args.steps - warm, args.lr / 20)],
-        [warm])
+        [
+            optim.linear_schedule(args.lr / 20, args.lr, warm),
+            optim.cosine_decay(args.lr, args.steps - warm, args.lr / 20),
+        ],
+        [warm],
+    )
     opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
 
     def loss_fn(b, x):
@@ -313,12 +344,16 @@ def main() -> None:
     t0 = time.time()
     for s in range(args.steps):
         starts = rng.integers(0, len(ids) - SEQ - 2, BATCH)
-        x = mx.array(np.stack([ids[i:i + SEQ + 2] for i in starts]))
+        x = mx.array(np.stack([ids[i : i + SEQ + 2] for i in starts]))
         loss, (lt, lh, aux) = step(x)
         mx.eval(loss, both.parameters(), opt.state)
         if s % 25 == 0 or s == args.steps - 1:
-            print(f"step {s:4d}  trunk {float(lt):.3f}  head {float(lh):.3f}  balance {float(aux):.3f}  "
-                  f"{time.time() - t0:.0f}s", flush=True)
+            print(
+                f"step {s:4d}  trunk {float(lt):.3f}  head {float(lh):.3f}  "
+                f"balance {float(aux):.3f}  "
+                f"{time.time() - t0:.0f}s",
+                flush=True,
+            )
     train_s = time.time() - t0
 
     out: Path = args.out
@@ -328,7 +363,9 @@ def main() -> None:
     (out / "heldout.txt").write_text(
         "# Held-out verses of the King James Version (1611; public domain): every 20th verse from\n"
         "# Genesis on, never trained on. Written by training/train_fixture.py.\n"
-        + "\n".join(held_v[:HELDOUT_SHIPPED]) + "\n")
+        + "\n".join(held_v[:HELDOUT_SHIPPED])
+        + "\n"
+    )
 
     tmp = Path(tempfile.mkdtemp())
     try:
@@ -340,20 +377,31 @@ def main() -> None:
         both.eval()
         a, ah = forward(model, head, x)
         b, bh = forward(m2, h2, x)
-        trip = {"max_abs_logit_diff": float(mx.abs(a - b).max()),
-                "argmax_agreement": float((mx.argmax(a, -1) == mx.argmax(b, -1)).mean()),
-                "head_argmax_agreement": float((mx.argmax(ah, -1) == mx.argmax(bh, -1)).mean())}
+        trip = {
+            "max_abs_logit_diff": float(mx.abs(a - b).max()),
+            "argmax_agreement": float((mx.argmax(a, -1) == mx.argmax(b, -1)).mean()),
+            "head_argmax_agreement": float((mx.argmax(ah, -1) == mx.argmax(bh, -1)).mean()),
+        }
         print(f"round trip (float32 trained vs bf16 written): {trip}", flush=True)
         figures = measure(m2, h2, held, spec.experts, k)
     finally:
         shutil.rmtree(tmp)
     figures.update(train_seconds=round(train_s, 1), steps=args.steps, round_trip=trip)
-    meta = {"corpus": "King James Version of the Bible (1611), Debian package bible-kjv-text 4.38",
-            "licence": "public domain (copyright expired)", "heldout_every": HELDOUT_EVERY,
-            "seq_len": SEQ, "batch": BATCH, "lr": args.lr, "figures": figures}
+    meta = {
+        "corpus": "King James Version of the Bible (1611), Debian package bible-kjv-text 4.38",
+        "licence": "public domain (copyright expired)",
+        "heldout_every": HELDOUT_EVERY,
+        "seq_len": SEQ,
+        "batch": BATCH,
+        "lr": args.lr,
+        "figures": figures,
+    }
     (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    print(f"held-out: loss {figures['loss']:.3f}  perplexity {figures['perplexity']:.1f} "
-          f"(vocab {spec.vocab})  acceptance {figures['acceptance']:.3f}  on {figures['heldout_tokens']} tokens")
+    print(
+        f"held-out: loss {figures['loss']:.3f}  perplexity {figures['perplexity']:.1f} "
+        f"(vocab {spec.vocab})  acceptance {figures['acceptance']:.3f}  "
+        f"on {figures['heldout_tokens']} tokens"
+    )
     for name, c in figures["expert_tokens"].items():
         print(f"  {name:14s} routed tokens per expert: {c}")
     print(f"training: {args.steps} steps in {train_s:.0f} s")

@@ -38,7 +38,9 @@ class CalibrateParams(Params):
 @register
 class Calibrate(Step):
     kind = "calibrate"
-    version = 2  # 2: the forward's matmuls in numpy's BLAS, statistics summed per expert as rows pass
+    version = (
+        2  # 2: the forward's matmuls in numpy's BLAS, statistics summed per expert as rows pass
+    )
     Params = CalibrateParams
     inputs = {"model": Slot()}
     outputs = ("out", "heldout")
@@ -69,11 +71,15 @@ class Calibrate(Step):
         calib, held = cal.split_lines(text, params.heldout_every)
         if not calib or not held:
             raise StepError(
-                f"calibration text {path}: {len(calib)} calibration and {len(held)} held-out lines; "
+                f"calibration text {path}: {len(calib)} calibration and {len(held)} "
+                "held-out lines; "
                 f"it needs at least {params.heldout_every} non-blank lines"
             )
         if "tokenizer.json" not in model.files:
-            raise StepError("the model artifact has no tokenizer.json; calibration tokenizes with the source's own")
+            raise StepError(
+                "the model artifact has no tokenizer.json; "
+                "calibration tokenizes with the source's own"
+            )
         tok = ctx.store.get_blob(model.files["tokenizer.json"])
         streams = {
             "calibration": cal.tokenize(tok, calib, params.max_tokens),
@@ -83,7 +89,9 @@ class Calibrate(Step):
         stats, heldout = Artifact(), Artifact()
         unreached: dict[str, list[int]] = {}
         layers = 0
-        for layer, seen in cal.moe_activations(ctx.store, model, streams, params.seq_len, ctx.progress):
+        for layer, seen in cal.moe_activations(
+            ctx.store, model, streams, params.seq_len, ctx.progress
+        ):
             s = cal.expert_stats(seen["calibration"], n_experts)
             layers += 1
             sw = layer + cal.SWITCH
@@ -101,7 +109,10 @@ class Calibrate(Step):
         stats.meta = {
             "lines": len(calib),
             "tokens": len(streams["calibration"]),
-            "statistic": "per-channel E[x^2] of each expert's routed inputs (gate/up: the MoE input; down: silu(gate x) * up x)",
+            "statistic": (
+                "per-channel E[x^2] of each expert's routed inputs "
+                "(gate/up: the MoE input; down: silu(gate x) * up x)"
+            ),
             "experts": layers * n_experts,
             "unreached_experts": sum(map(len, unreached.values())),
             "unreached_by_layer": unreached,
@@ -109,6 +120,7 @@ class Calibrate(Step):
         heldout.meta = {"lines": len(held), "tokens": len(streams["heldout"])}
         ctx.log(
             f"{stats.meta['tokens']} calibration tokens, {heldout.meta['tokens']} held-out; "
-            f"{stats.meta['unreached_experts']} of {stats.meta['experts']} experts reached by no token"
+            f"{stats.meta['unreached_experts']} of {stats.meta['experts']} "
+            "experts reached by no token"
         )
         return {"out": stats, "heldout": heldout}

@@ -5,8 +5,8 @@ size, one part of the model (language model, MTP head, vision tower) at a time,
 tensors sorted by name and streamed one at a time from the store;
 ``model.safetensors.index.json``; ``config.json`` with the ``quantization``
 (and ``quantization_config``) defaults plus per-path overrides as mlx_lm reads
-them; the tokenizer and other side files of the source; ``verify.json``; and a
-model card. The directory is built beside the target, checked (index parity,
+them; the tokenizer and other side files of the source; ``verify.json``; ``eval.json``
+(the eval nodes' figures, also a table in the card); and a model card. The directory is built beside the target, checked (index parity,
 metadata, mlx_lm load with finite logits), then exchanged with the old one in
 one rename, so a reader never sees a mix of old and new shards.
 
@@ -155,6 +155,43 @@ def merge_reports(reports: list[dict]) -> dict:
     return {"ok": all(r["ok"] for r in checks.values()), "checks": checks}
 
 
+def merge_evals(reports: list[dict]) -> dict:
+    """One eval.json from several eval nodes: the model's figures (a head-scoped node's
+    acceptance joins the trunk's), and each labelled node's (a baseline) under its label."""
+    out: dict = {}
+    for rep in reports:
+        figures = {k: v for k, v in rep.items() if k not in ("scope", "label")}
+        if rep.get("label"):
+            out.setdefault("others", {})[rep["label"]] = figures
+        else:
+            out.update(figures if rep.get("scope") != "head" else {k: v for k, v in figures.items() if k != "tokens"})
+    return out
+
+
+EVAL_ROWS = (  # (key, what it is, format)
+    ("kld_mean", "KL divergence KL(p_bf16 ‖ p_model), mean", "{:.5f}"),
+    ("kld_median", "KL divergence, median", "{:.5f}"),
+    ("kld_p99", "KL divergence, 99th percentile", "{:.5f}"),
+    ("top1_agreement", "top-1 agreement with bf16", "{:.2%}"),
+    ("ppl_model", "perplexity, this model", "{:.3f}"),
+    ("ppl_source", "perplexity, bf16 source", "{:.3f}"),
+    ("acceptance", "MTP draft acceptance, depth 1 (this head on this trunk)", "{:.2%}"),
+    ("acceptance_source", "MTP draft acceptance, depth 1 (bf16 head on bf16 trunk)", "{:.2%}"),
+)
+
+
+def eval_table(evals: dict) -> list[str]:
+    """The card's evaluation table: this model, then each labelled comparison, as columns."""
+    cols = [("this model", evals), *sorted(evals.get("others", {}).items())]
+    lines = [f"On {evals.get('positions', '?')} positions of held-out text ({evals.get('tokens', '?')} tokens), "
+             "next-token distributions against the bf16 source, both run with mlx_lm's classes in float32.", "",
+             "| figure | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---|" * len(cols)]
+    for key, what, fmt in EVAL_ROWS:
+        if any(key in f for _, f in cols):
+            lines.append(f"| {what} | " + " | ".join(fmt.format(f[key]) if f.get(key) is not None else "" for _, f in cols) + " |")
+    return lines
+
+
 def exchange(src: Path, dst: Path) -> None:
     """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE), else rename aside."""
     fn = getattr(libc(), "renameat2", None)
@@ -224,7 +261,8 @@ def budget_lines(b: dict | None) -> list[str]:
     return lines
 
 
-def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: list[Artifact], reports: list[dict], bpw: float, n_tensors: int, source: dict) -> str:
+def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: list[Artifact], reports: list[dict], bpw: float,
+               n_tensors: int, source: dict, evals: dict | None = None) -> str:
     names = [n for a in parts for n in a.tensors]
     has_mtp = any(n.startswith(HEAD_PREFIX) for n in names)
     has_vision = any(n.startswith("vision_tower.") for n in names)
@@ -267,6 +305,8 @@ def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: lis
         for rep in reports:
             for name, r in rep.get("checks", {}).items():
                 lines.append(f"| {name} | {'pass' if r['ok'] else 'FAIL'} | `{json.dumps(r['figure'], default=str)}` |")
+    if evals:
+        lines += ["", "## Evaluation", "", *eval_table(evals)]
     return "\n".join(lines + usage(cfg is not None, has_vision, has_mtp)) + "\n"
 
 
@@ -348,7 +388,12 @@ class Publish(Step):
     kind = "publish"
     version = 3  # 3: the drafter directory mtp/ for MTP variants
     Params = PublishParams
-    inputs = {"model": Slot(many=True), "source": Slot(), "report": Slot(required=False, many=True)}
+    inputs = {
+        "model": Slot(many=True),
+        "source": Slot(),
+        "report": Slot(required=False, many=True),
+        "eval": Slot(required=False, many=True),  # eval nodes: eval.json and the card's table
+    }
 
     @property
     def writer(self) -> dict:
@@ -459,9 +504,12 @@ class Publish(Step):
             files = {}
             if reports:
                 files["verify.json"] = json.dumps(reports[0], indent=2, sort_keys=True).encode()
+            evals = merge_evals([e.meta.get("report", {}) for e in inputs.get("eval", [])])
+            if evals:
+                files["eval.json"] = json.dumps(evals, indent=2, sort_keys=True).encode()
             files["README.md"] = model_card(
                 ctx, params, staged.config.get("quantization"), staged.parts, reports, art.meta["bits_per_weight"],
-                len(staged.tensors), staged.source,
+                len(staged.tensors), staged.source, evals,
             ).encode()
             self._put_files(ctx.store, tmp, art, files)
             write_synced(tmp / STAMP, json.dumps({"artifact": art.digest, "variant": ctx.variant}).encode())

@@ -30,14 +30,19 @@ def check_layout(config: dict, found: dict[str, tuple[str, TensorInfo]]) -> None
     missing = sorted(set(want) - set(found))
     if missing:
         more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
-        raise SourceError(f"source is missing {len(missing)} tensor(s): {', '.join(missing[:8])}{more}")
+        raise SourceError(
+            f"source is missing {len(missing)} tensor(s): {', '.join(missing[:8])}{more}"
+        )
     for name, (_, info) in sorted(found.items()):
         if name in want and tuple(info.shape) != want[name]:
             raise SourceError(
-                f"tensor {name!r} has shape {list(info.shape)} but config.json implies {list(want[name])}"
+                f"tensor {name!r} has shape {list(info.shape)} "
+                f"but config.json implies {list(want[name])}"
             )
         if info.dtype not in FLOAT_DTYPES:
-            raise SourceError(f"tensor {name!r} has dtype {info.dtype}; expected one of {FLOAT_DTYPES}")
+            raise SourceError(
+                f"tensor {name!r} has dtype {info.dtype}; expected one of {FLOAT_DTYPES}"
+            )
         if name not in want and not name.startswith("model.visual."):
             raise SourceError(f"tensor {name!r} is not part of the qwen3_5_moe layout")
 
@@ -55,9 +60,7 @@ class Sanitize(Step):
         config = load_config(ctx.store, src)
         found = scan_source(ctx.store, src)
         check_layout(config, found)
-        side_files = {
-            k: v for k, v in src.files.items() if k != "model.safetensors.index.json"
-        }
+        side_files = {k: v for k, v in src.files.items() if k != "model.safetensors.index.json"}
         model = Artifact(files=dict(side_files), meta={"config": config})
         mtp = Artifact(files={"config.json": src.files["config.json"]}, meta={"config": config})
         ctx.progress.start(len(found))

@@ -21,7 +21,9 @@ from .base import Context, Params, Slot, Step, library_version, register
 class SensitivityParams(Params):
     bits: list[int] = Field(default_factory=lambda: [3, 4, 6, 8])
     group_size: int = Field(default=64, ge=16)
-    max_rows: int = Field(default=64, ge=1)  # output rows sampled per expert (the error is a sum over rows)
+    max_rows: int = Field(
+        default=64, ge=1
+    )  # output rows sampled per expert (the error is a sum over rows)
 
     @field_validator("bits")
     @classmethod
@@ -43,25 +45,47 @@ class Sensitivity(Step):
 
     def run(self, ctx: Context, params: SensitivityParams, inputs) -> dict[str, Artifact]:
         model, calibration = inputs["model"][0], inputs["calibration"][0]
-        names = [n for n in budget.routed_weights(model.tensors)
-                 if cal.stats_for(ctx.store, calibration, n.removesuffix(".weight")) is not None]
+        names = [
+            n
+            for n in budget.routed_weights(model.tensors)
+            if cal.stats_for(ctx.store, calibration, n.removesuffix(".weight")) is not None
+        ]
         if not names:
-            raise StepError("sensitivity: no routed-expert weight has calibration statistics; "
-                            "point inputs.calibration at a calibrate step of this model")
+            raise StepError(
+                "sensitivity: no routed-expert weight has calibration statistics; "
+                "point inputs.calibration at a calibrate step of this model"
+            )
         ctx.progress.start(len(names))
 
         def work(name: str) -> tuple[str, dict[int, float]]:
             entry = model.tensors[name]
             importance, tokens = cal.stats_for(ctx.store, calibration, name.removesuffix(".weight"))
             if entry["shape"][-1] % params.group_size:
-                raise StepError(f"{name}: last dimension {entry['shape'][-1]} is not a multiple of group_size {params.group_size}")
-            return name, budget.measure(ctx.store, entry, importance, tokens, params.bits, params.group_size, params.max_rows)
+                raise StepError(
+                    f"{name}: last dimension {entry['shape'][-1]} "
+                    f"is not a multiple of group_size {params.group_size}"
+                )
+            return name, budget.measure(
+                ctx.store,
+                entry,
+                importance,
+                tokens,
+                params.bits,
+                params.group_size,
+                params.max_rows,
+            )
 
         figures = {}
         for name, s in workers.imap("tensors", work, names, workers=2):
             figures[name] = {str(b): v for b, v in s.items()}
             ctx.progress.advance(1)
-        out = Artifact(meta={"proxy": budget.PROXY, "bits": params.bits, "group_size": params.group_size,
-                             "tensors": dict(sorted(figures.items()))})
+        out = Artifact(
+            meta={
+                "proxy": budget.PROXY,
+                "bits": params.bits,
+                "group_size": params.group_size,
+                "tensors": dict(sorted(figures.items())),
+            }
+        )
         ctx.log(f"sensitivity of {len(figures)} routed-expert tensors at bits {params.bits}")
         return {"out": out}

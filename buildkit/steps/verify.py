@@ -53,7 +53,9 @@ def mlx_layout(hf: str, raw: np.ndarray, dtype: str, slc, shape) -> np.ndarray:
 
 
 def read_raw(store, hf: str, digest: str, info) -> np.ndarray:
-    return store.read_tensor({"dtype": info.dtype, "shape": list(info.shape), "view": {"file": digest, "tensor": hf}})
+    return store.read_tensor(
+        {"dtype": info.dtype, "shape": list(info.shape), "view": {"file": digest, "tensor": hf}}
+    )
 
 
 BLOCK_BYTES = 1 << 20  # rows of source compared at a time: temporaries stay small and reused
@@ -82,12 +84,17 @@ class Inspect:
         if len(pieces) != 1 or info.nbytes <= BLOCK_BYTES or not info.shape:
             return False
         name, slc, shape = pieces[0]
-        return (self.quant(name) is None and name in self.model and slc is None
-                and tuple(shape) == tuple(info.shape)
-                and not (ckpt.is_offset_norm(hf) or ckpt.is_conv1d(hf) or ckpt.is_patch_embed(hf)))
+        return (
+            self.quant(name) is None
+            and name in self.model
+            and slc is None
+            and tuple(shape) == tuple(info.shape)
+            and not (ckpt.is_offset_norm(hf) or ckpt.is_conv1d(hf) or ckpt.is_patch_embed(hf))
+        )
 
     def same_in_blocks(self, digest: str, info, entry: dict) -> tuple[bool, bool]:
-        """(stored bytes equal the source's, the source has a NaN or Inf), a block of rows at a time."""
+        """(stored bytes equal the source's, the source has a NaN or Inf), a block of rows at a
+        time."""
         path, _ = self.store.header(digest)
         rows = info.shape[0]
         row_bytes = info.nbytes // max(rows, 1)
@@ -107,7 +114,16 @@ class Inspect:
 
     def __call__(self, item) -> dict:
         hf, digest, info, pieces = item
-        r = {"hf": hf, "norm": [], "pass": [], "nonfinite": [], "shape_bad": [], "err": {}, "split": None, "bytes": info.nbytes}
+        r = {
+            "hf": hf,
+            "norm": [],
+            "pass": [],
+            "nonfinite": [],
+            "shape_bad": [],
+            "err": {},
+            "split": None,
+            "bytes": info.nbytes,
+        }
         if self.streamed(hf, info, pieces):
             name = pieces[0][0]
             same, bad = self.same_in_blocks(digest, info, self.model[name])
@@ -115,7 +131,9 @@ class Inspect:
             if bad:
                 r["nonfinite"].append(name)
             return r
-        exact = [(n, slc, shape) for n, slc, shape in pieces if self.quant(n) is None and n in self.model]
+        exact = [
+            (n, slc, shape) for n, slc, shape in pieces if self.quant(n) is None and n in self.model
+        ]
         # Compared byte for byte: read whole (norms, passthrough: small tensors). Quantized
         # pieces are compared block by block, reading only those rows of the source.
         raw = read_raw(self.store, hf, digest, info) if exact else None
@@ -129,7 +147,11 @@ class Inspect:
                     continue  # the key-set check reports it
                 ref = mlx_layout(hf, raw, info.dtype, slc, shape)
                 got = self.store.read_tensor(self.model[name])
-                same = got.dtype == ref.dtype and got.shape == ref.shape and got.tobytes() == ref.tobytes()
+                same = (
+                    got.dtype == ref.dtype
+                    and got.shape == ref.shape
+                    and got.tobytes() == ref.tobytes()
+                )
                 (r["norm"] if ckpt.is_offset_norm(hf) else r["pass"]).append((name, same))
                 if slc is not None and same:  # a slice of a fused tensor: counts in the split check
                     dense.append((name, slc, shape, None))
@@ -150,7 +172,9 @@ class Inspect:
         def blocks(entry: dict):
             """The stored tensor's rows, ``step`` at a time, alongside the source's (its digest is
             checked once the last block has passed)."""
-            return self.store.iter_rows(entry, step * (nbytes(entry["dtype"], entry["shape"]) // max(entry["shape"][0], 1)))
+            return self.store.iter_rows(
+                entry, step * (nbytes(entry["dtype"], entry["shape"]) // max(entry["shape"][0], 1))
+            )
 
         stored = {}  # name -> (blocks of the stored weight, float32 scales, float32 biases)
         for n, _, _, q in dense:
@@ -158,9 +182,16 @@ class Inspect:
             if q is None:
                 stored[n] = (blocks(self.model[n]), None, None)
             else:  # scales and biases (1/32 of the weight at most) whole, to float32 once
-                stored[n] = (blocks(self.model[f"{base}.weight"]), *(
-                    to_float32(self.store.read_tensor(self.model[f"{base}.{k}"]), self.model[f"{base}.{k}"]["dtype"])
-                    for k in ("scales", "biases")))
+                stored[n] = (
+                    blocks(self.model[f"{base}.weight"]),
+                    *(
+                        to_float32(
+                            self.store.read_tensor(self.model[f"{base}.{k}"]),
+                            self.model[f"{base}.{k}"]["dtype"],
+                        )
+                        for k in ("scales", "biases")
+                    ),
+                )
         num = {n: 0.0 for n, *_ in dense}
         den = dict(num)
         swapped = swapped_den = 0.0  # gate|up against up|gate, in the first block of rows
@@ -199,11 +230,20 @@ class Inspect:
                 # A NaN or Inf in the source makes sum |ref| one too, and one in got makes err
                 # one: only then look for it (the source's on its bits), not in every block.
                 d = float(abs_sum(ref))
-                if not math.isfinite(d) and raw is None and not bad_rows and non_finite(block, info.dtype):
+                if (
+                    not math.isfinite(d)
+                    and raw is None
+                    and not bad_rows
+                    and non_finite(block, info.dtype)
+                ):
                     bad_rows = True  # named as the MLX tensors made from it
                     r["nonfinite"] += [name for name, _, _ in pieces if name not in r["nonfinite"]]
                 err = float(abs_sum(ref, got))
-                if not math.isfinite(err) and not np.isfinite(got).all() and n not in r["nonfinite"]:
+                if (
+                    not math.isfinite(err)
+                    and not np.isfinite(got).all()
+                    and n not in r["nonfinite"]
+                ):
                     r["nonfinite"].append(n)
                 num[n] += err
                 den[n] += d
@@ -226,7 +266,9 @@ class Inspect:
         return r
 
 
-def calibrated_expert_error(store, heldout: Artifact, parts: list[Artifact], roles_q: dict, expected: dict) -> tuple[bool, dict, list | None]:
+def calibrated_expert_error(
+    store, heldout: Artifact, parts: list[Artifact], roles_q: dict, expected: dict
+) -> tuple[bool, dict, list | None]:
     """(ok, figure, detail): mean relative output error, over the held-out tokens routed to each
     data-aware expert, of the published experts and of data-agnostic ``mx.quantize`` of the same
     source weights at the same bits; data-aware must be lower."""
@@ -251,10 +293,16 @@ def calibrated_expert_error(store, heldout: Artifact, parts: list[Artifact], rol
                 continue
             hf, digest, info, slc, shape = expected[f"{module}.weight"]
             raw = mlx_layout(hf, read_raw(store, hf, digest, info), info.dtype, slc, shape)
-            qargs[proj] = {"group_size": q["group_size"], "bits": q["bits"], "mode": q.get("mode", "affine")}
+            qargs[proj] = {
+                "group_size": q["group_size"],
+                "bits": q["bits"],
+                "mode": q.get("mode", "affine"),
+            }
             packed["ref"][proj] = (raw, info.dtype)
-            packed["aware"][proj] = [to_mlx(store.read_tensor(model[f"{module}.{k}"]), model[f"{module}.{k}"]["dtype"])
-                                     for k in ("weight", "scales", "biases")]
+            packed["aware"][proj] = [
+                to_mlx(store.read_tensor(model[f"{module}.{k}"]), model[f"{module}.{k}"]["dtype"])
+                for k in ("weight", "scales", "biases")
+            ]
             packed["agnostic"][proj] = mx.quantize(to_mlx(raw, info.dtype), **qargs[proj])
         if len(qargs) < len(cal.PROJS):
             continue
@@ -262,8 +310,10 @@ def calibrated_expert_error(store, heldout: Artifact, parts: list[Artifact], rol
         def weights(variant: str, e: int, packed=packed, qargs=qargs) -> dict[str, np.ndarray]:
             if variant == "ref":
                 return {p: to_float32(raw[e], dtype) for p, (raw, dtype) in packed["ref"].items()}
-            return {p: np.array(mx.dequantize(*(a[e] for a in arrs), **qargs[p]).astype(mx.float32))
-                    for p, arrs in packed[variant].items()}
+            return {
+                p: np.array(mx.dequantize(*(a[e] for a in arrs), **qargs[p]).astype(mx.float32))
+                for p, arrs in packed[variant].items()
+            }
 
         x = to_float32(store.read_tensor(heldout.tensors[key]), "BF16")
         experts = store.read_tensor(heldout.tensors[f"{sw}.experts"])
@@ -294,7 +344,9 @@ def calibrated_expert_error(store, heldout: Artifact, parts: list[Artifact], rol
     if not aware:
         problems.append("no data-aware expert is reached by a held-out token; nothing to compare")
     elif not mean_a < mean_b:
-        problems.append(f"data-aware mean error {mean_a:.5f} is not below data-agnostic {mean_b:.5f}")
+        problems.append(
+            f"data-aware mean error {mean_a:.5f} is not below data-agnostic {mean_b:.5f}"
+        )
     return not problems, figure, problems[:20] or None
 
 
@@ -303,7 +355,11 @@ class Checks:
         self.results: dict[str, dict] = {}
 
     def add(self, name: str, ok: bool, figure, detail=None):
-        self.results[name] = {"ok": bool(ok), "figure": figure, **({"detail": detail} if detail else {})}
+        self.results[name] = {
+            "ok": bool(ok),
+            "figure": figure,
+            **({"detail": detail} if detail else {}),
+        }
 
     @property
     def failed(self) -> list[str]:
@@ -366,8 +422,13 @@ class Verify(Step):
                 want.add(name)
         missing, extra = sorted(want - set(model)), sorted(set(model) - want)
         checks.add(
-            "key_set", not missing and not extra,
-            {"expected": len(want), "actual": len(model), "mtp_keys": sum(k.startswith("language_model.mtp.") for k in model)},
+            "key_set",
+            not missing and not extra,
+            {
+                "expected": len(want),
+                "actual": len(model),
+                "mtp_keys": sum(k.startswith("language_model.mtp.") for k in model),
+            },
             {"missing": missing[:20], "unexpected": extra[:20]} if missing or extra else None,
         )
 
@@ -403,37 +464,75 @@ class Verify(Step):
             ctx.progress.advance(1, r["bytes"])
         norm_bad = [n for n, same in norms if not same]
         pass_bad = [n for n, same in passes if not same]
-        checks.add("norms_shifted_once", not norm_bad, {"norms": len(norms), "wrong": len(norm_bad)}, norm_bad[:20] or None)
-        checks.add("passthrough_identical", not pass_bad, {"tensors": len(passes), "differ": len(pass_bad)}, pass_bad[:20] or None)
-        checks.add("finite", not nonfinite, {"non_finite": len(nonfinite)}, nonfinite[:20] or None)
-        checks.add("quantized_shapes", not shape_bad, {"wrong": len(shape_bad)}, shape_bad[:20] or None)
         checks.add(
-            "dequant_rel_l1", not over,
-            {f"{b}-bit": {"tensors": len(v), "mean": round(sum(v) / len(v), 5), "max": round(max(v), 5),
-                          "limit": params.max_rel_l1.get(b)} for b, v in sorted(per_role.items())},
+            "norms_shifted_once",
+            not norm_bad,
+            {"norms": len(norms), "wrong": len(norm_bad)},
+            norm_bad[:20] or None,
+        )
+        checks.add(
+            "passthrough_identical",
+            not pass_bad,
+            {"tensors": len(passes), "differ": len(pass_bad)},
+            pass_bad[:20] or None,
+        )
+        checks.add("finite", not nonfinite, {"non_finite": len(nonfinite)}, nonfinite[:20] or None)
+        checks.add(
+            "quantized_shapes", not shape_bad, {"wrong": len(shape_bad)}, shape_bad[:20] or None
+        )
+        checks.add(
+            "dequant_rel_l1",
+            not over,
+            {
+                f"{b}-bit": {
+                    "tensors": len(v),
+                    "mean": round(sum(v) / len(v), 5),
+                    "max": round(max(v), 5),
+                    "limit": params.max_rel_l1.get(b),
+                }
+                for b, v in sorted(per_role.items())
+            },
             over[:20] or None,
         )
-        checks.add("experts_split_order", not split_bad and split["checked"] > 0, split, split_bad or None)
+        checks.add(
+            "experts_split_order", not split_bad and split["checked"] > 0, split, split_bad or None
+        )
 
         # 6. base weights unchanged
         if inputs.get("base"):
             base_t = {k: v for a in inputs["base"] for k, v in a.tensors.items()}
             differ = sorted(k for k, v in base_t.items() if full_model.get(k) != v)
-            checks.add("base_identical", not differ, {"tensors": len(base_t), "differ": len(differ)}, differ[:20] or None)
+            checks.add(
+                "base_identical",
+                not differ,
+                {"tensors": len(base_t), "differ": len(differ)},
+                differ[:20] or None,
+            )
 
         # 7. data-aware experts against data-agnostic ones, on held-out calibration text
         if inputs.get("calibration"):
-            checks.add("calibrated_expert_error", *calibrated_expert_error(
-                store, inputs["calibration"][0], inputs["model"], roles_q, expected))
+            checks.add(
+                "calibrated_expert_error",
+                *calibrated_expert_error(
+                    store, inputs["calibration"][0], inputs["model"], roles_q, expected
+                ),
+            )
 
         report = {"checks": checks.results, "ok": not checks.failed, "scope": params.only or "all"}
         blob = json.dumps(report, indent=2, sort_keys=True, default=str).encode()
-        out = Artifact(files={"verify.json": ctx.store.put_blob(blob)}, meta={"report": json.loads(blob)})
+        out = Artifact(
+            files={"verify.json": ctx.store.put_blob(blob)}, meta={"report": json.loads(blob)}
+        )
         for name, r in checks.results.items():
-            ctx.log(f"{'ok  ' if r['ok'] else 'FAIL'} {name}: {json.dumps(r['figure'], default=str)}")
+            ctx.log(
+                f"{'ok  ' if r['ok'] else 'FAIL'} {name}: {json.dumps(r['figure'], default=str)}"
+            )
         if checks.failed:
             details = "; ".join(
-                f"{k}: {json.dumps(checks.results[k].get('detail') or checks.results[k]['figure'], default=str)[:300]}"
+                f"{k}: "
+                + json.dumps(
+                    checks.results[k].get("detail") or checks.results[k]["figure"], default=str
+                )[:300]
                 for k in checks.failed
             )
             raise VerifyError(f"{len(checks.failed)} check(s) failed: {details}", report=blob)

@@ -1,0 +1,185 @@
+"""eval: grade a quantized model by its outputs against the bf16 source, on a held-out text.
+
+Inputs ``model`` (quantize/requantize artifacts) and ``source`` (sanitize:model, plus graft
+for a head); ``params.text`` names the text (``builtin:calibration.txt`` by default, whose
+held-out lines, every ``heldout_every``-th, are used; or any project file, split the same
+way). The text's content digest is in the key, its path is not. The numerics are
+``buildkit/evaluate.py``.
+
+``scope = "trunk"`` (the default) measures KL divergence, top-1 agreement and perplexities
+(and acceptance, if the models have heads); output ``trunk`` keeps both trunks' hidden
+states, so ``scope = "head"`` (xl-mtp's ``eval_head``, input ``trunk``) grades only the heads
+without running the trunks again. Output ``out`` holds ``eval.json``.
+
+Gates (``max_kld_mean``, ``min_acceptance``) fail a ``--release`` build; they are not in the
+key (they change no figure), so a cached result is judged again by a release.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Literal
+
+from pydantic import Field
+
+from .. import calibration as cal
+from .. import evaluate as ev
+from ..artifact import Artifact
+from ..errors import StepError
+from ..lazy import lazy
+from .base import Context, Params, Slot, Step, library_version, register
+
+np = lazy("numpy", __name__)
+GATES = ("max_kld_mean", "min_acceptance")
+
+
+class EvalParams(Params):
+    text: str = "builtin:calibration.txt"  # identity is the content digest, not this path
+    heldout_every: int = Field(default=5, ge=2)
+    seq_len: int = Field(default=128, ge=2)
+    max_tokens: int = Field(default=1024, ge=2)
+    scope: Literal["trunk", "head"] = "trunk"
+    label: str = ""  # names these figures beside others (e.g. "data-agnostic baseline")
+    max_kld_mean: float | None = None  # release gates; not in the key
+    min_acceptance: float | None = None
+
+
+def gate_failures(params: EvalParams, report: dict) -> list[str]:
+    """The gates a report does not meet, each said with its figure and limit."""
+    bad = []
+    kld, acc = report.get("kld_mean"), report.get("acceptance")
+    if params.max_kld_mean is not None and kld is not None and not kld <= params.max_kld_mean:
+        bad.append(f"kld_mean {kld:.5g} > max_kld_mean {params.max_kld_mean:g}")
+    if params.min_acceptance is not None:
+        if acc is None:
+            bad.append("min_acceptance is set but this eval measures no MTP head")
+        elif not acc >= params.min_acceptance:
+            bad.append(f"acceptance {acc:.4f} < min_acceptance {params.min_acceptance:g}")
+    return bad
+
+
+def model_size(parts: list[Artifact]) -> dict:
+    """Stored bytes and bits per weight (stored bits / source weights) of the model parts."""
+    n = sum(r["params"] for a in parts for r in a.meta.get("role_table", {}).values())
+    bits = sum(a.meta.get("bits_per_weight", 0) * sum(r["params"] for r in a.meta.get("role_table", {}).values()) for a in parts)
+    return {"size_bytes": sum(a.tensor_bytes() for a in parts), "bits_per_weight": round(bits / n, 4) if n else None}
+
+
+def weights(ctx: Context, inputs) -> tuple[ev.StoreWeights, ev.StoreWeights]:
+    from .publish import quantization_config  # the quantization config.json will carry
+
+    src = inputs["source"]
+    config = src[0].meta["config"]
+    tok = src[0].files.get("tokenizer.json")
+    return (ev.StoreWeights(ctx.store, src, config, None, tok),
+            ev.StoreWeights(ctx.store, inputs["model"], config, quantization_config(inputs["model"])))
+
+
+def _put_trunks(store, trunks, tokens: list[int]) -> Artifact:
+    art = Artifact(meta={"tokens": len(tokens)})
+    art.tensors["tokens"] = store.put_tensor("I32", np.array(tokens, np.int32))
+    for who, t in zip(("source", "model"), trunks):
+        for j, (x0, h) in enumerate(zip(t.x0, t.h)):
+            art.tensors[f"{who}.x0.{j}"] = store.put_tensor("F32", np.array(x0))
+            art.tensors[f"{who}.h.{j}"] = store.put_tensor("F32", np.array(h))
+        art.tensors[f"{who}.argmax"] = store.put_tensor("I32", np.concatenate(t.argmax).astype(np.int32))
+    return art
+
+
+def _get_trunks(store, art: Artifact) -> tuple[ev.Trunk, ev.Trunk]:
+    import mlx.core as mx
+
+    out = []
+    for who in ("source", "model"):
+        t = ev.Trunk()
+        j = 0
+        while f"{who}.h.{j}" in art.tensors:
+            t.x0.append(mx.array(store.read_tensor(art.tensors[f"{who}.x0.{j}"])))
+            t.h.append(mx.array(store.read_tensor(art.tensors[f"{who}.h.{j}"])))
+            j += 1
+        am = store.read_tensor(art.tensors[f"{who}.argmax"])
+        L = [b.shape[1] for b in t.h for _ in range(b.shape[0])]
+        t.argmax = np.split(am, np.cumsum(L)[:-1])
+        out.append(t)
+    return out[0], out[1]
+
+
+@register
+class Eval(Step):
+    kind = "eval"
+    version = 1
+    Params = EvalParams
+    inputs = {
+        "model": Slot(many=True),  # the quantized model's artifacts
+        "source": Slot(many=True),  # sanitize:model (and graft, for a head): the bf16 reference
+        "trunk": Slot(required=False),  # an eval node's trunk output (scope "head")
+    }
+    outputs = ("out", "trunk")
+
+    def libraries(self) -> dict[str, str]:
+        return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
+
+    def key_params(self, params: EvalParams, inputs=None) -> dict:
+        return params.model_dump(mode="json", exclude={"text", *GATES})
+
+    def fingerprint(self, params: EvalParams, ctx: Context) -> dict:
+        path = cal.text_path(params.text, ctx.options.project_root)
+        return {"text": ctx.store.sources.digest_file(path, rehash=ctx.options.rehash)}
+
+    def describe_fingerprint_change(self, old, new) -> str:
+        return "evaluation text changed"
+
+    def watch(self, params: EvalParams, ctx: Context):
+        return [cal.text_path(params.text, ctx.options.project_root)], []
+
+    def outdated(self, params: EvalParams, outputs: dict[str, Artifact], ctx: Context) -> str | None:
+        if ctx.options.release and (bad := gate_failures(params, outputs["out"].meta.get("report", {}))):
+            return f"release gate not met by the cached figures ({'; '.join(bad)}): run to fail the release"
+        return None
+
+    def run(self, ctx: Context, params: EvalParams, inputs) -> dict[str, Artifact]:
+        src, mod = weights(ctx, inputs)
+        if params.scope == "head":
+            if not inputs.get("trunk"):
+                raise StepError("scope 'head' grades heads on an eval node's trunks: give input trunk = \"eval:trunk\"")
+            ts, tm = _get_trunks(ctx.store, inputs["trunk"][0])
+            for who, w in (("model", mod), ("source", src)):
+                if not w.has_head():
+                    raise StepError(f"scope 'head': the {who} input has no MTP head (language_model.mtp.* tensors)")
+            report = {"tokens": inputs["trunk"][0].meta["tokens"], **ev.heads(src, mod, ts, tm)}
+            trunk = Artifact(meta={"tokens": report["tokens"]})
+        else:
+            tokens = self._tokens(ctx, params, src)
+            report, trunks = ev.evaluate(src, mod, tokens, params.seq_len, progress=ctx.progress)
+            report |= model_size(inputs["model"])
+            trunk = _put_trunks(ctx.store, trunks, tokens)
+        report = {"scope": params.scope, "label": params.label, **report}
+        for k, v in report.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                raise StepError(f"eval: {k} is {v}; the forward pass is not finite")
+        blob = json.dumps(report, indent=2, sort_keys=True).encode()
+        ctx.log("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items() if v != ""))
+        if bad := gate_failures(params, report):
+            if ctx.options.release:
+                raise StepError(f"release gate failed: {'; '.join(bad)} (params of step {ctx.node!r})")
+            ctx.log(f"warning: gate not met ({'; '.join(bad)}); a --release build fails here")
+        return {"out": Artifact(files={"eval.json": ctx.store.put_blob(blob)}, meta={"report": report}), "trunk": trunk}
+
+    @staticmethod
+    def _tokens(ctx: Context, params: EvalParams, src: ev.StoreWeights) -> list[int]:
+        path = cal.text_path(params.text, ctx.options.project_root)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise StepError(f"evaluation text {path}: not UTF-8 ({e})") from None
+        return heldout_tokens(text, params.heldout_every, src.tokenizer_json(), params.max_tokens)
+
+
+def heldout_tokens(text: str, heldout_every: int, tokenizer_json: bytes, max_tokens: int) -> list[int]:
+    """The held-out lines of a text (calibration's split), tokenized with the source's tokenizer."""
+    _, held = cal.split_lines(text, heldout_every)
+    tokens = cal.tokenize(tokenizer_json, held, max_tokens)
+    if len(tokens) < 2:
+        raise StepError(f"the text has {len(held)} held-out lines, {len(tokens)} tokens; evaluation needs more")
+    return tokens

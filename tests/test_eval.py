@@ -1,0 +1,274 @@
+"""The eval step, `buildkit eval` and `buildkit compare`: figures, caching, gates, mlx_lm parity."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import Project, cached, ran
+
+from buildkit import evaluate as ev
+from buildkit.fixture import FixtureSpec, generate
+from buildkit.steps.eval import heldout_tokens
+from buildkit.store import Store
+
+TEXT = Path(__file__).resolve().parents[1] / "buildkit" / "data" / "calibration.txt"
+FIGURES = ("kld_mean", "kld_median", "kld_p99", "top1_agreement", "ppl_source", "ppl_model", "acceptance", "acceptance_source")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """xl, then xl-mtp, from a generated checkpoint directory (so `buildkit eval` can read it)."""
+    root = tmp_path_factory.mktemp("eval")
+    src = generate(root / "src", FixtureSpec(seed=0))
+    p = Project(root / "project")
+    xl = p.build("xl", "--source", str(src))
+    mtp = p.build("xl-mtp", "--source", str(src))
+    return p, Path(src), xl, mtp
+
+
+def eval_json(p: Project, variant: str) -> dict:
+    return json.loads((p.out / variant / "eval.json").read_text())
+
+
+def cli_json(p: Project, capsys, *argv) -> dict | list:
+    capsys.readouterr()
+    assert p.cli(*argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_figures_are_finite_and_sane(built):
+    p, *_ = built
+    e = eval_json(p, "xl-mtp")
+    assert all(math.isfinite(e[k]) for k in FIGURES)
+    assert 0 <= e["kld_median"] <= e["kld_p99"] and 0 < e["kld_mean"]
+    assert 0 <= e["top1_agreement"] <= 1 and 0 <= e["acceptance"] <= 1 and 0 <= e["acceptance_source"] <= 1
+    assert e["ppl_model"] > 1 and e["ppl_source"] > 1
+    assert e["tokens"] == 1024 and e["positions"] == 1024 - 8  # 8 sequences of 128, none past its end
+    card = (p.out / "xl-mtp" / "README.md").read_text()
+    assert "## Evaluation" in card and "KL divergence KL(p_bf16 ‖ p_model), mean" in card
+    assert f"{e['kld_mean']:.5f}" in card
+    assert "acceptance" not in eval_json(p, "xl")  # xl has no head: no acceptance figure
+
+
+def test_xl_mtp_reuses_xls_eval_node_and_grades_only_the_head(built):
+    p, _, xl, mtp = built
+    assert "eval" in ran(xl) and "eval" in cached(mtp)
+    assert "eval_head" in ran(mtp)
+    store = Store(p.store)
+    assert store.get_ref("xl")["keys"]["eval"] == store.get_ref("xl-mtp")["keys"]["eval"]
+    trunk = {k: v for k, v in eval_json(p, "xl-mtp").items() if not k.startswith("acceptance")}
+    assert trunk == eval_json(p, "xl") | {"size_bytes": trunk["size_bytes"]}
+
+
+def test_the_source_against_itself_is_kld_zero_top1_one(built, capsys):
+    p, src, *_ = built
+    e = cli_json(p, capsys, "eval", str(src), "--source", str(src), "--json", "--max-tokens", "256")
+    assert e["kld_mean"] == 0 and e["kld_p99"] == 0 and e["top1_agreement"] == 1.0
+    assert e["ppl_model"] == e["ppl_source"] and e["acceptance"] == e["acceptance_source"]
+
+
+def test_buildkit_eval_of_a_published_directory_matches_the_step(built, capsys):
+    p, src, *_ = built
+    e = cli_json(p, capsys, "eval", str(p.out / "xl-mtp"), "--source", str(src), "--json")
+    step = eval_json(p, "xl-mtp")
+    for k in (*FIGURES, "tokens", "positions"):
+        assert e[k] == step[k], k
+
+
+def test_buildkit_eval_grades_an_mlx_lm_convert_directory(built, capsys, tmp_path):
+    """Any MLX directory: mlx_lm.convert's 4-bit output of the same source (no head, no vision)."""
+    from mlx_lm import convert
+
+    p, src, *_ = built
+    convert(str(src), str(tmp_path / "q4"), quantize=True, q_bits=4, q_group_size=64)
+    e = cli_json(p, capsys, "eval", str(tmp_path / "q4"), "--source", str(src), "--json", "--max-tokens", "256")
+    assert e["kld_mean"] > 0 and math.isfinite(e["kld_p99"]) and 0 < e["top1_agreement"] < 1
+    assert "acceptance" not in e  # mlx_lm.convert drops the MTP head
+    xl = cli_json(p, capsys, "eval", str(p.out / "xl"), "--source", str(src), "--json", "--max-tokens", "256")
+    assert xl["ppl_source"] == e["ppl_source"] and xl["kld_mean"] < e["kld_mean"]  # 6/8-bit beats 4-bit
+
+
+def _mlx_lm_ppl(model, tokens: list[int]) -> float:
+    nll = []
+    for b in ev.sequences(tokens, 128):
+        for row in b:
+            logits = model(mx.array(row[None]))[0].astype(mx.float32)
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            nll.append(-np.array(mx.take_along_axis(lp[:-1], mx.array(row[1:])[:, None], axis=-1))[:, 0])
+    return float(np.exp(np.concatenate(nll).astype(np.float64).mean()))
+
+
+def test_perplexity_is_mlx_lms_on_the_same_tokens(built):
+    """Our forward is the client's: mlx_lm.load of the published directory, the same tokens."""
+    from mlx_lm import load
+
+    p, src, *_ = built
+    tokens = heldout_tokens(TEXT.read_text(), 5, (src / "tokenizer.json").read_bytes(), 1024)
+    model, _ = load(str(p.out / "xl"))
+    want = eval_json(p, "xl")["ppl_model"]
+    bf16 = _mlx_lm_ppl(model, tokens)  # as users run it: bf16 arithmetic
+    model.set_dtype(mx.float32)  # the same model in float32, as eval runs it
+    f32 = _mlx_lm_ppl(model, tokens)
+    assert f32 == pytest.approx(want, rel=1e-4)
+    assert bf16 == pytest.approx(want, rel=2e-2)
+
+
+def test_compare_prints_a_table_and_plots(built, capsys):
+    p, *_ = built
+    capsys.readouterr()
+    png = p.root / "size-kld.png"
+    assert p.cli("compare", "xl", "xl-mtp", "--plot", str(png)) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:6] == ["variant", "size", "MB", "bpw", "KLD", "mean"]
+    assert [line.split()[0] for line in out[1:]] == ["xl", "xl-mtp"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = cli_json(p, capsys, "compare", "xl-mtp", "--json")
+    assert rows[0]["acceptance"] == eval_json(p, "xl-mtp")["acceptance"]
+    assert p.cli("compare", "oq4e-mtp-xl") == 1  # never built: said, not a table of blanks
+
+
+def test_status_shows_the_figures(built, capsys):
+    p, *_ = built
+    rows = {r["variant"]: r for r in cli_json(p, capsys, "status", "--json")}
+    assert rows["xl-mtp"]["eval"]["kld_mean"] == eval_json(p, "xl-mtp")["kld_mean"]
+    assert "eval" not in rows["oq4e-mtp-xl"]
+
+
+def test_text_is_keyed_by_content_not_path(built, capsys):
+    p, src, *_ = built
+    (p.root / "held.txt").write_text(TEXT.read_text())
+    p.write_manifest("xl-text", 'extends = "xl"\n[steps.eval]\nparams.text = "held.txt"\n')
+    plan = cli_json(p, capsys, "plan", "xl-text", "--source", str(src), "--out", str(p.out / "xl"), "--json")
+    assert {s["step"]: s["fresh"] for s in plan["steps"]}["eval"] is True
+    (p.root / "held.txt").write_text(TEXT.read_text() + "one more line\n" * 5)
+    plan = cli_json(p, capsys, "plan", "xl-text", "--source", str(src), "--out", str(p.out / "xl"), "--json")
+    step = {s["step"]: s for s in plan["steps"]}["eval"]
+    assert not step["fresh"] and "evaluation text changed" in step["reasons"][0]
+
+
+def test_a_gate_fails_a_release_build_with_a_clear_message(built, tmp_path):
+    p0, src, *_ = built
+    p = Project(tmp_path).adopt(p0)
+    p.write_manifest("xl-gated", 'extends = "xl"\n[steps.eval]\nparams.max_kld_mean = 1e-9\n')
+    ok = p.build("xl-gated", "--source", str(src))  # gates are not in the key: xl's eval, cached
+    assert "eval" in cached(ok)
+    rel = p.run("build", "xl-gated", "--source", str(src), "--out", str(p.out / "xl-gated"), "--release", check=False)
+    assert rel.returncode == 1
+    assert "release gate failed: kld_mean" in rel.stderr and "> max_kld_mean 1e-09" in rel.stderr
+    assert "release gate not met by the cached figures" in rel.stderr  # why it ran again
+    assert not (p.manifests / "xl-gated.lock").exists()
+
+
+def test_oq4e_grades_a_data_agnostic_baseline_beside_itself(built, tmp_path, capsys):
+    p0, src, *_ = built
+    p = Project(tmp_path).adopt(p0)
+    p.build("oq4e-mtp-xl", "--source", str(src))
+    e = eval_json(p, "oq4e-mtp-xl")
+    base = e["others"]["data-agnostic 4-bit (baseline)"]
+    assert base["tokens"] == e["tokens"] and math.isfinite(base["kld_mean"])
+    assert "data-agnostic 4-bit (baseline)" in (p.out / "oq4e-mtp-xl" / "README.md").read_text()
+    rows = cli_json(p, capsys, "compare", "oq4e-mtp-xl", "--json")
+    assert [r["variant"] for r in rows] == ["oq4e-mtp-xl", "oq4e-mtp-xl [data-agnostic 4-bit (baseline)]"]
+    assert rows[1]["size_bytes"] == rows[0]["size_bytes"]  # the same bits, other bytes
+
+
+# ---- with the trained fixture (buildkit/trained.py, from the trained-fixture branch) -------------
+
+def _trained_here() -> bool:
+    """buildkit.trained in this checkout (an editable install elsewhere may resolve it from there)."""
+    import buildkit
+
+    spec = importlib.util.find_spec("buildkit.trained")
+    return spec is not None and spec.origin is not None and Path(spec.origin).parent == Path(buildkit.__file__).parent
+
+
+TRAINED = _trained_here()
+needs_trained = pytest.mark.skipif(not TRAINED, reason="needs the trained fixture (buildkit.trained, branch "
+                                   "trained-fixture): on random weights these figures mean nothing")
+
+
+def trained_text() -> tuple[Path, int]:
+    """The trained fixture's own held-out verses (every other line of them), else the builtin text."""
+    from buildkit.trained import DATA
+
+    return (DATA / "heldout.txt", 2) if (DATA / "heldout.txt").is_file() else (TEXT, 5)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from buildkit.trained import write_trained
+
+    root = tmp_path_factory.mktemp("trained")
+    src = write_trained(root / "src")
+    p = Project(root / "project")
+    text, every = trained_text()
+    xl = p.manifests / "xl.toml"
+    line = next(ln for ln in xl.read_text().splitlines() if ln.startswith("params.text"))
+    xl.write_text(xl.read_text().replace(line, f'params.text = "{text}"\nparams.heldout_every = {every}'))
+    for bits in (4, 3):
+        p.write_manifest(f"xl-{bits}bit", f'extends = "xl"\n[recipe.roles]\nrouted_expert = {{ bits = {bits}, group_size = 64 }}\n')
+    for v in ("xl", "xl-mtp", "xl-4bit", "xl-3bit"):
+        p.build(v, "--source", str(src))
+    return p, Path(src)
+
+
+@needs_trained
+def test_trained_kld_grows_as_bits_shrink(trained):
+    p, _ = trained
+    assert eval_json(p, "xl")["kld_mean"] < eval_json(p, "xl-4bit")["kld_mean"] < eval_json(p, "xl-3bit")["kld_mean"]
+
+
+@needs_trained
+def test_trained_head_accepts_within_three_points_of_bf16(trained):
+    p, _ = trained
+    e = eval_json(p, "xl-mtp")
+    assert e["acceptance_source"] > 0.3  # a trained head drafts
+    assert abs(e["acceptance"] - e["acceptance_source"]) <= 0.03
+
+
+class Broken(ev.DirWeights):
+    """The published xl-mtp with its head broken the way a converter can break it."""
+
+    NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "mtp.norm", "layernorm", "q_norm", "k_norm")
+
+    def __init__(self, path, how: str):
+        super().__init__(path)
+        self.how = how
+
+    def read(self, name):
+        head = name.startswith(ev.HEAD)
+        if head and self.how == "gate_up" and ".switch_mlp." in name:
+            name = name.replace("gate_proj", "\0").replace("up_proj", "gate_proj").replace("\0", "up_proj")
+        a = super().read(name)
+        if head and self.how == "norms" and name.endswith(".weight") and any(n in name for n in self.NORMS):
+            f = a.view(np.uint16).astype(np.uint32) << 16
+            return ((f.view(np.float32) + 1.0).view(np.uint32) >> 16).astype(np.uint16)
+        if head and self.how == "fc" and name == "language_model.mtp.fc.weight":
+            half = a.shape[1] // 2
+            return np.concatenate([a[:, half:], a[:, :half]], axis=1)
+        return a
+
+
+# At least 20 points lower where the failure is real on this model. Norms shifted twice are
+# not, here: measured 64.9% -> 50.2% (-14.7 points) on the trained fixture, whose head norm
+# offsets are near 0 (means -0.25..0.29), so a second +1 scales activations about x2, which the
+# next norms mostly absorb; the real model's pre-fc norms (shifted means 0.49, 0.27) are hit
+# harder. That case must still cost at least 10 points.
+DROP = {"norms": 0.10, "fc": 0.20, "gate_up": 0.20}
+
+
+@needs_trained
+@pytest.mark.parametrize("how", sorted(DROP))
+def test_trained_broken_heads_grade_lower(trained, how):
+    p, src = trained
+    good = eval_json(p, "xl-mtp")["acceptance"]
+    text, every = trained_text()
+    tokens = heldout_tokens(text.read_text(), every, (src / "tokenizer.json").read_bytes(), 1024)
+    fig, _ = ev.evaluate(ev.DirWeights(src), Broken(p.out / "xl-mtp", how), tokens, 128)
+    assert fig["acceptance"] <= good - DROP[how], (how, fig["acceptance"], good)
