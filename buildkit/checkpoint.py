@@ -22,6 +22,8 @@ OFFSET_NORMS = (
     "q_norm.weight",
     "k_norm.weight",
 )
+HEAD_PREFIX = "language_model.mtp."  # the head in the published model, where oMLX looks for it
+DRAFTER_DIR = "mtp"  # the head again, as mlx_vlm's standalone drafter (docs/architecture.md)
 MTP_OFFSET_NORMS = (
     "pre_fc_norm_embedding.weight",
     "pre_fc_norm_hidden.weight",

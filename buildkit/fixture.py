@@ -324,10 +324,17 @@ Hello, world! The quick brown fox jumps over the lazy dog. Numbers like 0, 1, 2,
 layers, experts, heads, vocabulary, tokenizer, attention, expert, router and projection.
 """
 
+# Qwen3-VL's chat template, cut to what the fixture needs: text, image and video items, so an
+# image prompt renders <|vision_start|><|image_pad|><|vision_end|> as the real template does.
 _CHAT_TEMPLATE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content']"
-    " + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
+    "{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' or 'image' in item %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'video' or 'video' in item %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in item %}{{- item['text'] }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 
@@ -384,6 +391,28 @@ def _write_tokenizer(out: Path, s: FixtureSpec, tokenizer: str | None = None) ->
     }
     _write_json(out / "tokenizer_config.json", config)
     return ids
+
+
+def _write_processor_files(out: Path) -> None:
+    """What a real source carries for image and video prompts: the chat template as its own
+    file, and the image and video processor configs (the real model's constants; pixel bounds
+    small, so a test image is a few patches)."""
+    (out / "chat_template.jinja").write_text(_CHAT_TEMPLATE + "\n")
+    common = {
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "merge_size": SPATIAL_MERGE,
+        "patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+        "processor_class": "Qwen3VLProcessor",
+    }
+    pixels = (PATCH_SIZE * SPATIAL_MERGE) ** 2  # one merged token
+    _write_json(out / "preprocessor_config.json", common | {
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "size": {"shortest_edge": 4 * pixels, "longest_edge": 16 * pixels},
+    })
+    _write_json(out / "video_preprocessor_config.json", common | {
+        "video_processor_type": "Qwen3VLVideoProcessor", "fps": 2, "do_sample_frames": True,
+        "size": {"shortest_edge": 4 * pixels, "longest_edge": 16 * pixels * TEMPORAL_PATCH_SIZE},
+    })
 
 
 def _configs(s: FixtureSpec, ids: dict[str, int]) -> tuple[dict, dict]:
@@ -459,7 +488,8 @@ def generate(
 
     Produces ``model-0000K-of-0000N.safetensors`` shards (bf16, metadata ``{"format": "pt"}``,
     every ``mtp.*`` tensor in the last shard), ``model.safetensors.index.json``,
-    ``config.json``, ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json``,
+    ``config.json``, ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``,
+    ``chat_template.jinja``, ``preprocessor_config.json`` and ``video_preprocessor_config.json``,
     named and shaped exactly like the Qwen3.6-35B-A3B Hugging Face checkpoint. The same spec
     gives byte-identical files on any machine. Tensors are streamed in chunks, so memory stays
     small whatever the size. Everything is written to a temporary sibling directory and renamed
@@ -505,6 +535,7 @@ def generate(
         config, generation = _configs(spec, _write_tokenizer(tmp, spec, tokenizer))
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation)
+        _write_processor_files(tmp)
         for f in tmp.iterdir():  # unseen until the rename: a digest of them is trusted at once
             settle(f)
         os.chmod(tmp, 0o755)

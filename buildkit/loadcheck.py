@@ -13,22 +13,35 @@ trusted when every parameter of the loaded model is a published tensor of the sa
 is when mlx_lm loaded the tensors as they were published rather than renaming or merging them.
 Until then, and whenever that does not hold, the key covers every tensor and the whole config.
 The records are a cache: ``buildkit gc`` removes them and the next build checks again.
+
+mlx_vlm, the client of the vision tower and of the MTP drafter, is checked in the same step
+when it is importable (else a logged note): its model runs an image prompt through the
+processor files, the chat template and the vision tower; for an MTP model its drafter loads
+from ``mtp/``, keeps the published norms unshifted and drafts a token. Each part is remembered
+by what it reads: the model by all but the head (mlx_vlm drops the head too), the drafter by
+the head, the trunk's embeddings and lm_head it binds to, and the config.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 from . import keys, lazy
+from .checkpoint import DRAFTER_DIR, HEAD_PREFIX
 from .errors import StepError
 from .store import Store
 
 VERSION = 1
 QUANT_KEYS = ("quantization", "quantization_config")
 MODULE = "mlx_lm.utils"  # what the check imports: ~1 s, mostly transformers
+VLM_MODULES = ("mlx_vlm.utils", "mlx_vlm.speculative.drafters")
+IMAGE_SIDE = 64  # pixels: a 4x4 grid of 16-pixel patches, 4 image tokens after the 2x2 merge
+BOUND = ("language_model.model.embed_tokens", "language_model.lm_head")  # what the drafter binds to
 
 
 def _versions() -> dict[str, str]:
@@ -70,24 +83,70 @@ def memo_key(store: Store, config: dict, tensors: dict[str, dict], writer: dict)
     return keys.digest_json("loadcheck", [VERSION, _versions(), writer, cfg, read]), len(read)
 
 
+def vlm_importable() -> bool:
+    return importlib.util.find_spec("mlx_vlm") is not None
+
+
+def vlm_keys(config: dict, tensors: dict[str, dict], writer: dict, files: dict[str, str] | None = None) -> dict[str, str]:
+    """Memo keys of the mlx_vlm parts this model needs: ``model`` (all but the head, the config
+    without the head's entries, the side files: tokenizer, template, processor configs) and,
+    for a model with an MTP head, ``drafter``."""
+    versions = {d: metadata.version(d) for d in ("mlx", "mlx-vlm")}
+    body = {k: v for k, v in tensors.items() if not k.startswith(HEAD_PREFIX)}
+    cfg = {k: {p: q for p, q in v.items() if not p.startswith(HEAD_PREFIX)} if k in QUANT_KEYS and isinstance(v, dict) else v
+           for k, v in config.items()}
+    out = {"model": keys.digest_json("loadcheck-vlm", [VERSION, versions, writer, cfg, body, files or {}])}
+    if len(body) < len(tensors):
+        read = {k: v for k, v in tensors.items() if k.startswith(HEAD_PREFIX) or _module(k) in BOUND}
+        out["drafter"] = keys.digest_json("loadcheck-drafter", [VERSION, versions, writer, config, read])
+    return out
+
+
 @dataclass
 class Lookup:
     """What the store knows of this model's check: its key, how many tensors mlx_lm reads, and
-    the record of a passed check mlx_lm would repeat (None: the check has to run)."""
+    the record of a passed check mlx_lm would repeat (None: the check has to run); the same for
+    each mlx_vlm part, ``vlm`` (empty when mlx_vlm is not importable)."""
 
     key: str
     n_read: int
     record: dict | None
+    vlm: dict[str, tuple[str, dict | None]] = field(default_factory=dict)
+    image: bool = True  # False: the source lacks what an image prompt needs; mlx_vlm runs text
+
+    @property
+    def to_run(self) -> list[str]:
+        """The modules the parts still to run import."""
+        vlm = any(rec is None for _, rec in self.vlm.values())
+        return ([MODULE] if self.record is None else []) + (list(VLM_MODULES) if vlm else [])
 
 
-def lookup(store: Store, config: dict, tensors: dict[str, dict], writer: dict) -> Lookup:
+def lookup(store: Store, config: dict, tensors: dict[str, dict], writer: dict,
+           files: dict[str, str] | None = None, image: bool = True) -> Lookup:
+    """``files``: the side files published with the model (name -> digest); ``image``: whether
+    they hold what an image prompt needs (else mlx_vlm's part runs a text prompt)."""
     key, n_read = memo_key(store, config, tensors, writer)
-    return Lookup(key, n_read, store.get_memo("loadcheck", key))
+    vlm = {}
+    if vlm_importable():
+        files = (files or {}) | {"image prompt": image}
+        vlm = {part: (k, store.get_memo(f"loadcheck-{part}", k)) for part, k in vlm_keys(config, tensors, writer, files).items()}
+    return Lookup(key, n_read, store.get_memo("loadcheck", key), vlm, image)
 
 
-def warm() -> None:
-    """Import mlx_lm on a spare thread (~1.2 s, mostly transformers) for a check to come."""
-    lazy.import_ahead([MODULE])
+_warming: list = []  # the futures of warm's imports, waited for before the check imports
+
+
+def warm(modules: list[str] | None = None) -> None:
+    """Import mlx_lm (and mlx_vlm) on a spare thread (~1.2 s, mostly transformers) for a check to come."""
+    _warming.append(lazy.import_ahead(modules or [MODULE]))
+
+
+def _imported() -> None:
+    # Importing a package while another thread is still initialising it can hand back the
+    # half-made module (mlx_vlm's circular imports do): let the spare thread finish first.
+    while _warming:
+        with contextlib.suppress(Exception):
+            _warming.pop().result()
 
 
 def check(
@@ -98,6 +157,12 @@ def check(
     ``config`` and ``tensors`` (name -> store entry) describe what ``path`` holds; ``writer``
     names the code that wrote it (a step kind and version); ``found`` is ``lookup``'s answer
     for them, asked before the files were written (to import mlx_lm meanwhile, or not)."""
+    _imported()
+    ran = _check_mlx_lm(store, path, config, tensors, writer, found, log)
+    return _check_vlm(store, path, found, log) or ran
+
+
+def _check_mlx_lm(store: Store, path: Path, config: dict, tensors: dict[str, dict], writer: dict, found: Lookup, log) -> bool:
     if found.record is not None:
         log(f"load check: not run again: the {found.n_read} of {len(tensors)} tensors mlx_lm reads (its model has no "
             f"module for the rest) and the config it reads are those of a model it loaded before "
@@ -164,3 +229,116 @@ def check_loads(path: Path) -> dict:
     if not bool(mx.isfinite(logits).all().item()):
         raise StepError("mlx_lm loads the published model but its logits are not finite")
     return {"logits_shape": list(logits.shape), "dtype": str(logits.dtype).removeprefix("mlx.core."), "parameters": names}
+
+
+def _check_vlm(store: Store, path: Path, found: Lookup, log: Callable[[str], None]) -> bool:
+    if not found.vlm:
+        log("client check: mlx_vlm is not installed: the image prompt and the MTP drafter are not checked "
+            "(install mlx-vlm to check them)")
+        return False
+    ran = False
+    for part, (key, record) in found.vlm.items():
+        what = ("image prompt" if found.image else "text prompt") if part == "model" else f"MTP drafter {DRAFTER_DIR}/"
+        if record is not None:
+            log(f"client check (mlx_vlm, {what}): not run again: mlx_vlm read the same bytes before ({record['summary']})")
+            continue
+        res = check_vlm_loads(path, found.image) if part == "model" else check_drafter_loads(path)
+        log(f"client check (mlx_vlm, {what}): {res['summary']}")
+        store.put_memo(f"loadcheck-{part}", key, {"summary": res["summary"]})
+        ran = True
+    return ran
+
+
+def _test_image():
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:IMAGE_SIDE, 0:IMAGE_SIDE]
+    rgb = np.stack([x * 4, y * 4, (x + y) * 2], axis=-1) % 256
+    return Image.fromarray(rgb.astype(np.uint8))
+
+
+def check_vlm_loads(path: Path, image: bool = True) -> dict:
+    """Load with mlx_vlm and run an image prompt: the chat template must place the image, the
+    processor make pixels of it, the tokenizer's image token match ``image_token_id``, and the
+    vision tower and the language model give finite logits (``image=False``: a text prompt).
+    Streamed layer by layer, in float32 on the CPU, as ``check_loads``. Returns a summary."""
+    import mlx.core as mx
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import load, prepare_inputs
+
+    try:
+        model, processor = load(str(path), lazy=True)
+        cfg = model.config
+        image_token = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", None)
+        if image:
+            prompt = apply_chat_template(processor, cfg, "Describe the image.", num_images=1)
+            inputs = prepare_inputs(processor, images=[_test_image()], prompts=prompt, image_token_index=image_token)
+        else:
+            inputs = prepare_inputs(processor, prompts="Hello")
+        ids = inputs["input_ids"]
+        n_image = int((ids == image_token).sum().item()) if image_token is not None else 0
+        if image and n_image == 0:
+            raise StepError(f"the image prompt holds no image token (id {image_token}): check the chat template, "
+                            "preprocessor_config.json and the tokenizer's <|image_pad|> against config.json")
+        if mx.default_device() == mx.cpu:
+            model.set_dtype(mx.float32)
+        for m in model.language_model.modules():
+            if isinstance(m.get("layers"), list):
+                m["layers"][:] = [_Streamed(layer) for layer in m["layers"]]
+        extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+        out = model(ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra)
+        logits = getattr(out, "logits", out)
+        mx.eval(logits)
+    except StepError:
+        raise
+    except Exception as e:
+        raise StepError(f"mlx_vlm cannot run {'an image' if image else 'a text'} prompt on the published model: "
+                        f"{type(e).__name__}: {e}") from e
+    if not bool(mx.isfinite(logits).all().item()):
+        raise StepError("mlx_vlm runs a prompt on the published model but its logits are not finite")
+    if not image:
+        return {"summary": f"{list(logits.shape)} logits, finite (no image: the source lacks processor files)"}
+    grid = inputs["image_grid_thw"].tolist()[0]
+    return {"summary": f"{IMAGE_SIDE}x{IMAGE_SIDE} image as a {grid} patch grid, {n_image} image tokens, "
+                       f"{list(logits.shape)} logits, finite"}
+
+
+def check_drafter_loads(path: Path) -> dict:
+    """Load the MTP head from ``path/mtp`` with mlx_vlm's drafter loader, check that its norms are
+    the published ones (mlx_vlm did not shift them again), bind it to the model and draft a token."""
+    import mlx.core as mx
+    from mlx_vlm.speculative.drafters import load_drafter
+    from mlx_vlm.utils import load_model
+
+    where = path / DRAFTER_DIR
+    try:
+        drafter, kind = load_drafter(str(where), kind="mtp")
+        if kind != "mtp":
+            raise StepError(f"mlx_vlm takes {where} for a {kind!r} drafter, not 'mtp'")
+        # the file's names as the drafter's loader maps them (it strips a Hugging Face ``mtp.``)
+        published = {k.removeprefix("mtp."): v for k, v in mx.load(str(where / "model.safetensors")).items()}
+        params = dict(_flatten(drafter.parameters()))
+        norms = [k for k in published if k.endswith(".weight") and "norm" in k.rsplit(".", 2)[-2]]
+        moved = [k for k in norms if not bool(mx.array_equal(params[k], published[k]).item())]
+        if moved:
+            raise StepError(f"mlx_vlm changes {len(moved)} of the drafter's norms as it loads them ({', '.join(sorted(moved))}): "
+                            "it takes them for Hugging Face offsets and shifts them again")
+        target = load_model(path, lazy=True)
+        drafter.reset(target)
+        hidden = mx.ones((1, 1, drafter.fc.weight.shape[0]), dtype=mx.float32)
+        logits = drafter._lm_head_fn(drafter._forward_tokens(mx.array([[1]]), hidden, mx.int32))
+        mx.eval(logits)
+    except StepError:
+        raise
+    except Exception as e:
+        raise StepError(f"mlx_vlm cannot load or run the MTP drafter in {where}: {type(e).__name__}: {e}") from e
+    if not bool(mx.isfinite(logits).all().item()):
+        raise StepError(f"mlx_vlm's MTP drafter from {where} drafts non-finite logits")
+    return {"summary": f"loaded as kind 'mtp', {len(norms)} norms as published, drafted a token: {list(logits.shape)} logits, finite"}
+
+
+def _flatten(params):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(params)

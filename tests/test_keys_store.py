@@ -79,10 +79,10 @@ def test_fetch_and_sanitize_keys_of_the_default_fixture_are_pinned(seed):
     """The generated fixture is byte-identical on any machine and neither step hashes a library
     version, so these keys hold everywhere (quantize's holds only per mlx version)."""
     ref = json.loads((seed.store / "refs" / "xl.json").read_text())
-    assert ref["keys"]["fetch"] == "xxh3_128:466b098efc2aba536d4debf5fc3e0ec3"
-    assert ref["keys"]["sanitize"] == "xxh3_128:0f724233e5bb94230c8811fd21843499"
+    assert ref["keys"]["fetch"] == "xxh3_128:d8c66f549e3f38a5fda93ce1c13603e6"
+    assert ref["keys"]["sanitize"] == "xxh3_128:36d3e37a47e5e53ae1a880dd0babd2f3"
     assert ref["nodes"]["sanitize"]["outputs"] == {
-        "model": "xxh3_128:663f02c1f76ef17f92327f167b978f1f",
+        "model": "xxh3_128:79680aeea6998949364ef065670565c2",
         "mtp": "xxh3_128:2f92b5a57a46bdcbbdf247cb18cdc972",
     }
     mtp = json.loads((seed.store / "refs" / "xl-mtp.json").read_text())

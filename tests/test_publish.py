@@ -208,7 +208,7 @@ def test_a_shard_changed_since_it_was_published_is_written_again(tmp_path, monke
         f.write(bytes([want["language_model"][len(want["language_model"]) // 2] ^ 0x40]))
     os.unlink(copied["language_model"])  # the only other copy of the trunk's bytes
     mtp = p.build("xl-mtp")
-    assert "(1 of 3 shards linked from an earlier publish)" in mtp.stderr  # the vision tower's
+    assert "(1 of 4 shards linked from an earlier publish)" in mtp.stderr  # the vision tower's
     b = shard_parts(p.out / "xl-mtp")
     assert b["language_model"].read_bytes() == want["language_model"]
     assert not os.path.samefile(b["language_model"], xl["language_model"])
@@ -236,7 +236,7 @@ def test_the_card_of_a_built_seed_states_its_source_and_settings(seed):
     for variant in ("xl", "xl-mtp"):
         card = (seed.out / variant / "README.md").read_text()
         art = store.get_artifact(store.get_ref(variant)["nodes"]["publish"]["outputs"]["out"])
-        assert card.startswith("---\nlibrary_name: mlx\npipeline_tag: text-generation\ntags:\n- mlx\n- quantized\n- qwen3_5_moe\n")
+        assert card.startswith("---\nlibrary_name: mlx\npipeline_tag: image-text-to-text\ntags:\n- mlx\n- quantized\n- qwen3_5_moe\n")
         assert f"\n# {variant}\n\nMLX build of a qwen3_5_moe checkpoint, variant `{variant}`, made with buildkit.\n" in card
         assert f"\nBuilt from a **generated test fixture** (`qwen3_5_moe` layout, random weights, spec `{spec}`): not a real model.\n" in card
         assert f"- bits per weight (stored bits / source weights): **{art.meta['bits_per_weight']:.3f}**\n" in card

@@ -218,6 +218,7 @@ def test_concurrent_builds_run_each_shared_node_once(released, tmp_path):
         ), v
     for v, o in jobs:
         want, got = released.out / v, p.out / o
-        assert sorted(x.name for x in got.iterdir()) == sorted(x.name for x in want.iterdir())
-        for f in want.iterdir():
-            assert (got / f.name).read_bytes() == f.read_bytes(), (o, f.name)
+        files = sorted(str(x.relative_to(want)) for x in want.rglob("*") if x.is_file())  # with mtp/
+        assert sorted(str(x.relative_to(got)) for x in got.rglob("*") if x.is_file()) == files
+        for f in files:
+            assert (got / f).read_bytes() == (want / f).read_bytes(), (o, f)

@@ -44,6 +44,10 @@ from .base import Context, Params, Slot, Step, register
 STAMP = ".buildkit-publish.json"
 COPY_CHUNK = 8 << 20
 SKIP_SOURCE_FILES = {"config.json", "model.safetensors.index.json", "README.md", ".gitattributes"}
+HEAD_PREFIX, DRAFTER_DIR = ckpt.HEAD_PREFIX, ckpt.DRAFTER_DIR
+DRAFTER_SHARD = f"{DRAFTER_DIR}/model.safetensors"
+PROCESSOR_FILES = ("preprocessor_config.json",)
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
 class PublishParams(Params):
@@ -108,6 +112,37 @@ def quantization_config(parts: list[Artifact]) -> dict | None:
         if per_path[path] != default:
             cfg[path] = per_path[path]
     return cfg
+
+
+def drafter_config(config: dict) -> dict:
+    """config.json of the drafter directory, as mlx_vlm's own MTP split writes it
+    (``model_type: qwen3_5_mtp``), with the head's per-path quantization under its own paths.
+
+    mlx_vlm takes the drafter's unprefixed keys as MLX layout and its norms as already
+    shifted; only ``mtp.``-prefixed keys are taken for Hugging Face layout and shifted again."""
+    tc = config["text_config"]
+    out = {
+        "model_type": "qwen3_5_mtp",
+        "text_config": tc,
+        "block_size": int(tc.get("mtp_num_hidden_layers", 1)) + 2,
+        "tie_word_embeddings": bool(tc.get("tie_word_embeddings", False)),
+    }
+    q = config.get("quantization")
+    if q:
+        head = {k: v for k, v in q.items() if not isinstance(v, dict)}
+        head |= {k.removeprefix(HEAD_PREFIX): v for k, v in q.items() if isinstance(v, dict) and k.startswith(HEAD_PREFIX)}
+        out["quantization"] = out["quantization_config"] = head
+    return out
+
+
+def missing_for_images(config: dict, files: dict[str, str], tokenizer_config: dict) -> list[str]:
+    """What an mlx_vlm image prompt needs that a source with a vision tower does not carry."""
+    if "vision_config" not in config:
+        return []
+    missing = [f for f in PROCESSOR_FILES if f not in files]
+    if not any(f in files for f in CHAT_TEMPLATE_FILES) and "chat_template" not in tokenizer_config:
+        missing.append("a chat template (chat_template.jinja)")
+    return missing
 
 
 def merge_reports(reports: list[dict]) -> dict:
@@ -228,14 +263,16 @@ def budget_lines(b: dict | None) -> list[str]:
 
 def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: list[Artifact], reports: list[dict], bpw: float,
                n_tensors: int, source: dict, evals: dict | None = None) -> str:
-    has_mtp = any(n.startswith("language_model.mtp.") for a in parts for n in a.tensors)
-    tags = list(dict.fromkeys([*params.tags, *(["mtp"] if has_mtp else [])]))
+    names = [n for a in parts for n in a.tensors]
+    has_mtp = any(n.startswith(HEAD_PREFIX) for n in names)
+    has_vision = any(n.startswith("vision_tower.") for n in names)
+    tags = list(dict.fromkeys([*params.tags, *(["mtp"] if has_mtp else []), *(["vision"] if has_vision else [])]))
     base, origin = card_origin(params, source)
     lines = [
         "---",
         *([f"base_model: {base}"] if base else []),
         "library_name: mlx",
-        "pipeline_tag: text-generation",
+        f"pipeline_tag: {'image-text-to-text' if has_vision else 'text-generation'}",
         "tags:",
         *[f"- {t}" for t in tags],
         "---",
@@ -247,7 +284,7 @@ def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: lis
         origin,
         "",
         f"- bits per weight (stored bits / source weights): **{bpw:.3f}**",
-        f"- tensors: {n_tensors}" + (" (includes the MTP head `language_model.mtp.*`)" if has_mtp else ""),
+        f"- tensors: {n_tensors}" + (f" (includes the MTP head `{HEAD_PREFIX}*`)" if has_mtp else ""),
         "",
         "## Quantization by role",
         "",
@@ -255,7 +292,7 @@ def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: lis
         "|---|---|---|---|---|---|",
     ]
     for a in parts:
-        part = "mtp head" if any(n.startswith("language_model.mtp.") for n in a.tensors) else "trunk"
+        part = "mtp head" if any(n.startswith(HEAD_PREFIX) for n in a.tensors) else "trunk"
         for role, row in sorted(a.meta.get("role_table", {}).items()):
             bits = "passthrough" if row.get("passthrough") else str(row.get("bits"))
             extra = " (calibrated)" if row.get("calibrated") else ""
@@ -270,11 +307,63 @@ def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: lis
                 lines.append(f"| {name} | {'pass' if r['ok'] else 'FAIL'} | `{json.dumps(r['figure'], default=str)}` |")
     if evals:
         lines += ["", "## Evaluation", "", *eval_table(evals)]
-    if cfg:
-        lines += ["", "## Use", "", "```python", "from mlx_lm import load, generate", "",
-                  'model, tokenizer = load("path/to/this/model")',
-                  'print(generate(model, tokenizer, prompt="Hello", max_tokens=32))', "```"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + usage(cfg is not None, has_vision, has_mtp)) + "\n"
+
+
+def usage(quantized: bool, has_vision: bool, has_mtp: bool) -> list[str]:
+    """The card's "Use" section: each client that loads this directory, and how."""
+    if not quantized:
+        return []
+    lines = ["", "## Use", ""]
+    if has_vision:
+        lines += [
+            "The vision tower is kept: use **mlx_vlm** for image (and text) prompts. LM Studio routes",
+            "a config with `vision_config` to mlx_vlm too.",
+            "",
+            "```sh",
+            'python -m mlx_vlm.generate --model path/to/this/model --image photo.jpg --prompt "Describe this image." --max-tokens 100',
+            'python -m mlx_vlm.generate --model path/to/this/model --prompt "Hello" --max-tokens 32',
+            "```",
+            "",
+            "```python",
+            "from mlx_vlm import load, generate",
+            "from mlx_vlm.prompt_utils import apply_chat_template",
+            "",
+            'model, processor = load("path/to/this/model")',
+            'prompt = apply_chat_template(processor, model.config, "Describe this image.", num_images=1)',
+            'print(generate(model, processor, prompt, image=["photo.jpg"], max_tokens=100).text)',
+            "```",
+            "",
+            "**mlx_lm** loads the text model alone (it drops the vision tower" + (" and the MTP head)" if has_mtp else ")") + ":",
+            "",
+        ]
+    lines += ["```python", "from mlx_lm import load, generate", "",
+              'model, tokenizer = load("path/to/this/model")',
+              'print(generate(model, tokenizer, prompt="Hello", max_tokens=32))', "```"]
+    if has_mtp:
+        lines += [
+            "",
+            "## Speculative decoding with the MTP head",
+            "",
+            f"The native multi-token-prediction head is published twice, with the same bytes: as `{HEAD_PREFIX}*`",
+            f"in this directory's shards (for oMLX) and as a standalone mlx_vlm drafter in `{DRAFTER_DIR}/`.",
+            "All seven head norms are stored already shifted (runtime weight `1 + w`), in both.",
+            "",
+            "- **oMLX**: set `mtp_enabled: true` for this model. Use an oMLX release that decides the head's",
+            "  norm convention for the whole head (`mtp_head_norm_convention`), the `pre_fc` norms with the",
+            "  rest of it: older releases decide each norm alone by its mean and shift again a correctly",
+            "  shifted norm whose mean is below 0.5, as the real model's `pre_fc` norms are (0.49 and 0.27),",
+            "  which costs much of the draft acceptance.",
+            f"- **mlx_vlm**: pass the drafter directory, `--draft-model path/to/this/model/{DRAFTER_DIR} --draft-kind mtp`:",
+            "",
+            "```sh",
+            f"python -m mlx_vlm.generate --model path/to/this/model --draft-model path/to/this/model/{DRAFTER_DIR} \\",
+            '    --draft-kind mtp --prompt "Hello" --max-tokens 64',
+            "```",
+            "",
+            "- **LM Studio** (mlx-engine) and plain mlx_lm ignore the head: the model runs without drafting.",
+        ]
+    return lines
 
 
 @dataclass
@@ -297,7 +386,7 @@ class Staged:
 @register
 class Publish(Step):
     kind = "publish"
-    version = 2
+    version = 3  # 3: the drafter directory mtp/ for MTP variants
     Params = PublishParams
     inputs = {
         "model": Slot(many=True),
@@ -373,11 +462,17 @@ class Publish(Step):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         staged = Staged(dest, tmp, parts, tensors, config, made, source=src.meta.get("source", {}))
+        tok_cfg = json.loads(store.get_blob(src.files["tokenizer_config.json"])) if "tokenizer_config.json" in src.files else {}
+        missing = missing_for_images(config, src.files, tok_cfg)
+        if missing:
+            ctx.log(f"warning: the source has a vision tower (vision_config) but no {' and no '.join(missing)}: "
+                    "mlx_vlm loads the model but cannot run an image prompt; add them to the source")
         try:
             if params.load_check:
-                staged.load_check = loadcheck.lookup(store, config, tensors, self.writer)
-                if staged.load_check.record is None:
-                    loadcheck.warm()  # while the shards are written
+                side = {k: v for k, v in src.files.items() if k not in SKIP_SOURCE_FILES and "/" not in k}
+                staged.load_check = loadcheck.lookup(store, config, tensors, self.writer, side, image=not missing)
+                if staged.load_check.to_run:
+                    loadcheck.warm(staged.load_check.to_run)  # while the shards are written
             staged.art = self._write(ctx, params, staged, src)
             drop_idle_write_buffers()  # all written; the load check, a build's memory peak, is next
             self._check(ctx, staged, params)
@@ -439,45 +534,25 @@ class Publish(Step):
         weight_map, meta_shards, sizes = {}, {}, {}
         total = 0
         buf = bytearray(COPY_CHUNK)  # one buffer for every tensor: no fresh pages per tensor
-        ctx.progress.start(len(tensors))
+        head = sorted(k for k in tensors if k.startswith(HEAD_PREFIX))
+        ctx.progress.start(len(tensors) + len(head))
         for i, names in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-            entries = [(k, tensors[k]["dtype"], tuple(tensors[k]["shape"])) for k in names]
-            head = header_bytes(entries, {"format": "mlx"})
-            body = sum(nbytes(tensors[k]["dtype"], tensors[k]["shape"]) for k in names)
             weight_map.update(dict.fromkeys(names, fname))
-            total += body
-            # what the shard's bytes follow from: the code writing them, its header, its tensors
-            plan = keys.digest_json("shard", [self.writer, keys.blob_digest(head), [tensors[k] for k in names]])
-            digest = link_shard(store, plan, tmp / fname)
-            if digest is not None:
-                staged.linked += 1
-                ctx.progress.advance(len(names), len(head) + body)
-            else:
-                h = keys.blob_hasher()
-                with DirectFile(tmp / fname) as f:  # past the page cache: see DirectFile
-                    f.write(head)
-                    h.update(head)
-
-                    def sink(chunk, f=f, h=h):
-                        f.write(chunk)
-                        h.update(chunk)
-
-                    for k in names:
-                        ctx.progress.advance(1, copy_entry(store, tensors[k], sink, buf))
-                digest = keys.finish(h)
-                with contextlib.suppress(OSError):  # refused (some network file systems): the
-                    settle(tmp / fname)  # record is racy, and the next link hashes the file first
-                store.put_memo("shard", plan, {"digest": digest})
-            ident = file_ident(tmp / fname)
+            total += self._shard(ctx, staged, fname, [(k, tensors[k]) for k in names], buf)
+        if head:  # the same store entries under the drafter's names: mlx_vlm's standalone layout
+            (tmp / DRAFTER_DIR).mkdir()
+            self._shard(ctx, staged, DRAFTER_SHARD, [(k.removeprefix(HEAD_PREFIX), tensors[k]) for k in head], buf)
+        for fname, (digest, ident) in staged.shards.items():
             meta_shards[fname], sizes[fname] = digest, ident[2]
-            staged.shards[fname] = (digest, ident)
         files: dict[str, bytes] = {
             "model.safetensors.index.json": json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
             ).encode(),
             "config.json": json.dumps(staged.config, indent=2, sort_keys=True).encode(),
         }
+        if head:
+            files[f"{DRAFTER_DIR}/config.json"] = json.dumps(drafter_config(staged.config), indent=2, sort_keys=True).encode()
         for name, digest in sorted(src.files.items()):
             if name not in SKIP_SOURCE_FILES and "/" not in name:
                 files[name] = store.get_blob(digest)
@@ -486,6 +561,36 @@ class Publish(Step):
         art = Artifact(meta={"shards": meta_shards, "bits_per_weight": round(bpw, 4), "sizes": sizes})
         self._put_files(store, tmp, art, files)
         return art
+
+    def _shard(self, ctx, staged: Staged, fname: str, items: list[tuple[str, dict]], buf: bytearray) -> int:
+        """Write (or hard-link) one shard of ``items`` (name, store entry) at ``fname``; its body's bytes."""
+        store, path = ctx.store, staged.tmp / fname
+        head = header_bytes([(k, e["dtype"], tuple(e["shape"])) for k, e in items], {"format": "mlx"})
+        body = sum(nbytes(e["dtype"], e["shape"]) for _, e in items)
+        # what the shard's bytes follow from: the code writing them, its header, its tensors
+        plan = keys.digest_json("shard", [self.writer, keys.blob_digest(head), [e for _, e in items]])
+        digest = link_shard(store, plan, path)
+        if digest is not None:
+            staged.linked += 1
+            ctx.progress.advance(len(items), len(head) + body)
+        else:
+            h = keys.blob_hasher()
+            with DirectFile(path) as f:  # past the page cache: see DirectFile
+                f.write(head)
+                h.update(head)
+
+                def sink(chunk, f=f, h=h):
+                    f.write(chunk)
+                    h.update(chunk)
+
+                for _, e in items:
+                    ctx.progress.advance(1, copy_entry(store, e, sink, buf))
+            digest = keys.finish(h)
+            with contextlib.suppress(OSError):  # refused (some network file systems): the
+                settle(path)  # record is racy, and the next link hashes the file first
+            store.put_memo("shard", plan, {"digest": digest})
+        staged.shards[fname] = (digest, file_ident(path))
+        return body
 
     @staticmethod
     def _put_files(store, tmp: Path, art: Artifact, files: dict[str, bytes]) -> None:
@@ -516,6 +621,11 @@ class Publish(Step):
             raise StepError("index weight_map does not match the shards' contents")
         if total != idx["metadata"]["total_size"]:
             raise StepError(f"index total_size {idx['metadata']['total_size']} != {total} bytes in shards")
+        head = {k.removeprefix(HEAD_PREFIX) for k in tensors if k.startswith(HEAD_PREFIX)}
+        if head:
+            h = read_header(tmp / DRAFTER_SHARD)
+            if h.metadata.get("format") != "mlx" or set(h.tensors) != head:
+                raise StepError(f"{DRAFTER_SHARD} does not hold the {len(head)} head tensors under the drafter's names")
         if params.load_check:
             loadcheck.check(ctx.store, tmp, staged.config, tensors, self.writer, staged.load_check, ctx.log)
 
