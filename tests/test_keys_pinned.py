@@ -1,0 +1,60 @@
+"""The key of every step kind, pinned as hex strings (redun's habit): an accidental change to what
+enters a key fails here, by name.
+
+Keys hold the versions of the libraries that change bytes, so they hold for the versions in
+constraints.txt (what make installs and the release locks were made with); with others the
+test says so and skips. A deliberate change (a step version bump, new params) updates these
+strings together with the release locks (`make release`).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import version
+
+import pytest
+
+from buildkit.steps import REGISTRY
+from conftest import REPO
+
+PINNED = {  # kind: (variant, node, key)
+    "fetch": ("xl", "fetch", "xxh3_128:d8c66f549e3f38a5fda93ce1c13603e6"),
+    "sanitize": ("xl", "sanitize", "xxh3_128:36d3e37a47e5e53ae1a880dd0babd2f3"),
+    "quantize": ("xl", "quantize", "xxh3_128:4f4ddef6763f03a7b580e907cec4d003"),
+    "verify": ("xl", "verify", "xxh3_128:dc11e206ee300168131220ec4dfe6f3c"),
+    "eval": ("xl", "eval", "xxh3_128:6930814d9b0f86dbd659b5c264530a1d"),
+    "publish": ("xl", "publish", "xxh3_128:4e81483045d5905427a431acb449e925"),
+    "graft": ("xl-mtp", "graft", "xxh3_128:20d6bacd0ead79548a85fcde403ec078"),
+    "requantize": ("xl-mtp", "requantize", "xxh3_128:1850d689ab003440529d49600be9e399"),
+    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:d14d143606008d5c316114d6a9171fda"),
+    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:3f5a48db4b9b9ec0d8f5f1f31f4c4d63"),
+}
+
+
+def pins() -> dict[str, str]:
+    out = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, v = line.split("==")
+            out[name.strip()] = v.strip()
+    return out
+
+
+def test_every_step_kind_is_pinned():
+    assert set(PINNED) == set(REGISTRY)
+
+
+def test_keys_of_the_default_variants_are_pinned(project, seed):
+    differ = {n: (v, version(n)) for n, v in pins().items() if version(n) != v}
+    if differ:
+        pytest.skip(f"library versions differ from constraints.txt: {differ}")
+    project.adopt(seed)
+    project.build("oq4e-mtp-xl")
+    project.run("build", "oq-budget", "--target", "sensitivity")  # its budget is for the real model
+    got = {}
+    for kind, (variant, node, _) in PINNED.items():
+        ref = json.loads((project.store / "refs" / f"{variant}.json").read_text())
+        assert ref["nodes"][node]["ingredients"]["kind"] == kind
+        got[kind] = ref["nodes"][node]["key"]
+    assert got == {kind: key for kind, (_, _, key) in PINNED.items()}
