@@ -1,4 +1,5 @@
-"""Deterministic small qwen3_5_moe checkpoints in the Hugging Face layout of Qwen/Qwen3.6-35B-A3B."""
+"""Deterministic small qwen3_5_moe checkpoints in the Hugging Face layout of
+Qwen/Qwen3.6-35B-A3B."""
 
 from __future__ import annotations
 
@@ -19,19 +20,29 @@ from .fsio import settle
 from .lazy import lazy
 
 np = lazy("numpy", __name__)
-tk = lazy("tokenizers", __name__, "tk")  # only for writing a tokenizer; the CLI parser reads FixtureSpec
+tk = lazy(
+    "tokenizers", __name__, "tk"
+)  # only for writing a tokenizer; the CLI parser reads FixtureSpec
 
 # Constants of the real checkpoint that the fixture keeps as they are.
 PATCH_SIZE, TEMPORAL_PATCH_SIZE, IN_CHANNELS, SPATIAL_MERGE = 16, 2, 3, 2
 PARTIAL_ROTARY = 0.25
 ROPE_THETA = 10_000_000
 SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 )
-# Qwen3.5's pre-tokenizer split (transformers' Qwen3_5Tokenizer rebuilds it, so tokenizer.json must match).
+# Qwen3.5's pre-tokenizer split (transformers' Qwen3_5Tokenizer rebuilds it, so tokenizer.json
+# must match).
 _PRETOKENIZE_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _CHUNK = 1 << 20  # elements generated and written per step
@@ -43,7 +54,8 @@ class FixtureSpec(BaseModel):
 
     Every linear input dimension must be a multiple of 64 (group-size-64 quantization) except
     ``vision_intermediate`` (the vision blocks' ``linear_fc2``, 4304 in the real model, which xl
-    keeps bf16), ``linear_value_heads`` a multiple of ``linear_key_heads`` and ``heads`` of ``kv_heads``.
+    keeps bf16), ``linear_value_heads`` a multiple of ``linear_key_heads`` and ``heads`` of
+    ``kv_heads``.
     ``vision_positions`` is the vision tower's learned position grid (a perfect square).
     An invalid spec raises ``ValueError`` naming the field.
     """
@@ -78,34 +90,65 @@ class FixtureSpec(BaseModel):
     def _check(self) -> FixtureSpec:
         for name, value in self:
             if value < (0 if name == "seed" else 1):
-                raise ValueError(f"{name}={value} must be {'>= 0' if name == 'seed' else 'positive'}")
+                raise ValueError(
+                    f"{name}={value} must be {'>= 0' if name == 'seed' else 'positive'}"
+                )
         for name, value in [
-            ("hidden", self.hidden), ("moe_intermediate", self.moe_intermediate),
+            ("hidden", self.hidden),
+            ("moe_intermediate", self.moe_intermediate),
             ("shared_intermediate", self.shared_intermediate),
             ("heads*head_dim", self.heads * self.head_dim),
-            ("linear_value_heads*linear_value_dim", self.linear_value_heads * self.linear_value_dim),
+            (
+                "linear_value_heads*linear_value_dim",
+                self.linear_value_heads * self.linear_value_dim,
+            ),
             ("vision_hidden", self.vision_hidden),
-        ]:  # vision_intermediate is free: the real model's 4304 keeps linear_fc2 bf16 (manifests/xl.toml)
+        ]:  # vision_intermediate is free: the real model's 4304 keeps linear_fc2 bf16
+            # (manifests/xl.toml)
             if value % 64:
-                raise ValueError(f"{name}={value} must be a multiple of 64 (quantization group size)")
+                raise ValueError(
+                    f"{name}={value} must be a multiple of 64 (quantization group size)"
+                )
         rules = [
-            ("linear_value_heads", self.linear_value_heads % self.linear_key_heads == 0,
-             "must be a multiple of linear_key_heads"),
+            (
+                "linear_value_heads",
+                self.linear_value_heads % self.linear_key_heads == 0,
+                "must be a multiple of linear_key_heads",
+            ),
             ("kv_heads", self.heads % self.kv_heads == 0, "must divide heads"),
             ("experts_per_tok", self.experts_per_tok <= self.experts, "must be <= experts"),
             ("head_dim", self.head_dim % 8 == 0, "must be a multiple of 8 (partial rotary 0.25)"),
-            ("conv_kernel", self.conv_kernel >= 2,
-             "must be >= 2 (mlx_lm detects an HF checkpoint by conv1d.weight.shape[-1] != 1)"),
-            ("full_attention_interval", self.full_attention_interval >= 2,
-             "must be >= 2 (mlx_lm needs a linear-attention layer to detect HF offset norms)"),
-            ("layers", self.layers >= self.full_attention_interval,
-             "must be >= full_attention_interval (mlx_lm needs one full-attention layer)"),
-            ("vocab", self.vocab >= 256 + len(SPECIAL_TOKENS), "must hold 256 bytes + special tokens"),
-            ("vision_heads", self.vision_hidden % self.vision_heads == 0
-             and (self.vision_hidden // self.vision_heads) % 4 == 0,
-             "must divide vision_hidden into heads of a multiple of 4"),
-            ("vision_positions", math.isqrt(self.vision_positions) ** 2 == self.vision_positions,
-             "must be a perfect square"),
+            (
+                "conv_kernel",
+                self.conv_kernel >= 2,
+                "must be >= 2 (mlx_lm detects an HF checkpoint by conv1d.weight.shape[-1] != 1)",
+            ),
+            (
+                "full_attention_interval",
+                self.full_attention_interval >= 2,
+                "must be >= 2 (mlx_lm needs a linear-attention layer to detect HF offset norms)",
+            ),
+            (
+                "layers",
+                self.layers >= self.full_attention_interval,
+                "must be >= full_attention_interval (mlx_lm needs one full-attention layer)",
+            ),
+            (
+                "vocab",
+                self.vocab >= 256 + len(SPECIAL_TOKENS),
+                "must hold 256 bytes + special tokens",
+            ),
+            (
+                "vision_heads",
+                self.vision_hidden % self.vision_heads == 0
+                and (self.vision_hidden // self.vision_heads) % 4 == 0,
+                "must divide vision_hidden into heads of a multiple of 4",
+            ),
+            (
+                "vision_positions",
+                math.isqrt(self.vision_positions) ** 2 == self.vision_positions,
+                "must be a perfect square",
+            ),
         ]
         for name, ok, why in rules:
             if not ok:
@@ -116,11 +159,28 @@ class FixtureSpec(BaseModel):
 # The real checkpoint's dimensions (DESIGN.md): `buildkit fixture OUT --preset qwen3.6-35b-a3b`.
 PRESETS: dict[str, dict[str, int]] = {
     "qwen3.6-35b-a3b": dict(
-        hidden=2048, layers=40, experts=256, experts_per_tok=8, moe_intermediate=512,
-        shared_intermediate=512, vocab=248320, heads=16, kv_heads=2, head_dim=256,
-        linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128,
-        conv_kernel=4, full_attention_interval=4, vision_depth=27, vision_hidden=1152,
-        vision_heads=16, vision_intermediate=4304, vision_positions=2304, shards=26,
+        hidden=2048,
+        layers=40,
+        experts=256,
+        experts_per_tok=8,
+        moe_intermediate=512,
+        shared_intermediate=512,
+        vocab=248320,
+        heads=16,
+        kv_heads=2,
+        head_dim=256,
+        linear_key_heads=16,
+        linear_value_heads=32,
+        linear_key_dim=128,
+        linear_value_dim=128,
+        conv_kernel=4,
+        full_attention_interval=4,
+        vision_depth=27,
+        vision_hidden=1152,
+        vision_heads=16,
+        vision_intermediate=4304,
+        vision_positions=2304,
+        shards=26,
     ),
 }
 SPARSE_REAL_BYTES = 1 << 20  # sparse fixtures write tensors up to this size whole
@@ -162,7 +222,11 @@ def _decoder_layer(p: str, s: FixtureSpec, full: bool) -> list[_Tensor]:
         ]
     else:
         a = p + "linear_attn."
-        key, value, nv = s.linear_key_heads * s.linear_key_dim, s.linear_value_heads * s.linear_value_dim, s.linear_value_heads
+        key, value, nv = (
+            s.linear_key_heads * s.linear_key_dim,
+            s.linear_value_heads * s.linear_value_dim,
+            s.linear_value_heads,
+        )
         conv = 2 * key + value
         t += [
             _linear(a + "in_proj_qkv.weight", conv, H),
@@ -198,25 +262,40 @@ def _vision(s: FixtureSpec) -> list[_Tensor]:
         return [_Tensor(name + ".weight", (vi,), _NORM_STD, mean=1.0), bias(name + ".bias", vi)]
 
     t = [
-        _Tensor(v + "patch_embed.proj.weight",
-                (vi, IN_CHANNELS, TEMPORAL_PATCH_SIZE, PATCH_SIZE, PATCH_SIZE), patch**-0.5),
+        _Tensor(
+            v + "patch_embed.proj.weight",
+            (vi, IN_CHANNELS, TEMPORAL_PATCH_SIZE, PATCH_SIZE, PATCH_SIZE),
+            patch**-0.5,
+        ),
         bias(v + "patch_embed.proj.bias", vi),
         _Tensor(v + "pos_embed.weight", (s.vision_positions, vi), 0.02),
     ]
     for n in range(s.vision_depth):
         b = f"{v}blocks.{n}."
-        t += layer_norm(b + "norm1") + layer_norm(b + "norm2") + [
-            _linear(b + "attn.qkv.weight", 3 * vi, vi), bias(b + "attn.qkv.bias", 3 * vi),
-            _linear(b + "attn.proj.weight", vi, vi), bias(b + "attn.proj.bias", vi),
-            _linear(b + "mlp.linear_fc1.weight", s.vision_intermediate, vi),
-            bias(b + "mlp.linear_fc1.bias", s.vision_intermediate),
-            _linear(b + "mlp.linear_fc2.weight", vi, s.vision_intermediate),
-            bias(b + "mlp.linear_fc2.bias", vi),
+        t += (
+            layer_norm(b + "norm1")
+            + layer_norm(b + "norm2")
+            + [
+                _linear(b + "attn.qkv.weight", 3 * vi, vi),
+                bias(b + "attn.qkv.bias", 3 * vi),
+                _linear(b + "attn.proj.weight", vi, vi),
+                bias(b + "attn.proj.bias", vi),
+                _linear(b + "mlp.linear_fc1.weight", s.vision_intermediate, vi),
+                bias(b + "mlp.linear_fc1.bias", s.vision_intermediate),
+                _linear(b + "mlp.linear_fc2.weight", vi, s.vision_intermediate),
+                bias(b + "mlp.linear_fc2.bias", vi),
+            ]
+        )
+    return (
+        t
+        + layer_norm(v + "merger.norm")
+        + [
+            _linear(v + "merger.linear_fc1.weight", merged, merged),
+            bias(v + "merger.linear_fc1.bias", merged),
+            _linear(v + "merger.linear_fc2.weight", s.hidden, merged),
+            bias(v + "merger.linear_fc2.bias", s.hidden),
         ]
-    return t + layer_norm(v + "merger.norm") + [
-        _linear(v + "merger.linear_fc1.weight", merged, merged), bias(v + "merger.linear_fc1.bias", merged),
-        _linear(v + "merger.linear_fc2.weight", s.hidden, merged), bias(v + "merger.linear_fc2.bias", s.hidden),
-    ]
+    )
 
 
 def _plan(s: FixtureSpec) -> list[tuple[_Tensor, int]]:
@@ -240,7 +319,9 @@ def _plan(s: FixtureSpec) -> list[tuple[_Tensor, int]]:
     plan += [(t, s.shards - 1) for t in mtp]
     empty = set(range(s.shards)) - {k for _, k in plan}
     if empty:
-        raise ValueError(f"shards={s.shards} is too many for this spec: shard(s) {sorted(empty)} would be empty")
+        raise ValueError(
+            f"shards={s.shards} is too many for this spec: shard(s) {sorted(empty)} would be empty"
+        )
     return plan
 
 
@@ -275,13 +356,22 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 
 def _write_shard(
-    path: Path, tensors: list[_Tensor], seed: int, progress, weights: Mapping[str, np.ndarray], sparse: bool = False
+    path: Path,
+    tensors: list[_Tensor],
+    seed: int,
+    progress,
+    weights: Mapping[str, np.ndarray],
+    sparse: bool = False,
 ) -> None:
     tensors = sorted(tensors, key=lambda t: t.name)  # safetensors' own header and data order
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in tensors:
-        header[t.name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {
+            "dtype": "BF16",
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -330,8 +420,10 @@ _CHAT_TEMPLATE = (
     "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
     "{%- for item in message['content'] %}"
-    "{%- if item['type'] == 'image' or 'image' in item %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif item['type'] == 'video' or 'video' in item %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- if item['type'] == 'image' or 'image' in item %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'video' or 'video' in item %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif 'text' in item %}{{- item['text'] }}{%- endif %}{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -343,18 +435,25 @@ def train_tokenizer(lines: Iterable[str], vocab: int) -> tk.Tokenizer:
     Qwen3.5's pre-tokenizer; the fixture's tokenizer is this trained on a built-in paragraph."""
     tok = tk.Tokenizer(tk.models.BPE())
     tok.normalizer = tk.normalizers.NFC()
-    tok.pre_tokenizer = tk.pre_tokenizers.Sequence([
-        tk.pre_tokenizers.Split(tk.Regex(_PRETOKENIZE_REGEX), behavior="isolated"),
-        tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.post_processor = tk.processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.pre_tokenizer = tk.pre_tokenizers.Sequence(
+        [
+            tk.pre_tokenizers.Split(tk.Regex(_PRETOKENIZE_REGEX), behavior="isolated"),
+            tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.post_processor = tk.processors.ByteLevel(
+        add_prefix_space=False, trim_offsets=False, use_regex=False
+    )
     tok.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
-        vocab_size=vocab - len(SPECIAL_TOKENS), show_progress=False,
+        vocab_size=vocab - len(SPECIAL_TOKENS),
+        show_progress=False,
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(lines, trainer)
-    tok.add_special_tokens([tk.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens(
+        [tk.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
     return tok
 
 
@@ -374,8 +473,14 @@ def _write_tokenizer(out: Path, s: FixtureSpec, tokenizer: str | None = None) ->
     config = {
         "add_prefix_space": False,
         "added_tokens_decoder": {
-            str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                     "single_word": False, "special": True}
+            str(i): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for t, i in ids.items()
         },
         "bos_token": None,
@@ -399,67 +504,135 @@ def _write_processor_files(out: Path) -> None:
     small, so a test image is a few patches)."""
     (out / "chat_template.jinja").write_text(_CHAT_TEMPLATE + "\n")
     common = {
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "merge_size": SPATIAL_MERGE,
-        "patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE,
-        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "merge_size": SPATIAL_MERGE,
+        "patch_size": PATCH_SIZE,
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
         "processor_class": "Qwen3VLProcessor",
     }
     pixels = (PATCH_SIZE * SPATIAL_MERGE) ** 2  # one merged token
-    _write_json(out / "preprocessor_config.json", common | {
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-        "size": {"shortest_edge": 4 * pixels, "longest_edge": 16 * pixels},
-    })
-    _write_json(out / "video_preprocessor_config.json", common | {
-        "video_processor_type": "Qwen3VLVideoProcessor", "fps": 2, "do_sample_frames": True,
-        "size": {"shortest_edge": 4 * pixels, "longest_edge": 16 * pixels * TEMPORAL_PATCH_SIZE},
-    })
+    _write_json(
+        out / "preprocessor_config.json",
+        common
+        | {
+            "image_processor_type": "Qwen2VLImageProcessorFast",
+            "size": {"shortest_edge": 4 * pixels, "longest_edge": 16 * pixels},
+        },
+    )
+    _write_json(
+        out / "video_preprocessor_config.json",
+        common
+        | {
+            "video_processor_type": "Qwen3VLVideoProcessor",
+            "fps": 2,
+            "do_sample_frames": True,
+            "size": {
+                "shortest_edge": 4 * pixels,
+                "longest_edge": 16 * pixels * TEMPORAL_PATCH_SIZE,
+            },
+        },
+    )
 
 
 def _configs(s: FixtureSpec, ids: dict[str, int]) -> tuple[dict, dict]:
     half = int(s.head_dim * PARTIAL_ROTARY) // 2  # mrope sections split the rotary half-dims
-    mrope = [half // 3 + (i < half % 3) for i in range(3)]  # 256 -> [11, 11, 10] as in the real model
+    mrope = [
+        half // 3 + (i < half % 3) for i in range(3)
+    ]  # 256 -> [11, 11, 10] as in the real model
     eos, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
     text = {
-        "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True,
-        "bos_token_id": eos, "dtype": "bfloat16", "eos_token_id": eos,
-        "full_attention_interval": s.full_attention_interval, "head_dim": s.head_dim,
-        "hidden_act": "silu", "hidden_size": s.hidden, "initializer_range": 0.02,
-        "layer_types": ["full_attention" if (n + 1) % s.full_attention_interval == 0 else "linear_attention"
-                        for n in range(s.layers)],
-        "linear_conv_kernel_dim": s.conv_kernel, "linear_key_head_dim": s.linear_key_dim,
-        "linear_num_key_heads": s.linear_key_heads, "linear_num_value_heads": s.linear_value_heads,
-        "linear_value_head_dim": s.linear_value_dim, "mamba_ssm_dtype": "float32",
-        "max_position_embeddings": 262144, "mlp_only_layers": [], "model_type": "qwen3_5_moe_text",
-        "moe_intermediate_size": s.moe_intermediate, "mtp_num_hidden_layers": 1,
-        "mtp_use_dedicated_embeddings": False, "num_attention_heads": s.heads,
-        "num_experts": s.experts, "num_experts_per_tok": s.experts_per_tok,
-        "num_hidden_layers": s.layers, "num_key_value_heads": s.kv_heads,
-        "output_router_logits": False, "pad_token_id": None, "partial_rotary_factor": PARTIAL_ROTARY,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_output_gate": True,
+        "bos_token_id": eos,
+        "dtype": "bfloat16",
+        "eos_token_id": eos,
+        "full_attention_interval": s.full_attention_interval,
+        "head_dim": s.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": s.hidden,
+        "initializer_range": 0.02,
+        "layer_types": [
+            "full_attention" if (n + 1) % s.full_attention_interval == 0 else "linear_attention"
+            for n in range(s.layers)
+        ],
+        "linear_conv_kernel_dim": s.conv_kernel,
+        "linear_key_head_dim": s.linear_key_dim,
+        "linear_num_key_heads": s.linear_key_heads,
+        "linear_num_value_heads": s.linear_value_heads,
+        "linear_value_head_dim": s.linear_value_dim,
+        "mamba_ssm_dtype": "float32",
+        "max_position_embeddings": 262144,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_5_moe_text",
+        "moe_intermediate_size": s.moe_intermediate,
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
+        "num_attention_heads": s.heads,
+        "num_experts": s.experts,
+        "num_experts_per_tok": s.experts_per_tok,
+        "num_hidden_layers": s.layers,
+        "num_key_value_heads": s.kv_heads,
+        "output_router_logits": False,
+        "pad_token_id": None,
+        "partial_rotary_factor": PARTIAL_ROTARY,
         "rms_norm_eps": 1e-6,
-        "rope_parameters": {"mrope_interleaved": True, "mrope_section": mrope,
-                            "partial_rotary_factor": PARTIAL_ROTARY, "rope_theta": ROPE_THETA,
-                            "rope_type": "default"},
-        "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": s.shared_intermediate,
-        "tie_word_embeddings": False, "use_cache": True, "vocab_size": s.vocab,
+        "rope_parameters": {
+            "mrope_interleaved": True,
+            "mrope_section": mrope,
+            "partial_rotary_factor": PARTIAL_ROTARY,
+            "rope_theta": ROPE_THETA,
+            "rope_type": "default",
+        },
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": s.shared_intermediate,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": s.vocab,
     }
     vision = {
-        "deepstack_visual_indexes": [], "depth": s.vision_depth, "hidden_act": "gelu_pytorch_tanh",
-        "hidden_size": s.vision_hidden, "in_channels": IN_CHANNELS, "initializer_range": 0.02,
-        "intermediate_size": s.vision_intermediate, "model_type": "qwen3_5_moe",
-        "num_heads": s.vision_heads, "num_position_embeddings": s.vision_positions,
-        "out_hidden_size": s.hidden, "patch_size": PATCH_SIZE, "spatial_merge_size": SPATIAL_MERGE,
+        "deepstack_visual_indexes": [],
+        "depth": s.vision_depth,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": s.vision_hidden,
+        "in_channels": IN_CHANNELS,
+        "initializer_range": 0.02,
+        "intermediate_size": s.vision_intermediate,
+        "model_type": "qwen3_5_moe",
+        "num_heads": s.vision_heads,
+        "num_position_embeddings": s.vision_positions,
+        "out_hidden_size": s.hidden,
+        "patch_size": PATCH_SIZE,
+        "spatial_merge_size": SPATIAL_MERGE,
         "temporal_patch_size": TEMPORAL_PATCH_SIZE,
     }
     config = {
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-        "image_token_id": ids["<|image_pad|>"], "language_model_only": False, "model_type": "qwen3_5_moe",
-        "text_config": text, "tie_word_embeddings": False, "transformers_version": "4.57.1",
-        "video_token_id": ids["<|video_pad|>"], "vision_config": vision,
-        "vision_end_token_id": ids["<|vision_end|>"], "vision_start_token_id": ids["<|vision_start|>"],
+        "image_token_id": ids["<|image_pad|>"],
+        "language_model_only": False,
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "transformers_version": "4.57.1",
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_config": vision,
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
     }
     generation = {
-        "bos_token_id": eos, "do_sample": True, "eos_token_id": [im_end, eos], "pad_token_id": eos,
-        "temperature": 1.0, "top_k": 20, "top_p": 0.95, "transformers_version": "4.57.1",
+        "bos_token_id": eos,
+        "do_sample": True,
+        "eos_token_id": [im_end, eos],
+        "pad_token_id": eos,
+        "temperature": 1.0,
+        "top_k": 20,
+        "top_p": 0.95,
+        "transformers_version": "4.57.1",
     }
     return config, generation
 
@@ -494,7 +667,8 @@ def generate(
     gives byte-identical files on any machine. Tensors are streamed in chunks, so memory stays
     small whatever the size. Everything is written to a temporary sibling directory and renamed
     into place at the end, mtimes set a few seconds back (``store.settle``: a build that hashes
-    them at once need not hash them again); ``progress`` (if given) receives one line per tensor written.
+    them at once need not hash them again); ``progress`` (if given) receives one line per tensor
+    written.
 
     ``sparse``: tensors up to ``SPARSE_REAL_BYTES`` are written whole; of each larger one only
     the first ``SPARSE_HEAD_BYTES`` (its generated values), the rest is a hole (zeros that take
@@ -526,7 +700,9 @@ def generate(
     try:
         names = [f"model-{k + 1:05d}-of-{spec.shards:05d}.safetensors" for k in range(spec.shards)]
         for k, name in enumerate(names):
-            _write_shard(tmp / name, [t for t, i in plan if i == k], spec.seed, progress, weights, sparse)
+            _write_shard(
+                tmp / name, [t for t, i in plan if i == k], spec.seed, progress, weights, sparse
+            )
         index = {
             "metadata": {"total_size": sum(t.nbytes for t, _ in plan)},
             "weight_map": {t.name: names[k] for t, k in sorted(plan, key=lambda p: p[0].name)},

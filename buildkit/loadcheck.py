@@ -62,14 +62,18 @@ def _modules(store: Store, config: dict) -> set[str] | None:
     return None if rec is None else set(rec["modules"])
 
 
-def what_is_read(store: Store, config: dict, tensors: dict[str, dict]) -> tuple[dict, dict[str, dict]]:
+def what_is_read(
+    store: Store, config: dict, tensors: dict[str, dict]
+) -> tuple[dict, dict[str, dict]]:
     """The config and tensors mlx_lm reads of a model, as far as the store knows (else all)."""
     modules = _modules(store, config)
     if modules is None:
         return config, tensors
     read = {k: v for k, v in tensors.items() if _module(k) in modules}
     cfg = {
-        k: {p: q for p, q in v.items() if not isinstance(q, dict) or p in modules} if k in QUANT_KEYS and isinstance(v, dict) else v
+        k: {p: q for p, q in v.items() if not isinstance(q, dict) or p in modules}
+        if k in QUANT_KEYS and isinstance(v, dict)
+        else v
         for k, v in config.items()
     }
     return cfg, read
@@ -87,18 +91,32 @@ def vlm_importable() -> bool:
     return importlib.util.find_spec("mlx_vlm") is not None
 
 
-def vlm_keys(config: dict, tensors: dict[str, dict], writer: dict, files: dict[str, str] | None = None) -> dict[str, str]:
+def vlm_keys(
+    config: dict, tensors: dict[str, dict], writer: dict, files: dict[str, str] | None = None
+) -> dict[str, str]:
     """Memo keys of the mlx_vlm parts this model needs: ``model`` (all but the head, the config
     without the head's entries, the side files: tokenizer, template, processor configs) and,
     for a model with an MTP head, ``drafter``."""
     versions = {d: metadata.version(d) for d in ("mlx", "mlx-vlm")}
     body = {k: v for k, v in tensors.items() if not k.startswith(HEAD_PREFIX)}
-    cfg = {k: {p: q for p, q in v.items() if not p.startswith(HEAD_PREFIX)} if k in QUANT_KEYS and isinstance(v, dict) else v
-           for k, v in config.items()}
-    out = {"model": keys.digest_json("loadcheck-vlm", [VERSION, versions, writer, cfg, body, files or {}])}
+    cfg = {
+        k: {p: q for p, q in v.items() if not p.startswith(HEAD_PREFIX)}
+        if k in QUANT_KEYS and isinstance(v, dict)
+        else v
+        for k, v in config.items()
+    }
+    out = {
+        "model": keys.digest_json(
+            "loadcheck-vlm", [VERSION, versions, writer, cfg, body, files or {}]
+        )
+    }
     if len(body) < len(tensors):
-        read = {k: v for k, v in tensors.items() if k.startswith(HEAD_PREFIX) or _module(k) in BOUND}
-        out["drafter"] = keys.digest_json("loadcheck-drafter", [VERSION, versions, writer, config, read])
+        read = {
+            k: v for k, v in tensors.items() if k.startswith(HEAD_PREFIX) or _module(k) in BOUND
+        }
+        out["drafter"] = keys.digest_json(
+            "loadcheck-drafter", [VERSION, versions, writer, config, read]
+        )
     return out
 
 
@@ -121,15 +139,24 @@ class Lookup:
         return ([MODULE] if self.record is None else []) + (list(VLM_MODULES) if vlm else [])
 
 
-def lookup(store: Store, config: dict, tensors: dict[str, dict], writer: dict,
-           files: dict[str, str] | None = None, image: bool = True) -> Lookup:
+def lookup(
+    store: Store,
+    config: dict,
+    tensors: dict[str, dict],
+    writer: dict,
+    files: dict[str, str] | None = None,
+    image: bool = True,
+) -> Lookup:
     """``files``: the side files published with the model (name -> digest); ``image``: whether
     they hold what an image prompt needs (else mlx_vlm's part runs a text prompt)."""
     key, n_read = memo_key(store, config, tensors, writer)
     vlm = {}
     if vlm_importable():
         files = (files or {}) | {"image prompt": image}
-        vlm = {part: (k, store.get_memo(f"loadcheck-{part}", k)) for part, k in vlm_keys(config, tensors, writer, files).items()}
+        vlm = {
+            part: (k, store.get_memo(f"loadcheck-{part}", k))
+            for part, k in vlm_keys(config, tensors, writer, files).items()
+        }
     return Lookup(key, n_read, store.get_memo("loadcheck", key), vlm, image)
 
 
@@ -137,7 +164,8 @@ _warming: list = []  # the futures of warm's imports, waited for before the chec
 
 
 def warm(modules: list[str] | None = None) -> None:
-    """Import mlx_lm (and mlx_vlm) on a spare thread (~1.2 s, mostly transformers) for a check to come."""
+    """Import mlx_lm (and mlx_vlm) on a spare thread (~1.2 s, mostly transformers) for a check to
+    come."""
     _warming.append(lazy.import_ahead(modules or [MODULE]))
 
 
@@ -150,7 +178,13 @@ def _imported() -> None:
 
 
 def check(
-    store: Store, path: Path, config: dict, tensors: dict[str, dict], writer: dict, found: Lookup, log: Callable[[str], None]
+    store: Store,
+    path: Path,
+    config: dict,
+    tensors: dict[str, dict],
+    writer: dict,
+    found: Lookup,
+    log: Callable[[str], None],
 ) -> bool:
     """Check the model at ``path`` unless mlx_lm has loaded the same bytes before; True if run.
 
@@ -162,11 +196,21 @@ def check(
     return _check_vlm(store, path, found, log) or ran
 
 
-def _check_mlx_lm(store: Store, path: Path, config: dict, tensors: dict[str, dict], writer: dict, found: Lookup, log) -> bool:
+def _check_mlx_lm(
+    store: Store,
+    path: Path,
+    config: dict,
+    tensors: dict[str, dict],
+    writer: dict,
+    found: Lookup,
+    log,
+) -> bool:
     if found.record is not None:
-        log(f"load check: not run again: the {found.n_read} of {len(tensors)} tensors mlx_lm reads (its model has no "
-            f"module for the rest) and the config it reads are those of a model it loaded before "
-            f"({found.record.get('shape')} logits, finite)")
+        log(
+            f"load check: not run again: the {found.n_read} of {len(tensors)} tensors mlx_lm reads "
+            f"(its model has no module for the rest) and the config it reads are those of a model "
+            f"it loaded before ({found.record.get('shape')} logits, finite)"
+        )
         return False
     key = found.key
     res = check_loads(path)
@@ -175,7 +219,10 @@ def _check_mlx_lm(store: Store, path: Path, config: dict, tensors: dict[str, dic
         arch = _arch_key(config)
         store.put_memo("loadcheck-modules", arch, {"modules": sorted({_module(n) for n in names})})
         key, _ = memo_key(store, config, tensors, writer)
-    log(f"load check: mlx_lm loaded the model and ran a token in {res['dtype']}: {res['logits_shape']} logits, finite")
+    log(
+        f"load check: mlx_lm loaded the model and ran a token in {res['dtype']}: "
+        f"{res['logits_shape']} logits, finite"
+    )
     store.put_memo("loadcheck", key, {"shape": res["logits_shape"]})
     return True
 
@@ -205,9 +252,10 @@ def check_loads(path: Path) -> dict:
     freed just after: memory is one layer plus embeddings and head, not the model.
 
     On the CPU the pass runs in float32: mlx emulates bfloat16 arithmetic there, about four
-    times slower (bench/RESULTS.md). The floating-point parameters (norms, scales, biases) are widened as they are read; packed
-    weights are untouched, and bfloat16 has float32's exponent range, so a value that
-    overflows one overflows the other. On a GPU the model runs as mlx_lm runs it.
+    times slower (bench/RESULTS.md). The floating-point parameters (norms, scales, biases) are
+    widened as they are read; packed weights are untouched, and bfloat16 has float32's exponent
+    range, so a value that overflows one overflows the other. On a GPU the model runs as mlx_lm
+    runs it.
     Returns the logits' shape and dtype and the names of the loaded model's parameters.
     """
     import mlx.core as mx
@@ -228,19 +276,32 @@ def check_loads(path: Path) -> dict:
         raise StepError(f"mlx_lm cannot load the published model: {type(e).__name__}: {e}") from e
     if not bool(mx.isfinite(logits).all().item()):
         raise StepError("mlx_lm loads the published model but its logits are not finite")
-    return {"logits_shape": list(logits.shape), "dtype": str(logits.dtype).removeprefix("mlx.core."), "parameters": names}
+    return {
+        "logits_shape": list(logits.shape),
+        "dtype": str(logits.dtype).removeprefix("mlx.core."),
+        "parameters": names,
+    }
 
 
 def _check_vlm(store: Store, path: Path, found: Lookup, log: Callable[[str], None]) -> bool:
     if not found.vlm:
-        log("client check: mlx_vlm is not installed: the image prompt and the MTP drafter are not checked "
-            "(install mlx-vlm to check them)")
+        log(
+            "client check: mlx_vlm is not installed: the image prompt and the MTP drafter are not "
+            "checked (install mlx-vlm to check them)"
+        )
         return False
     ran = False
     for part, (key, record) in found.vlm.items():
-        what = ("image prompt" if found.image else "text prompt") if part == "model" else f"MTP drafter {DRAFTER_DIR}/"
+        what = (
+            ("image prompt" if found.image else "text prompt")
+            if part == "model"
+            else f"MTP drafter {DRAFTER_DIR}/"
+        )
         if record is not None:
-            log(f"client check (mlx_vlm, {what}): not run again: mlx_vlm read the same bytes before ({record['summary']})")
+            log(
+                f"client check (mlx_vlm, {what}): not run again: mlx_vlm read the same bytes "
+                f"before ({record['summary']})"
+            )
             continue
         res = check_vlm_loads(path, found.image) if part == "model" else check_drafter_loads(path)
         log(f"client check (mlx_vlm, {what}): {res['summary']}")
@@ -270,43 +331,64 @@ def check_vlm_loads(path: Path, image: bool = True) -> dict:
     try:
         model, processor = load(str(path), lazy=True)
         cfg = model.config
-        image_token = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", None)
+        image_token = getattr(cfg, "image_token_id", None) or getattr(
+            cfg, "image_token_index", None
+        )
         if image:
             prompt = apply_chat_template(processor, cfg, "Describe the image.", num_images=1)
-            inputs = prepare_inputs(processor, images=[_test_image()], prompts=prompt, image_token_index=image_token)
+            inputs = prepare_inputs(
+                processor, images=[_test_image()], prompts=prompt, image_token_index=image_token
+            )
         else:
             inputs = prepare_inputs(processor, prompts="Hello")
         ids = inputs["input_ids"]
         n_image = int((ids == image_token).sum().item()) if image_token is not None else 0
         if image and n_image == 0:
-            raise StepError(f"the image prompt holds no image token (id {image_token}): check the chat template, "
-                            "preprocessor_config.json and the tokenizer's <|image_pad|> against config.json")
+            raise StepError(
+                f"the image prompt holds no image token (id {image_token}): check the chat "
+                "template, preprocessor_config.json and the tokenizer's <|image_pad|> against "
+                "config.json"
+            )
         if mx.default_device() == mx.cpu:
             model.set_dtype(mx.float32)
         for m in model.language_model.modules():
             if isinstance(m.get("layers"), list):
                 m["layers"][:] = [_Streamed(layer) for layer in m["layers"]]
-        extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+        extra = {
+            k: v
+            for k, v in inputs.items()
+            if k not in ("input_ids", "pixel_values", "attention_mask")
+        }
         out = model(ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra)
         logits = getattr(out, "logits", out)
         mx.eval(logits)
     except StepError:
         raise
     except Exception as e:
-        raise StepError(f"mlx_vlm cannot run {'an image' if image else 'a text'} prompt on the published model: "
-                        f"{type(e).__name__}: {e}") from e
+        raise StepError(
+            f"mlx_vlm cannot run {'an image' if image else 'a text'} prompt on the published "
+            f"model: {type(e).__name__}: {e}"
+        ) from e
     if not bool(mx.isfinite(logits).all().item()):
-        raise StepError("mlx_vlm runs a prompt on the published model but its logits are not finite")
+        raise StepError(
+            "mlx_vlm runs a prompt on the published model but its logits are not finite"
+        )
     if not image:
-        return {"summary": f"{list(logits.shape)} logits, finite (no image: the source lacks processor files)"}
+        return {
+            "summary": f"{list(logits.shape)} logits, finite "
+            "(no image: the source lacks processor files)"
+        }
     grid = inputs["image_grid_thw"].tolist()[0]
-    return {"summary": f"{IMAGE_SIDE}x{IMAGE_SIDE} image as a {grid} patch grid, {n_image} image tokens, "
-                       f"{list(logits.shape)} logits, finite"}
+    return {
+        "summary": f"{IMAGE_SIDE}x{IMAGE_SIDE} image as a {grid} patch grid, "
+        f"{n_image} image tokens, {list(logits.shape)} logits, finite"
+    }
 
 
 def check_drafter_loads(path: Path) -> dict:
     """Load the MTP head from ``path/mtp`` with mlx_vlm's drafter loader, check that its norms are
-    the published ones (mlx_vlm did not shift them again), bind it to the model and draft a token."""
+    the published ones (mlx_vlm did not shift them again), bind it to the model and draft a
+    token."""
     import mlx.core as mx
     from mlx_vlm.speculative.drafters import load_drafter
     from mlx_vlm.utils import load_model
@@ -317,13 +399,18 @@ def check_drafter_loads(path: Path) -> dict:
         if kind != "mtp":
             raise StepError(f"mlx_vlm takes {where} for a {kind!r} drafter, not 'mtp'")
         # the file's names as the drafter's loader maps them (it strips a Hugging Face ``mtp.``)
-        published = {k.removeprefix("mtp."): v for k, v in mx.load(str(where / "model.safetensors")).items()}
+        published = {
+            k.removeprefix("mtp."): v for k, v in mx.load(str(where / "model.safetensors")).items()
+        }
         params = dict(_flatten(drafter.parameters()))
         norms = [k for k in published if k.endswith(".weight") and "norm" in k.rsplit(".", 2)[-2]]
         moved = [k for k in norms if not bool(mx.array_equal(params[k], published[k]).item())]
         if moved:
-            raise StepError(f"mlx_vlm changes {len(moved)} of the drafter's norms as it loads them ({', '.join(sorted(moved))}): "
-                            "it takes them for Hugging Face offsets and shifts them again")
+            raise StepError(
+                f"mlx_vlm changes {len(moved)} of the drafter's norms as it loads them "
+                f"({', '.join(sorted(moved))}): "
+                "it takes them for Hugging Face offsets and shifts them again"
+            )
         target = load_model(path, lazy=True)
         drafter.reset(target)
         hidden = mx.ones((1, 1, drafter.fc.weight.shape[0]), dtype=mx.float32)
@@ -332,10 +419,15 @@ def check_drafter_loads(path: Path) -> dict:
     except StepError:
         raise
     except Exception as e:
-        raise StepError(f"mlx_vlm cannot load or run the MTP drafter in {where}: {type(e).__name__}: {e}") from e
+        raise StepError(
+            f"mlx_vlm cannot load or run the MTP drafter in {where}: {type(e).__name__}: {e}"
+        ) from e
     if not bool(mx.isfinite(logits).all().item()):
         raise StepError(f"mlx_vlm's MTP drafter from {where} drafts non-finite logits")
-    return {"summary": f"loaded as kind 'mtp', {len(norms)} norms as published, drafted a token: {list(logits.shape)} logits, finite"}
+    return {
+        "summary": f"loaded as kind 'mtp', {len(norms)} norms as published, drafted a token: "
+        f"{list(logits.shape)} logits, finite"
+    }
 
 
 def _flatten(params):

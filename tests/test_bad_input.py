@@ -352,11 +352,21 @@ def test_escaping_tensor_names_stay_header_keys(project, capsys, source):
     name = "model.visual.../../../../escape"
     edit_tensors(src, lambda n, d, a: [(n, d, a)] + ([(name, d, a)] if n == GATE else []))
     # mlx_vlm loads the vision tower strictly: the client check refuses the build before the swap
-    code, err = fail(project, capsys, "build", "xl", "--source", str(src), "--out", str(project.out / "xl"))
-    assert code == 1 and "mlx_vlm cannot run an image prompt" in err and "vision_tower.../../../../escape" in err, err
+    code, err = fail(
+        project, capsys, "build", "xl", "--source", str(src), "--out", str(project.out / "xl")
+    )
+    assert (
+        code == 1
+        and "mlx_vlm cannot run an image prompt" in err
+        and "vision_tower.../../../../escape" in err
+    ), err
     assert not (project.out / "xl").exists()
-    project.write_manifest("nocheck", 'extends = "xl"\n[steps.publish.params]\nload_check = false\n')
-    code, err = fail(project, capsys, "build", "nocheck", "--source", str(src), "--out", str(project.out / "xl"))
+    project.write_manifest(
+        "nocheck", 'extends = "xl"\n[steps.publish.params]\nload_check = false\n'
+    )
+    code, err = fail(
+        project, capsys, "build", "nocheck", "--source", str(src), "--out", str(project.out / "xl")
+    )
     assert code == 0, err
     assert not list(project.root.rglob("escape*")) and not list(project.root.parent.glob("escape*"))
     weight_map = json.loads((project.out / "xl" / INDEX).read_text())["weight_map"]

@@ -13,9 +13,9 @@ import json
 from importlib.metadata import version
 
 import pytest
+from conftest import REPO
 
 from buildkit.steps import REGISTRY
-from conftest import REPO
 
 PINNED = {  # kind: (variant, node, key)
     "fetch": ("xl", "fetch", "xxh3_128:d8c66f549e3f38a5fda93ce1c13603e6"),

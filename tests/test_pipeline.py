@@ -1,4 +1,5 @@
-"""End to end: xl and xl-mtp built from a generated checkpoint, opened with safetensors and mlx_lm."""
+"""End to end: xl and xl-mtp built from a generated checkpoint, opened with safetensors and
+mlx_lm."""
 
 from __future__ import annotations
 
@@ -71,10 +72,17 @@ def test_mlx_lm_reads_the_role_allocation(built):
     model, _ = load(str(p.out / "xl"))
     layer = model.language_model.model.layers[0]
     # BaseQuant_XL: router, shared-expert gate, shared expert and lm_head stay bf16
-    for module in (layer.mlp.gate, layer.mlp.shared_expert_gate, layer.mlp.shared_expert.up_proj,
-                   model.language_model.lm_head):
+    for module in (
+        layer.mlp.gate,
+        layer.mlp.shared_expert_gate,
+        layer.mlp.shared_expert.up_proj,
+        model.language_model.lm_head,
+    ):
         assert type(module) is nn.Linear and module.weight.dtype == mx.bfloat16
-    assert (layer.mlp.switch_mlp.gate_proj.bits, layer.mlp.switch_mlp.gate_proj.group_size) == (6, 64)
+    assert (layer.mlp.switch_mlp.gate_proj.bits, layer.mlp.switch_mlp.gate_proj.group_size) == (
+        6,
+        64,
+    )
     assert layer.linear_attn.in_proj_qkv.bits == 8
     assert model.language_model.model.layers[3].self_attn.q_proj.bits == 8
     assert model.language_model.model.embed_tokens.bits == 8
@@ -100,8 +108,13 @@ def test_mtp_keys_only_in_xl_mtp_and_trunk_is_byte_identical(built):
     assert cfg["text_config"]["mtp_num_hidden_layers"] == 1
     q = cfg["quantization"]
     assert q["language_model.mtp.layers.0.self_attn.q_proj"]["bits"] == 8
-    assert "language_model.mtp.layers.0.mlp.gate" not in q and "language_model.mtp.layers.0.mlp.shared_expert.up_proj" not in q
-    assert "language_model.mtp.fc" not in q and mtp["language_model.mtp.fc.weight"].dtype == np.uint16
+    assert (
+        "language_model.mtp.layers.0.mlp.gate" not in q
+        and "language_model.mtp.layers.0.mlp.shared_expert.up_proj" not in q
+    )
+    assert (
+        "language_model.mtp.fc" not in q and mtp["language_model.mtp.fc.weight"].dtype == np.uint16
+    )
 
 
 def test_mtp_head_norms_shifted_once_and_experts_split_gate_first(built):
@@ -113,8 +126,13 @@ def test_mtp_head_norms_shifted_once_and_experts_split_gate_first(built):
         h = read_header(f)
         src.update({k: read_tensor(i, f) for k, i in h.tensors.items() if k.startswith("mtp.")})
     norms = [
-        "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "layers.0.input_layernorm",
-        "layers.0.post_attention_layernorm", "layers.0.self_attn.q_norm", "layers.0.self_attn.k_norm",
+        "pre_fc_norm_embedding",
+        "pre_fc_norm_hidden",
+        "norm",
+        "layers.0.input_layernorm",
+        "layers.0.post_attention_layernorm",
+        "layers.0.self_attn.q_norm",
+        "layers.0.self_attn.k_norm",
     ]
     for n in norms:
         want = f32_to_bf16(bf16_to_f32(src[f"mtp.{n}.weight"]) + np.float32(1.0))
@@ -208,7 +226,9 @@ def test_published_bytes_identical_across_clean_builds(tmp_path, built):
     q = Project(tmp_path)
     q.build("xl-mtp", "--jobs", "1")
     a, b = p.out / "xl-mtp", q.out / "xl-mtp"
-    names = sorted(str(x.relative_to(a)) for x in a.rglob("*") if x.is_file())  # with the drafter in mtp/
+    names = sorted(
+        str(x.relative_to(a)) for x in a.rglob("*") if x.is_file()
+    )  # with the drafter in mtp/
     assert names == sorted(str(x.relative_to(b)) for x in b.rglob("*") if x.is_file())
     for n in names:
         assert (a / n).read_bytes() == (b / n).read_bytes(), n
@@ -219,16 +239,24 @@ def test_xl_mtp_links_xls_shards_and_writes_only_the_heads(built):
     xl's files, hard-linked; only the MTP head's shard is written."""
     p, xl, mtp = built
     a, b = shard_parts(p.out / "xl"), shard_parts(p.out / "xl-mtp")
-    assert sorted(a) == ["language_model", "vision_tower"] and sorted(b) == ["language_model", "mtp", "vision_tower"]
+    assert sorted(a) == ["language_model", "vision_tower"] and sorted(b) == [
+        "language_model",
+        "mtp",
+        "vision_tower",
+    ]
     for part in a:
         assert os.path.samefile(a[part], b[part]), part
     assert b["mtp"].stat().st_nlink == 1
-    assert "(2 of 4 shards linked from an earlier publish)" in mtp.stderr  # 4th: the drafter's, mtp/
+    assert (
+        "(2 of 4 shards linked from an earlier publish)" in mtp.stderr
+    )  # 4th: the drafter's, mtp/
     assert "linked" not in xl.stderr
     # Linking changed the inodes' ctime; the store moved xl's records along, so both paths are
     # still known without reading them.
     store = Store(p.store)
-    assert [store.sources.digest_file(a[k]) for k in sorted(a)] == [store.sources.digest_file(b[k]) for k in sorted(a)]
+    assert [store.sources.digest_file(a[k]) for k in sorted(a)] == [
+        store.sources.digest_file(b[k]) for k in sorted(a)
+    ]
     assert store.stats.bytes_read == 0
 
 
@@ -246,7 +274,9 @@ def test_local_directory_source_and_sharding(tmp_path):
     """A local HF directory as --source; a small shard limit splits the output."""
     p = Project(tmp_path / "proj")
     src = generate(tmp_path / "src", FixtureSpec(seed=3, shards=3))
-    p.write_manifest("xl-small-shards", 'extends = "xl"\n[steps.publish.params]\nmax_shard_bytes = 1048576\n')
+    p.write_manifest(
+        "xl-small-shards", 'extends = "xl"\n[steps.publish.params]\nmax_shard_bytes = 1048576\n'
+    )
     p.build("xl-small-shards", "--source", str(src))
     out = p.out / "xl-small-shards"
     shards = sorted(out.glob("model-*.safetensors"))
@@ -257,7 +287,8 @@ def test_local_directory_source_and_sharding(tmp_path):
 
 
 def test_dry_run_plans_and_runs_nothing(built, tmp_path):
-    """build --dry-run is make -n: the plan, no step run, nothing written (with or without --push)."""
+    """build --dry-run is make -n: the plan, no step run, nothing written (with or without
+    --push)."""
     p, *_ = built
     out = tmp_path / "elsewhere"
     r = p.run("build", "xl", "--out", str(out), "--push", "me/xl-test", "--dry-run")
@@ -280,9 +311,13 @@ def test_hf_source_from_offline_cache(tmp_path, monkeypatch):
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
 
     full_env = {**os.environ, **env}
-    r = p.run("build", "xl", "--source", f"hf://Qwen/Tiny@{sha}", "--out", str(p.out / "xl"), env=full_env)
+    r = p.run(
+        "build", "xl", "--source", f"hf://Qwen/Tiny@{sha}", "--out", str(p.out / "xl"), env=full_env
+    )
     assert "publish" in ran(r)
-    bad = p.run("build", "xl", "--release", "--source", "hf://Qwen/Tiny@main", check=False, env=full_env)
+    bad = p.run(
+        "build", "xl", "--release", "--source", "hf://Qwen/Tiny@main", check=False, env=full_env
+    )
     assert bad.returncode == 2 and "pinned revision" in bad.stderr
     # Outside --release an unpinned revision builds, and says the build is not reproducible.
     moving = p.run("plan", "xl", "--source", "hf://Qwen/Tiny@main", env=full_env)

@@ -218,7 +218,9 @@ def test_concurrent_builds_run_each_shared_node_once(released, tmp_path):
         ), v
     for v, o in jobs:
         want, got = released.out / v, p.out / o
-        files = sorted(str(x.relative_to(want)) for x in want.rglob("*") if x.is_file())  # with mtp/
+        files = sorted(
+            str(x.relative_to(want)) for x in want.rglob("*") if x.is_file()
+        )  # with mtp/
         assert sorted(str(x.relative_to(got)) for x in got.rglob("*") if x.is_file()) == files
         for f in files:
             assert (got / f).read_bytes() == (want / f).read_bytes(), (o, f)

@@ -6,7 +6,8 @@ tensors sorted by name and streamed one at a time from the store;
 ``model.safetensors.index.json``; ``config.json`` with the ``quantization``
 (and ``quantization_config``) defaults plus per-path overrides as mlx_lm reads
 them; the tokenizer and other side files of the source; ``verify.json``; ``eval.json``
-(the eval nodes' figures, also a table in the card); and a model card. The directory is built beside the target, checked (index parity,
+(the eval nodes' figures, also a table in the card); and a model card. The directory is built
+beside the target, checked (index parity,
 metadata, mlx_lm load with finite logits), then exchanged with the old one in
 one rename, so a reader never sees a mix of old and new shards.
 
@@ -53,7 +54,9 @@ CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 class PublishParams(Params):
     out: str = "out/{variant}"  # where to write; not part of the key (``--out`` overrides)
     max_shard_bytes: int = Field(default=5 << 30, ge=1 << 20)
-    base_model: str | None = None  # default: the hf:// source's repo; none for a fixture or a directory
+    base_model: str | None = (
+        None  # default: the hf:// source's repo; none for a fixture or a directory
+    )
     description: str = ""
     tags: list[str] = Field(default_factory=lambda: ["mlx", "quantized", "qwen3_5_moe"])
     load_check: bool = True  # load the result with mlx_lm and check logits are finite
@@ -95,7 +98,8 @@ def copy_entry(store, entry: dict, sink, buf: bytearray) -> int:
 
 
 def quantization_config(parts: list[Artifact]) -> dict | None:
-    """Defaults from the quantization covering the most parameters, per-path entries for the rest."""
+    """Defaults from the quantization covering the most parameters, per-path entries for the
+    rest."""
     per_path: dict[str, dict] = {}
     weight = Counter()
     for a in parts:
@@ -103,7 +107,15 @@ def quantization_config(parts: list[Artifact]) -> dict | None:
         per_path.update(q)
         for role in a.meta.get("role_table", {}).values():
             if not role.get("passthrough"):
-                weight[json.dumps({k: role.get(k, d) for k, d in (("group_size", 64), ("bits", None), ("mode", "affine"))}, sort_keys=True)] += role["params"]
+                weight[
+                    json.dumps(
+                        {
+                            k: role.get(k, d)
+                            for k, d in (("group_size", 64), ("bits", None), ("mode", "affine"))
+                        },
+                        sort_keys=True,
+                    )
+                ] += role["params"]
     if not per_path:
         return None
     default = json.loads(weight.most_common(1)[0][0]) if weight else next(iter(per_path.values()))
@@ -130,7 +142,11 @@ def drafter_config(config: dict) -> dict:
     q = config.get("quantization")
     if q:
         head = {k: v for k, v in q.items() if not isinstance(v, dict)}
-        head |= {k.removeprefix(HEAD_PREFIX): v for k, v in q.items() if isinstance(v, dict) and k.startswith(HEAD_PREFIX)}
+        head |= {
+            k.removeprefix(HEAD_PREFIX): v
+            for k, v in q.items()
+            if isinstance(v, dict) and k.startswith(HEAD_PREFIX)
+        }
         out["quantization"] = out["quantization_config"] = head
     return out
 
@@ -164,7 +180,11 @@ def merge_evals(reports: list[dict]) -> dict:
         if rep.get("label"):
             out.setdefault("others", {})[rep["label"]] = figures
         else:
-            out.update(figures if rep.get("scope") != "head" else {k: v for k, v in figures.items() if k != "tokens"})
+            out.update(
+                figures
+                if rep.get("scope") != "head"
+                else {k: v for k, v in figures.items() if k != "tokens"}
+            )
     return out
 
 
@@ -183,12 +203,21 @@ EVAL_ROWS = (  # (key, what it is, format)
 def eval_table(evals: dict) -> list[str]:
     """The card's evaluation table: this model, then each labelled comparison, as columns."""
     cols = [("this model", evals), *sorted(evals.get("others", {}).items())]
-    lines = [f"On {evals.get('positions', '?')} positions of held-out text ({evals.get('tokens', '?')} tokens), "
-             "next-token distributions against the bf16 source, both run with mlx_lm's classes in float32.", "",
-             "| figure | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---|" * len(cols)]
+    lines = [
+        f"On {evals.get('positions', '?')} positions of held-out text "
+        f"({evals.get('tokens', '?')} tokens), next-token distributions against the bf16 source, "
+        "both run with mlx_lm's classes in float32.",
+        "",
+        "| figure | " + " | ".join(c for c, _ in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
     for key, what, fmt in EVAL_ROWS:
         if any(key in f for _, f in cols):
-            lines.append(f"| {what} | " + " | ".join(fmt.format(f[key]) if f.get(key) is not None else "" for _, f in cols) + " |")
+            lines.append(
+                f"| {what} | "
+                + " | ".join(fmt.format(f[key]) if f.get(key) is not None else "" for _, f in cols)
+                + " |"
+            )
     return lines
 
 
@@ -237,10 +266,14 @@ def card_origin(params: PublishParams, source: dict) -> tuple[str | None, str]:
     if params.base_model:
         return params.base_model, f"Built from `{params.base_model}`."
     if source.get("type") == "hf":
-        return source["repo"], f"Built from `{source['repo']}` at revision `{source.get('revision')}`."
+        return source[
+            "repo"
+        ], f"Built from `{source['repo']}` at revision `{source.get('revision')}`."
     if source.get("type") == "fixture":
-        return None, ("Built from a **generated test fixture** (`qwen3_5_moe` layout, random weights, "
-                      f"spec `{json.dumps(source.get('spec'), sort_keys=True)}`): not a real model.")
+        return None, (
+            "Built from a **generated test fixture** (`qwen3_5_moe` layout, random weights, "
+            f"spec `{json.dumps(source.get('spec'), sort_keys=True)}`): not a real model."
+        )
     return None, "Built from a local checkpoint directory."
 
 
@@ -250,23 +283,45 @@ def budget_lines(b: dict | None) -> list[str]:
     if not b:
         return []
     cand = sorted({int(k) for s in b["sensitivity"].values() for k in s})
-    lines = ["", "## Bits-per-weight budget", "",
-             f"Target **{b['target_bpw']}** bits per weight (this part), planned **{b['bits_per_weight']}**. "
-             f"Sensitivity: {b['proxy']}; bits chosen greedily by the largest drop in it per stored bit.", "",
-             "| tensor | bits | " + " | ".join(f"sensitivity at {c}" for c in cand) + " |",
-             "|---|---|" + "---|" * len(cand)]
+    lines = [
+        "",
+        "## Bits-per-weight budget",
+        "",
+        f"Target **{b['target_bpw']}** bits per weight (this part), "
+        f"planned **{b['bits_per_weight']}**. Sensitivity: {b['proxy']}; "
+        "bits chosen greedily by the largest drop in it per stored bit.",
+        "",
+        "| tensor | bits | " + " | ".join(f"sensitivity at {c}" for c in cand) + " |",
+        "|---|---|" + "---|" * len(cand),
+    ]
     for name, s in b["sensitivity"].items():
-        lines.append(f"| {name.removesuffix('.weight')} | {b['bits'][name]} | "
-                     + " | ".join(str(s.get(str(c), "")) for c in cand) + " |")
+        lines.append(
+            f"| {name.removesuffix('.weight')} | {b['bits'][name]} | "
+            + " | ".join(str(s.get(str(c), "")) for c in cand)
+            + " |"
+        )
     return lines
 
 
-def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: list[Artifact], reports: list[dict], bpw: float,
-               n_tensors: int, source: dict, evals: dict | None = None) -> str:
+def model_card(
+    ctx: Context,
+    params: PublishParams,
+    cfg: dict | None,
+    parts: list[Artifact],
+    reports: list[dict],
+    bpw: float,
+    n_tensors: int,
+    source: dict,
+    evals: dict | None = None,
+) -> str:
     names = [n for a in parts for n in a.tensors]
     has_mtp = any(n.startswith(HEAD_PREFIX) for n in names)
     has_vision = any(n.startswith("vision_tower.") for n in names)
-    tags = list(dict.fromkeys([*params.tags, *(["mtp"] if has_mtp else []), *(["vision"] if has_vision else [])]))
+    tags = list(
+        dict.fromkeys(
+            [*params.tags, *(["mtp"] if has_mtp else []), *(["vision"] if has_vision else [])]
+        )
+    )
     base, origin = card_origin(params, source)
     lines = [
         "---",
@@ -279,12 +334,15 @@ def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: lis
         "",
         f"# {ctx.variant}",
         "",
-        params.description or f"MLX build of {base or 'a qwen3_5_moe checkpoint'}, variant `{ctx.variant}`, made with buildkit.",
+        params.description
+        or f"MLX build of {base or 'a qwen3_5_moe checkpoint'}, variant `{ctx.variant}`, "
+        "made with buildkit.",
         "",
         origin,
         "",
         f"- bits per weight (stored bits / source weights): **{bpw:.3f}**",
-        f"- tensors: {n_tensors}" + (f" (includes the MTP head `{HEAD_PREFIX}*`)" if has_mtp else ""),
+        f"- tensors: {n_tensors}"
+        + (f" (includes the MTP head `{HEAD_PREFIX}*`)" if has_mtp else ""),
         "",
         "## Quantization by role",
         "",
@@ -297,14 +355,19 @@ def model_card(ctx: Context, params: PublishParams, cfg: dict | None, parts: lis
             bits = "passthrough" if row.get("passthrough") else str(row.get("bits"))
             extra = " (calibrated)" if row.get("calibrated") else ""
             gs = "" if row.get("passthrough") else str(row.get("group_size", 64))
-            lines.append(f"| {part} | {role}{extra} | {bits} | {gs} | {row['tensors']} | {row['params']:,} |")
+            lines.append(
+                f"| {part} | {role}{extra} | {bits} | {gs} | {row['tensors']} | {row['params']:,} |"
+            )
     for a in parts:
         lines += budget_lines(a.meta.get("budget"))
     if reports:
         lines += ["", "## Verification", "", "| check | result | figure |", "|---|---|---|"]
         for rep in reports:
             for name, r in rep.get("checks", {}).items():
-                lines.append(f"| {name} | {'pass' if r['ok'] else 'FAIL'} | `{json.dumps(r['figure'], default=str)}` |")
+                lines.append(
+                    f"| {name} | {'pass' if r['ok'] else 'FAIL'} | "
+                    f"`{json.dumps(r['figure'], default=str)}` |"
+                )
     if evals:
         lines += ["", "## Evaluation", "", *eval_table(evals)]
     return "\n".join(lines + usage(cfg is not None, has_vision, has_mtp)) + "\n"
@@ -317,12 +380,15 @@ def usage(quantized: bool, has_vision: bool, has_mtp: bool) -> list[str]:
     lines = ["", "## Use", ""]
     if has_vision:
         lines += [
-            "The vision tower is kept: use **mlx_vlm** for image (and text) prompts. LM Studio routes",
+            "The vision tower is kept: use **mlx_vlm** for image (and text) prompts. "
+            "LM Studio routes",
             "a config with `vision_config` to mlx_vlm too.",
             "",
             "```sh",
-            'python -m mlx_vlm.generate --model path/to/this/model --image photo.jpg --prompt "Describe this image." --max-tokens 100',
-            'python -m mlx_vlm.generate --model path/to/this/model --prompt "Hello" --max-tokens 32',
+            "python -m mlx_vlm.generate --model path/to/this/model --image photo.jpg "
+            '--prompt "Describe this image." --max-tokens 100',
+            "python -m mlx_vlm.generate --model path/to/this/model "
+            '--prompt "Hello" --max-tokens 32',
             "```",
             "",
             "```python",
@@ -330,38 +396,55 @@ def usage(quantized: bool, has_vision: bool, has_mtp: bool) -> list[str]:
             "from mlx_vlm.prompt_utils import apply_chat_template",
             "",
             'model, processor = load("path/to/this/model")',
-            'prompt = apply_chat_template(processor, model.config, "Describe this image.", num_images=1)',
+            "prompt = apply_chat_template(processor, model.config, "
+            '"Describe this image.", num_images=1)',
             'print(generate(model, processor, prompt, image=["photo.jpg"], max_tokens=100).text)',
             "```",
             "",
-            "**mlx_lm** loads the text model alone (it drops the vision tower" + (" and the MTP head)" if has_mtp else ")") + ":",
+            "**mlx_lm** loads the text model alone (it drops the vision tower"
+            + (" and the MTP head)" if has_mtp else ")")
+            + ":",
             "",
         ]
-    lines += ["```python", "from mlx_lm import load, generate", "",
-              'model, tokenizer = load("path/to/this/model")',
-              'print(generate(model, tokenizer, prompt="Hello", max_tokens=32))', "```"]
+    lines += [
+        "```python",
+        "from mlx_lm import load, generate",
+        "",
+        'model, tokenizer = load("path/to/this/model")',
+        'print(generate(model, tokenizer, prompt="Hello", max_tokens=32))',
+        "```",
+    ]
     if has_mtp:
         lines += [
             "",
             "## Speculative decoding with the MTP head",
             "",
-            f"The native multi-token-prediction head is published twice, with the same bytes: as `{HEAD_PREFIX}*`",
-            f"in this directory's shards (for oMLX) and as a standalone mlx_vlm drafter in `{DRAFTER_DIR}/`.",
+            f"The native multi-token-prediction head is published twice, with the same bytes: "
+            f"as `{HEAD_PREFIX}*`",
+            f"in this directory's shards (for oMLX) and "
+            f"as a standalone mlx_vlm drafter in `{DRAFTER_DIR}/`.",
             "All seven head norms are stored already shifted (runtime weight `1 + w`), in both.",
             "",
-            "- **oMLX**: set `mtp_enabled: true` for this model. Use an oMLX release that decides the head's",
-            "  norm convention for the whole head (`mtp_head_norm_convention`), the `pre_fc` norms with the",
-            "  rest of it: older releases decide each norm alone by its mean and shift again a correctly",
-            "  shifted norm whose mean is below 0.5, as the real model's `pre_fc` norms are (0.49 and 0.27),",
+            "- **oMLX**: set `mtp_enabled: true` for this model. "
+            "Use an oMLX release that decides the head's",
+            "  norm convention for the whole head (`mtp_head_norm_convention`), "
+            "the `pre_fc` norms with the",
+            "  rest of it: older releases decide each norm alone by its mean and "
+            "shift again a correctly",
+            "  shifted norm whose mean is below 0.5, "
+            "as the real model's `pre_fc` norms are (0.49 and 0.27),",
             "  which costs much of the draft acceptance.",
-            f"- **mlx_vlm**: pass the drafter directory, `--draft-model path/to/this/model/{DRAFTER_DIR} --draft-kind mtp`:",
+            f"- **mlx_vlm**: pass the drafter directory, "
+            f"`--draft-model path/to/this/model/{DRAFTER_DIR} --draft-kind mtp`:",
             "",
             "```sh",
-            f"python -m mlx_vlm.generate --model path/to/this/model --draft-model path/to/this/model/{DRAFTER_DIR} \\",
+            f"python -m mlx_vlm.generate --model path/to/this/model "
+            f"--draft-model path/to/this/model/{DRAFTER_DIR} \\",
             '    --draft-kind mtp --prompt "Hello" --max-tokens 64',
             "```",
             "",
-            "- **LM Studio** (mlx-engine) and plain mlx_lm ignore the head: the model runs without drafting.",
+            "- **LM Studio** (mlx-engine) and plain mlx_lm ignore the head: "
+            "the model runs without drafting.",
         ]
     return lines
 
@@ -407,15 +490,19 @@ class Publish(Step):
         for d in [dest, *dest.parents]:
             if d.exists() and not d.is_dir():
                 where = "it" if d == dest else f"{d}"
-                raise UsageError(f"Cannot publish to {dest}: {where} is a file, not a directory. "
-                                 "Pass --out with a directory path.")
+                raise UsageError(
+                    f"Cannot publish to {dest}: {where} is a file, not a directory. "
+                    "Pass --out with a directory path."
+                )
         if dest.is_dir() and not (dest / STAMP).exists() and any(dest.iterdir()):
             raise UsageError(
                 f"Cannot publish to {dest}: it exists and was not written by buildkit. "
                 "Delete it or pass --out with a new path."
             )
 
-    def outdated(self, params: PublishParams, outputs: dict[str, Artifact], ctx: Context) -> str | None:
+    def outdated(
+        self, params: PublishParams, outputs: dict[str, Artifact], ctx: Context
+    ) -> str | None:
         out = out_dir(params, ctx)
         want = outputs["out"].digest
         try:
@@ -445,7 +532,9 @@ class Publish(Step):
         for a in parts:
             for k, v in a.tensors.items():
                 if k in tensors and tensors[k] != v:
-                    raise StepError(f"tensor {k!r} is produced by two model inputs with different bytes")
+                    raise StepError(
+                        f"tensor {k!r} is produced by two model inputs with different bytes"
+                    )
                 tensors[k] = v
         src = inputs["source"][0]
         config = json.loads(store.get_blob(src.files["config.json"]))
@@ -454,23 +543,40 @@ class Publish(Step):
             config["quantization"] = qcfg
             config["quantization_config"] = qcfg
         dest = out_dir(params, ctx)
-        self.check_request(params, ctx)  # again: the directory may have changed since the build began
-        made = next((d for d in reversed(dest.parents) if not d.exists()), None)  # to undo on _discard
+        self.check_request(
+            params, ctx
+        )  # again: the directory may have changed since the build began
+        made = next(
+            (d for d in reversed(dest.parents) if not d.exists()), None
+        )  # to undo on _discard
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
         clear_leftovers(dest)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         staged = Staged(dest, tmp, parts, tensors, config, made, source=src.meta.get("source", {}))
-        tok_cfg = json.loads(store.get_blob(src.files["tokenizer_config.json"])) if "tokenizer_config.json" in src.files else {}
+        tok_cfg = (
+            json.loads(store.get_blob(src.files["tokenizer_config.json"]))
+            if "tokenizer_config.json" in src.files
+            else {}
+        )
         missing = missing_for_images(config, src.files, tok_cfg)
         if missing:
-            ctx.log(f"warning: the source has a vision tower (vision_config) but no {' and no '.join(missing)}: "
-                    "mlx_vlm loads the model but cannot run an image prompt; add them to the source")
+            ctx.log(
+                f"warning: the source has a vision tower (vision_config) "
+                f"but no {' and no '.join(missing)}: "
+                "mlx_vlm loads the model but cannot run an image prompt; add them to the source"
+            )
         try:
             if params.load_check:
-                side = {k: v for k, v in src.files.items() if k not in SKIP_SOURCE_FILES and "/" not in k}
-                staged.load_check = loadcheck.lookup(store, config, tensors, self.writer, side, image=not missing)
+                side = {
+                    k: v
+                    for k, v in src.files.items()
+                    if k not in SKIP_SOURCE_FILES and "/" not in k
+                }
+                staged.load_check = loadcheck.lookup(
+                    store, config, tensors, self.writer, side, image=not missing
+                )
                 if staged.load_check.to_run:
                     loadcheck.warm(staged.load_check.to_run)  # while the shards are written
             staged.art = self._write(ctx, params, staged, src)
@@ -493,7 +599,11 @@ class Publish(Step):
                     d.rmdir()  # only if empty
 
     def run(self, ctx: Context, params: PublishParams, inputs) -> dict[str, Artifact]:
-        reports = [merge_reports([r.meta.get("report", {}) for r in inputs.get("report", [])])] if inputs.get("report") else []
+        reports = (
+            [merge_reports([r.meta.get("report", {}) for r in inputs.get("report", [])])]
+            if inputs.get("report")
+            else []
+        )
         failed = [k for rep in reports for k, r in rep.get("checks", {}).items() if not r["ok"]]
         staged: Staged | None = None
         try:
@@ -508,13 +618,24 @@ class Publish(Step):
             if evals:
                 files["eval.json"] = json.dumps(evals, indent=2, sort_keys=True).encode()
             files["README.md"] = model_card(
-                ctx, params, staged.config.get("quantization"), staged.parts, reports, art.meta["bits_per_weight"],
-                len(staged.tensors), staged.source, evals,
+                ctx,
+                params,
+                staged.config.get("quantization"),
+                staged.parts,
+                reports,
+                art.meta["bits_per_weight"],
+                len(staged.tensors),
+                staged.source,
+                evals,
             ).encode()
             self._put_files(ctx.store, tmp, art, files)
-            write_synced(tmp / STAMP, json.dumps({"artifact": art.digest, "variant": ctx.variant}).encode())
+            write_synced(
+                tmp / STAMP, json.dumps({"artifact": art.digest, "variant": ctx.variant}).encode()
+            )
             fsync_dir(tmp)
-            with ctx.store.lock(keys.digest_json("publish", str(dest))):  # one swap at a time per dir
+            with ctx.store.lock(
+                keys.digest_json("publish", str(dest))
+            ):  # one swap at a time per dir
                 if dest.exists():
                     exchange(tmp, dest)
                 else:
@@ -523,7 +644,11 @@ class Publish(Step):
         finally:
             self._discard(staged)
         remember_shards(ctx.store, dest, staged.shards)
-        linked = f" ({staged.linked} of {len(staged.shards)} shards linked from an earlier publish)" if staged.linked else ""
+        linked = (
+            f" ({staged.linked} of {len(staged.shards)} shards linked from an earlier publish)"
+            if staged.linked
+            else ""
+        )
         ctx.log(f"published {len(staged.tensors)} tensors to {dest}{linked}")
         return {"out": art}
 
@@ -542,33 +667,57 @@ class Publish(Step):
             total += self._shard(ctx, staged, fname, [(k, tensors[k]) for k in names], buf)
         if head:  # the same store entries under the drafter's names: mlx_vlm's standalone layout
             (tmp / DRAFTER_DIR).mkdir()
-            self._shard(ctx, staged, DRAFTER_SHARD, [(k.removeprefix(HEAD_PREFIX), tensors[k]) for k in head], buf)
+            self._shard(
+                ctx,
+                staged,
+                DRAFTER_SHARD,
+                [(k.removeprefix(HEAD_PREFIX), tensors[k]) for k in head],
+                buf,
+            )
         for fname, (digest, ident) in staged.shards.items():
             meta_shards[fname], sizes[fname] = digest, ident[2]
         files: dict[str, bytes] = {
             "model.safetensors.index.json": json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                indent=2,
             ).encode(),
             "config.json": json.dumps(staged.config, indent=2, sort_keys=True).encode(),
         }
         if head:
-            files[f"{DRAFTER_DIR}/config.json"] = json.dumps(drafter_config(staged.config), indent=2, sort_keys=True).encode()
+            files[f"{DRAFTER_DIR}/config.json"] = json.dumps(
+                drafter_config(staged.config), indent=2, sort_keys=True
+            ).encode()
         for name, digest in sorted(src.files.items()):
             if name not in SKIP_SOURCE_FILES and "/" not in name:
                 files[name] = store.get_blob(digest)
-        params_total = sum(r["params"] for a in parts for r in a.meta.get("role_table", {}).values())
-        bpw = sum(a.meta.get("bits_per_weight", 0) * sum(r["params"] for r in a.meta.get("role_table", {}).values()) for a in parts) / max(params_total, 1)
-        art = Artifact(meta={"shards": meta_shards, "bits_per_weight": round(bpw, 4), "sizes": sizes})
+        params_total = sum(
+            r["params"] for a in parts for r in a.meta.get("role_table", {}).values()
+        )
+        bpw = sum(
+            a.meta.get("bits_per_weight", 0)
+            * sum(r["params"] for r in a.meta.get("role_table", {}).values())
+            for a in parts
+        ) / max(params_total, 1)
+        art = Artifact(
+            meta={"shards": meta_shards, "bits_per_weight": round(bpw, 4), "sizes": sizes}
+        )
         self._put_files(store, tmp, art, files)
         return art
 
-    def _shard(self, ctx, staged: Staged, fname: str, items: list[tuple[str, dict]], buf: bytearray) -> int:
-        """Write (or hard-link) one shard of ``items`` (name, store entry) at ``fname``; its body's bytes."""
+    def _shard(
+        self, ctx, staged: Staged, fname: str, items: list[tuple[str, dict]], buf: bytearray
+    ) -> int:
+        """Write (or hard-link) one shard of ``items`` (name, store entry) at ``fname``; its body's
+        bytes."""
         store, path = ctx.store, staged.tmp / fname
-        head = header_bytes([(k, e["dtype"], tuple(e["shape"])) for k, e in items], {"format": "mlx"})
+        head = header_bytes(
+            [(k, e["dtype"], tuple(e["shape"])) for k, e in items], {"format": "mlx"}
+        )
         body = sum(nbytes(e["dtype"], e["shape"]) for _, e in items)
         # what the shard's bytes follow from: the code writing them, its header, its tensors
-        plan = keys.digest_json("shard", [self.writer, keys.blob_digest(head), [e for _, e in items]])
+        plan = keys.digest_json(
+            "shard", [self.writer, keys.blob_digest(head), [e for _, e in items]]
+        )
         digest = link_shard(store, plan, path)
         if digest is not None:
             staged.linked += 1
@@ -608,7 +757,9 @@ class Publish(Step):
         for shard in sorted(set(idx["weight_map"].values())):
             h = read_header(tmp / shard)
             if h.metadata.get("format") != "mlx":
-                raise StepError(f"{shard}: metadata format is {h.metadata.get('format')!r}, expected 'mlx'")
+                raise StepError(
+                    f"{shard}: metadata format is {h.metadata.get('format')!r}, expected 'mlx'"
+                )
             end = max((t.end for t in h.tensors.values()), default=0)
             if (size := (tmp / shard).stat().st_size) != end:  # e.g. padding left by a direct write
                 raise StepError(f"{shard}: {size} bytes where its header accounts for {end}")
@@ -620,14 +771,21 @@ class Publish(Step):
         if seen != idx["weight_map"] or set(seen) != set(tensors):
             raise StepError("index weight_map does not match the shards' contents")
         if total != idx["metadata"]["total_size"]:
-            raise StepError(f"index total_size {idx['metadata']['total_size']} != {total} bytes in shards")
+            raise StepError(
+                f"index total_size {idx['metadata']['total_size']} != {total} bytes in shards"
+            )
         head = {k.removeprefix(HEAD_PREFIX) for k in tensors if k.startswith(HEAD_PREFIX)}
         if head:
             h = read_header(tmp / DRAFTER_SHARD)
             if h.metadata.get("format") != "mlx" or set(h.tensors) != head:
-                raise StepError(f"{DRAFTER_SHARD} does not hold the {len(head)} head tensors under the drafter's names")
+                raise StepError(
+                    f"{DRAFTER_SHARD} does not hold the {len(head)} head tensors "
+                    "under the drafter's names"
+                )
         if params.load_check:
-            loadcheck.check(ctx.store, tmp, staged.config, tensors, self.writer, staged.load_check, ctx.log)
+            loadcheck.check(
+                ctx.store, tmp, staged.config, tensors, self.writer, staged.load_check, ctx.log
+            )
 
 
 def link_shard(store: Store, plan: str, path: Path) -> str | None:
@@ -661,4 +819,6 @@ def remember_shards(store: Store, dest: Path, shards: dict[str, tuple[str, list[
 def _safe_name(name: str) -> None:
     p = Path(name)
     if p.is_absolute() or ".." in p.parts or name.startswith("/"):
-        raise StepError(f"refusing to write {name!r}: file names must stay inside the output directory")
+        raise StepError(
+            f"refusing to write {name!r}: file names must stay inside the output directory"
+        )
