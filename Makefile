@@ -29,7 +29,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check buildkit tests bench
+	$(BIN)/ruff format --check buildkit tests bench training
+	$(BIN)/ruff check buildkit tests bench training
 
 bench: $(STAMP)
 	$(BIN)/python -m compileall -q buildkit  # edits since install: time bytecode, not compiles
