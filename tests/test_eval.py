@@ -355,3 +355,21 @@ def test_trained_broken_heads_grade_lower(trained, how):
     tokens = heldout_tokens(text.read_text(), every, (src / "tokenizer.json").read_bytes(), 1024)
     fig, _ = ev.evaluate(ev.DirWeights(src), Broken(p.out / "xl-mtp", how), tokens, 128)
     assert fig["acceptance"] <= good - DROP[how], (how, fig["acceptance"], good)
+
+
+@needs_trained
+def test_trained_data_aware_experts_beat_data_agnostic_at_the_same_bits(tmp_path):
+    """oq4e's calibrated 4-bit experts against its own data-agnostic 4-bit baseline, on the
+    model's outputs (measured when written: KLD 0.0085 against 0.0094, top-1 95.6% against
+    94.3%, on the builtin text's held-out lines)."""
+    p = Project(tmp_path)
+    p.write_manifest(
+        "oq4e-trained",
+        'extends = "oq4e-mtp-xl"\nsource = "fixture:trained"\n'
+        '[steps.donor_fetch]\nparams.source = "fixture:trained"\n',
+    )
+    p.build("oq4e-trained")
+    e = eval_json(p, "oq4e-trained")
+    base = e["others"]["data-agnostic 4-bit (baseline)"]
+    assert e["tokens"] == base["tokens"]
+    assert e["kld_mean"] < base["kld_mean"], (e["kld_mean"], base["kld_mean"])

@@ -28,6 +28,15 @@ MTP_EDGES = {
     ("fetch", "publish", "source"),
     ("verify", "publish", "report"),
     ("verify_head", "publish", "report"),
+    ("quantize", "eval", "model"),
+    ("sanitize", "eval", "source = sanitize:model"),
+    ("quantize", "eval_head", "model"),
+    ("requantize", "eval_head", "model"),
+    ("sanitize", "eval_head", "source = sanitize:model"),
+    ("graft", "eval_head", "source"),
+    ("eval", "eval_head", "trunk = eval:trunk"),
+    ("eval", "publish", "eval"),
+    ("eval_head", "publish", "eval"),
 }
 
 
@@ -46,14 +55,34 @@ def test_graph_command_renders_every_node_and_edge(project, capsys, fmt):
     assert project.cli("graph", "xl-mtp", "--format", fmt) == 0
     out = capsys.readouterr().out
     kinds = {
-        n: n for n in ("fetch", "sanitize", "quantize", "graft", "requantize", "verify", "publish")
+        n: n
+        for n in (
+            "fetch",
+            "sanitize",
+            "quantize",
+            "graft",
+            "requantize",
+            "verify",
+            "eval",
+            "publish",
+        )
     }
     kinds["verify_head"] = "verify"
+    kinds["eval_head"] = "eval"
     if fmt == "text":
         assert "graft (graft) <- head=sanitize:mtp, trunk=sanitize:model" in out
         assert "verify (verify) <- model=quantize, source=fetch" in out
         assert (
             "verify_head (verify) <- model=quantize, requantize, source=fetch, base=quantize" in out
+        )
+        assert "eval (eval) <- model=quantize, source=sanitize:model\n" in out
+        assert (
+            "eval_head (eval) <- model=quantize, requantize, source=sanitize:model, graft, "
+            "trunk=eval:trunk\n" in out
+        )
+        assert (
+            "publish (publish) <- model=quantize, requantize, source=fetch, "
+            "report=verify, verify_head, eval=eval, eval_head" in out
         )
         assert "fetch (fetch)\n" in out
         return
@@ -141,6 +170,7 @@ def test_order_breaks_ties_by_name_not_declaration_order(project):
         "sanitize",
         "aa",
         "quantize",
+        "eval",
         "verify",
         "publish",
         "zz",
@@ -151,7 +181,9 @@ def test_order_breaks_ties_by_name_not_declaration_order(project):
         "sanitize",
         "graft",
         "quantize",
+        "eval",
         "requantize",
+        "eval_head",
         "verify",
         "verify_head",
         "publish",
@@ -168,7 +200,9 @@ def test_topology_lists_preds_ancestors_and_descendants_sorted(project):
     ]  # quantize twice, once here
     assert t.preds["fetch"] == [] and t.ancestors["fetch"] == []
     assert t.ancestors["requantize"] == ["fetch", "graft", "sanitize"]
-    assert t.descendants["graft"] == ["publish", "requantize", "verify_head"]
+    assert t.preds["eval_head"] == ["eval", "graft", "quantize", "requantize", "sanitize"]
+    assert t.descendants["graft"] == ["eval_head", "publish", "requantize", "verify_head"]
+    assert t.descendants["eval"] == ["eval_head", "publish"]
     assert t.descendants["publish"] == []
     assert t.ancestors["publish"] == sorted(set(t.order) - {"publish"})
 
@@ -182,8 +216,9 @@ def test_render_text_dot_and_mermaid_of_xl(project):
         "fetch (fetch)\n"
         "sanitize (sanitize) <- source=fetch\n"
         "quantize (quantize) <- model=sanitize:model\n"
+        "eval (eval) <- model=quantize, source=sanitize:model\n"
         "verify (verify) <- model=quantize, source=fetch\n"
-        "publish (publish) <- model=quantize, source=fetch, report=verify"
+        "publish (publish) <- model=quantize, source=fetch, report=verify, eval=eval"
     )
     assert graphs.render(g, "dot") == "\n".join(
         [
@@ -192,13 +227,17 @@ def test_render_text_dot_and_mermaid_of_xl(project):
             '  "fetch" [label="fetch\\n(fetch)"];',
             '  "sanitize" [label="sanitize\\n(sanitize)"];',
             '  "quantize" [label="quantize\\n(quantize)"];',
+            '  "eval" [label="eval\\n(eval)"];',
             '  "verify" [label="verify\\n(verify)"];',
             '  "publish" [label="publish\\n(publish)"];',
+            '  "eval" -> "publish" [label="eval"];',
             '  "fetch" -> "publish" [label="source"];',
             '  "fetch" -> "sanitize" [label="source"];',
             '  "fetch" -> "verify" [label="source"];',
+            '  "quantize" -> "eval" [label="model"];',
             '  "quantize" -> "publish" [label="model"];',
             '  "quantize" -> "verify" [label="model"];',
+            '  "sanitize" -> "eval" [label="source = sanitize:model"];',
             '  "sanitize" -> "quantize" [label="model = sanitize:model"];',
             '  "verify" -> "publish" [label="report"];',
             "}",
@@ -210,14 +249,18 @@ def test_render_text_dot_and_mermaid_of_xl(project):
             '  n0["fetch (fetch)"]',
             '  n1["sanitize (sanitize)"]',
             '  n2["quantize (quantize)"]',
-            '  n3["verify (verify)"]',
-            '  n4["publish (publish)"]',
-            '  n0 -->|"source"| n4',
+            '  n3["eval (eval)"]',
+            '  n4["verify (verify)"]',
+            '  n5["publish (publish)"]',
+            '  n3 -->|"eval"| n5',
+            '  n0 -->|"source"| n5',
             '  n0 -->|"source"| n1',
-            '  n0 -->|"source"| n3',
-            '  n2 -->|"model"| n4',
+            '  n0 -->|"source"| n4',
             '  n2 -->|"model"| n3',
+            '  n2 -->|"model"| n5',
+            '  n2 -->|"model"| n4',
+            '  n1 -->|"source = sanitize:model"| n3',
             '  n1 -->|"model = sanitize:model"| n2',
-            '  n3 -->|"report"| n4',
+            '  n4 -->|"report"| n5',
         ]
     )

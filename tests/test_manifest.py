@@ -96,7 +96,8 @@ ERRORS = {
         },
         [
             "{d}/bad.toml:4: steps.extra.inputs.model: input 'sanitise' names no step "
-            "(did you mean 'sanitize'?); steps: fetch, sanitize, quantize, verify, publish, extra"
+            "(did you mean 'sanitize'?); "
+            "steps: fetch, sanitize, quantize, verify, eval, publish, extra"
         ],
     ),
     "input naming a missing output": (
@@ -189,14 +190,15 @@ def test_manifest_error_is_one_exception_type_with_file_and_path(project):
 def test_extends_inherits_and_deep_merges(project):
     xl = manifest.load("xl", project.manifests)
     mtp = manifest.load("xl-mtp", project.manifests)
-    assert list(xl.nodes) == ["fetch", "sanitize", "quantize", "verify", "publish"]
-    assert list(mtp.nodes) == [*xl.nodes, "graft", "requantize", "verify_head"]
+    assert list(xl.nodes) == ["fetch", "sanitize", "quantize", "verify", "eval", "publish"]
+    assert list(mtp.nodes) == [*xl.nodes, "graft", "requantize", "verify_head", "eval_head"]
     assert [p.rsplit("/", 1)[1] for p in mtp.chain] == ["xl-mtp.toml", "xl.toml"]
     # inherited untouched, redefined partly (kind from xl, inputs from xl-mtp), new
     assert mtp.nodes["fetch"].file.endswith("/xl.toml")
     assert mtp.nodes["publish"].file.endswith("/xl-mtp.toml")
     assert mtp.nodes["publish"].kind == "publish"
     assert mtp.nodes["verify"].file.endswith("/xl.toml")  # the trunk's verify is xl's own
+    assert mtp.nodes["eval"].file.endswith("/xl.toml")  # and so is the trunk's eval
     assert mtp.nodes["verify_head"].params.only == "language_model.mtp.*"
     assert {s: list(map(str, r)) for s, r in mtp.nodes["verify_head"].inputs.items()} == {
         "model": ["quantize", "requantize"],

@@ -150,7 +150,7 @@ def test_planner_on_a_built_store(project, seed):
     ref = Store(project.store).get_ref("xl")
     states = planner(project, "xl").plan()
     assert [(s.name, s.fresh, s.reasons) for s in states] == [
-        (n, True, []) for n in ["fetch", "sanitize", "quantize", "verify", "publish"]
+        (n, True, []) for n in ["fetch", "sanitize", "quantize", "eval", "verify", "publish"]
     ]
     assert {s.name: s.key for s in states} == ref["keys"]
 
@@ -164,7 +164,11 @@ def test_planner_on_a_built_store(project, seed):
     assert by["verify"].reasons == ["input quantize will be rebuilt first"] and by[
         "verify"
     ].waits_for == ["quantize"]
-    assert by["publish"].waits_for == ["quantize", "verify"] and by["publish"].key is None
+    assert by["eval"].reasons == ["input quantize will be rebuilt first"] and by[
+        "eval"
+    ].waits_for == ["quantize"]
+    # in the order of publish's inputs: model, source, report, eval
+    assert by["publish"].waits_for == ["quantize", "verify", "eval"] and by["publish"].key is None
 
     project.write_manifest(
         "xlr", 'extends = "xl"\n[recipe.rules]\n"*.mlp.shared_expert.*" = "routed_expert"\n'

@@ -20,18 +20,33 @@ from buildkit.steps import REGISTRY
 from buildkit.steps.base import library_version
 from buildkit.steps.quantize import Quantize
 
-XL = ["fetch", "sanitize", "quantize", "verify", "publish"]
+# In plan order (topological, ties broken by name). verify and eval both take only quantize, so
+# a build runs them side by side and prints their lines in either order: see ``waves``.
+XL = ["fetch", "sanitize", "quantize", "eval", "verify", "publish"]
+XL_WAVES = [{"fetch"}, {"sanitize"}, {"quantize"}, {"eval", "verify"}, {"publish"}]
 XL_MTP = [
     "fetch",
     "sanitize",
     "graft",
     "quantize",
+    "eval",
     "requantize",
+    "eval_head",
     "verify",
     "verify_head",
     "publish",
 ]
 XL4 = 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 4, group_size = 64 }\n'
+
+
+def waves(names: list[str], like: list[set[str]]) -> list:
+    """``names`` cut into consecutive groups the sizes of ``like``'s, each as a set (anything left
+    over as a last list): the order of the steps up to those that may run side by side."""
+    out, i = [], 0
+    for group in like:
+        out.append(set(names[i : i + len(group)]))
+        i += len(group)
+    return out + ([names[i:]] if i < len(names) else [])
 
 
 def cli(project, capsys, *argv):
@@ -76,14 +91,14 @@ def finish(*procs: subprocess.Popen) -> list[SimpleNamespace]:
 
 def test_first_build_runs_everything_second_nothing(project):
     first = project.build("xl")
-    assert ran(first) == XL
+    assert waves(ran(first), XL_WAVES) == XL_WAVES
     assert all(f"[run]    {n} ({n}): never built\n" in first.stderr for n in XL)
-    assert "xl: 5 steps, 5 ran, 0 cached" in first.stderr
+    assert "xl: 6 steps, 6 ran, 0 cached" in first.stderr
     second = project.build("xl")
-    assert ran(second) == [] and cached(second) == XL
-    assert "xl: 5 steps, 0 ran, 5 cached" in second.stderr
+    assert ran(second) == [] and waves(cached(second), XL_WAVES) == XL_WAVES
+    assert "xl: 6 steps, 0 ran, 6 cached" in second.stderr
     assert plan(project, "xl") == dict.fromkeys(XL, "fresh")
-    assert project.run("plan", "xl").stdout.endswith("xl: 5 steps, 0 to run\n")
+    assert project.run("plan", "xl").stdout.endswith("xl: 6 steps, 0 to run\n")
     # writes are temp file + rename: nothing half-written is left behind
     assert list((project.store / "tmp").iterdir()) == []
     assert [p for p in project.root.rglob("*") if ".tmp" in p.name] == []
@@ -114,7 +129,7 @@ def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):
     project.adopt(seed)
     heavy = {"numpy", "mlx", "mlx_lm", "transformers", "tokenizers"}
     p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))
-    assert ran(p) == [] and "xl-mtp: 8 steps, 0 ran, 8 cached" in p.stderr
+    assert ran(p) == [] and "xl-mtp: 10 steps, 0 ran, 10 cached" in p.stderr
     assert not mods & heavy, sorted(mods & heavy)
     assert "pydantic" in mods  # the check sees the imports at all
     _, mods = imported(project, "plan", "xl-mtp")
@@ -156,7 +171,8 @@ def test_one_param_change_reruns_exactly_its_dependents(project, seed):
         "sanitize": "fresh",
         "quantize": "stale: params.plan.roles.routed_expert.bits changed 6→4",
         "verify": "stale: input quantize will be rebuilt first",
-        "publish": "stale: input quantize, verify will be rebuilt first",
+        "eval": "stale: input quantize will be rebuilt first",
+        "publish": "stale: input quantize, verify, eval will be rebuilt first",
     }
     # a partial build records only what it built (not the parent's nodes it compared against)
     assert cached(project.build("xl4", "--target", "sanitize")) == ["fetch", "sanitize"]
@@ -165,15 +181,17 @@ def test_one_param_change_reruns_exactly_its_dependents(project, seed):
         "sanitize",
     }
     b = project.build("xl4")
-    assert ran(b) == ["quantize", "verify", "publish"] and cached(b) == ["fetch", "sanitize"]
+    assert waves(ran(b), XL_WAVES[2:]) == XL_WAVES[2:]
+    assert cached(b) == ["fetch", "sanitize"]
     assert (
         "[run]    quantize (quantize): params.plan.roles.routed_expert.bits changed 6→4\n"
         in b.stderr
     )
     assert "[run]    verify (verify): input quantize changed (slot model)\n" in b.stderr
+    assert "[run]    eval (eval): input quantize changed (slot model)\n" in b.stderr
     assert ran(project.build("xl4")) == []
 
-    # The same edit made to xl itself: quantize and verify are already in the store (xl4 built
+    # The same edit made to xl itself: quantize, verify and eval are already in the store (xl4 built
     # them; keys name content, not variants), only xl's own output directory is out of date.
     xl = project.manifests / "xl.toml"
     xl.write_text(
@@ -202,7 +220,7 @@ def test_target_and_failed_builds_keep_what_they_built(project):
     assert "'*.no_such_module'" in p.stderr and "Traceback" not in p.stderr
     assert not (project.store / "refs" / "typo.json").exists()
     assert ran(project.build("xl", "--target", "quantize")) == ["quantize"]
-    assert ran(project.build("xl")) == ["verify", "publish"]
+    assert waves(ran(project.build("xl")), XL_WAVES[3:]) == XL_WAVES[3:]
 
 
 @pytest.mark.parametrize("kind", sorted(REGISTRY))
@@ -226,7 +244,7 @@ def test_step_version_bump_reruns_only_that_kind(project, seed, capsys, monkeypa
     assert b.returncode == 0
     assert "[run]    quantize (quantize): step version changed 1→2\n" in b.stderr
     # The new version wrote the same bytes, so the dependents' inputs did not change: early
-    # cutoff keeps verify and publish cached (a changed output would re-run them, see above).
+    # cutoff keeps verify, eval and publish cached (a changed output would re-run them, see above).
     assert ran(b) == ["quantize"]
     assert sorted(cached(b)) == sorted(set(XL_MTP) - {"quantize"})
     assert ran(cli(project, capsys, "build", "xl-mtp")) == []
@@ -243,10 +261,11 @@ def test_concurrent_builds_of_one_variant_run_each_node_once(project):
 
 def test_concurrent_builds_of_overlapping_variants_share_nodes(project):
     a, b = finish(popen(project, "build", "xl"), popen(project, "build", "xl-mtp"))
-    shared = ["fetch", "sanitize", "quantize", "verify"]  # xl-mtp reuses xl's trunk verify
+    # xl-mtp reuses xl's trunk verify and eval
+    shared = ["fetch", "sanitize", "quantize", "verify", "eval"]
     assert Counter(n for n in ran(a) + ran(b) if n in shared) == Counter(shared)
     assert set(ran(a)) >= {"publish"}
-    assert set(ran(b)) >= {"graft", "requantize", "verify_head", "publish"}
+    assert set(ran(b)) >= {"graft", "requantize", "verify_head", "eval_head", "publish"}
     assert sorted(ran(b) + cached(b)) == sorted(XL_MTP)
     assert ran(project.build("xl")) == [] and ran(project.build("xl-mtp")) == []
 
