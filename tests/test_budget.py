@@ -86,6 +86,10 @@ def test_budgeted_model_publishes_with_its_plan_in_the_card(measured):
     for tensor, bits in quant.meta["budget"]["bits"].items():
         module = tensor.removesuffix(".weight")
         assert config["quantization"].get(module, config["quantization"])["bits"] == bits
+    # the data-agnostic baseline (from oq4e-mtp-xl) is planned to the same bits, uncalibrated
+    _, base = artifact(project, name, "quantize_baseline")
+    assert base.meta["budget"]["bits"] == quant.meta["budget"]["bits"]
+    assert "calibration" in quant.meta and "calibration" not in base.meta
 
 
 # ---- the plan ---------------------------------------------------------------------------------

@@ -106,11 +106,20 @@ def test_changing_the_calibration_text_reruns_only_calibrated_nodes(built):
     fewer = "params.max_tokens = 1024\nparams.max_heldout_tokens = 256\n"  # a quicker calibration
     name = extend(project, "oq4e-edit", f'[steps.calibrate]\nparams.text = "{text.name}"\n{fewer}')
     proc = project.build(name)
-    downstream = {"calibrate", "quantize", "verify", "verify_head", "publish"}
+    # eval grades quantize and eval_head reads eval's trunk: both rerun; the data-agnostic
+    # baseline (quantize_baseline, eval_baseline) uses no calibration, so it stays cached
+    downstream = {"calibrate", "quantize", "verify", "verify_head", "eval", "eval_head", "publish"}
     assert set(ran(proc)) == downstream
-    assert {"fetch", "sanitize", "donor_fetch", "donor_sanitize", "graft", "requantize"} <= set(
-        cached(proc)
-    )
+    assert {
+        "fetch",
+        "sanitize",
+        "donor_fetch",
+        "donor_sanitize",
+        "graft",
+        "requantize",
+        "quantize_baseline",
+        "eval_baseline",
+    } <= set(cached(proc))
 
     # an edit in place: the content digest, not the path, is what the key sees
     text.write_text(text.read_text().replace("lighthouse keeper", "harbour master"))

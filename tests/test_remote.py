@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 import uuid
+from itertools import groupby
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,18 @@ boto3 = pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
 ed25519 = pytest.importorskip("cryptography.hazmat.primitives.asymmetric.ed25519")
 from cryptography.hazmat.primitives import serialization  # noqa: E402
+
+XL = ["fetch", "sanitize", "quantize", "verify", "eval", "publish"]
+# Each xl step's dependency wave: verify and eval both need only quantize, so with -j 2 they
+# may run (and be reported) in either order; every other pair's order is fixed.
+WAVE = {"fetch": 0, "sanitize": 1, "quantize": 2, "verify": 3, "eval": 3, "publish": 4}
+
+
+def waves(steps: list[str]) -> list[tuple[int | None, list[str]]]:
+    """Steps as reported, grouped into consecutive runs of one dependency wave, each sorted: equal
+    for two lists only if they hold the same steps (as many times) in the same wave order."""
+    return [(w, sorted(group)) for w, group in groupby(steps, key=WAVE.get)]
+
 
 CREDS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -78,7 +91,7 @@ def uploaded(server, tmp_path_factory):
         client(server).create_bucket(Bucket="base")
         a = Project(tmp_path_factory.mktemp("writer"))
         p = a.build("xl", "--remote", "s3://base/ci", "--remote-upload")
-        assert "sent 5 nodes" in p.stderr, p.stderr
+        assert "sent 6 nodes" in p.stderr, p.stderr
         files = tmp_path_factory.mktemp("fileremote") / "base"
         a.run("push", "xl", "--out", str(a.out / "xl"), "--remote", files.as_uri())
         yield a, files
@@ -124,20 +137,20 @@ def test_empty_store_builds_from_s3_and_second_upload_sends_nothing(aws, uploade
     url = f"s3://{bucket}/ci"
     before = listing(aws, bucket)
     p = writer.build("xl", "--remote", url, "--remote-upload")
-    assert "sent 0 nodes" in p.stderr and "5 nodes already there" in p.stderr, p.stderr
+    assert "sent 0 nodes" in p.stderr and "6 nodes already there" in p.stderr, p.stderr
     assert listing(aws, bucket) == before  # not one PUT: keys, etags and times unchanged
 
     b = Project(tmp_path / "reader")
     p = b.build("xl", "--remote", url)
     # Every computing step is a remote hit; publish writes the directory (its only side effect).
     assert ran(p) == ["publish"], p.stderr
-    assert sorted(cached(p)) == ["fetch", "quantize", "sanitize", "verify"]
-    assert p.stderr.count("(remote)") == 4
+    assert sorted(cached(p)) == ["eval", "fetch", "quantize", "sanitize", "verify"]
+    assert p.stderr.count("(remote)") == 5
     assert tree(b.out / "xl") == tree(writer.out / "xl")
     # Planning fetches records and listings only; objects come when a node that runs needs them.
     c = Project(tmp_path / "planner")
     p = c.run("plan", "xl", "--out", str(c.out / "xl"), "--remote", url)
-    assert p.stdout.count("fresh") == 4 and "stale publish" in p.stdout, p.stdout
+    assert p.stdout.count("fresh") == 5 and "stale publish" in p.stdout, p.stdout
     assert not [q for q in (c.store / "objects").rglob("*") if q.is_file()]
     assert b.run("store", "check").returncode == 0
     assert not stray(b.store)
@@ -239,8 +252,8 @@ def test_trusted_keys_refuse_unsigned_and_wrongly_signed_records(uploaded, tmp_p
     assert ran(p) == ["publish"] and "refused" not in p.stderr, p.stderr
 
     p = Project(tmp_path / "unsigned").build("xl", "--remote", unsigned.as_uri())
-    assert p.stderr.count("refused: unsigned, and trusted keys are set") == 5, p.stderr
-    assert ran(p) == ["fetch", "sanitize", "quantize", "verify", "publish"]
+    assert p.stderr.count("refused: unsigned, and trusted keys are set") == 6, p.stderr
+    assert waves(ran(p)) == waves(XL), p.stderr
 
     # A valid signature moved onto other content: the envelope's sha256 is made to match.
     rec_path = (
@@ -268,7 +281,7 @@ def test_trusted_keys_refuse_unsigned_and_wrongly_signed_records(uploaded, tmp_p
     monkeypatch.setenv("BUILDKIT_TRUSTED_KEYS", other_pub)
     p = Project(tmp_path / "untrusted").build("xl", "--remote", signed.as_uri())
     assert "refused: signed by an untrusted key" in p.stderr
-    assert len(ran(p)) == 5
+    assert waves(ran(p)) == waves(XL), p.stderr
 
 
 class CutProxy:
@@ -340,7 +353,7 @@ def test_server_gone_mid_pull_is_a_clear_error_and_a_build_goes_on_locally(
     p = b.build("xl", "--remote", url)  # the server is still gone: warned, built here
     assert f"remote {url} failed" in p.stderr and "going on without it" in p.stderr, p.stderr
     # Nodes whose objects all arrived before the cut are local hits now; the rest ran here.
-    assert "quantize" in ran(p) and len(ran(p)) + len(cached(p)) == 5, p.stderr
+    assert "quantize" in ran(p) and sorted(ran(p) + cached(p)) == sorted(XL), p.stderr
     assert tree(b.out / "xl") == tree(writer.out / "xl")
     assert b.run("store", "check").returncode == 0
     assert not stray(b.store)
@@ -353,7 +366,7 @@ def test_push_pull_file_remote_then_build_offline(uploaded, tmp_path, monkeypatc
     monkeypatch.setenv("BUILDKIT_REMOTE", remote.as_uri())
     b = Project(tmp_path / "reader")
     p = b.run("pull", "xl", "--out", str(b.out / "xl"))
-    assert "pulled 5 nodes" in p.stderr
+    assert "pulled 6 nodes" in p.stderr
     monkeypatch.delenv("BUILDKIT_REMOTE")
     p = b.build("xl")
     assert ran(p) == ["publish"], p.stderr  # everything was pulled: no remote needed
