@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from . import checkpoint as ckpt
 from .lazy import lazy
-from .tensors import TensorInfo, from_float32, to_float32
+from .tensors import TensorInfo, from_float32, from_mlx, to_float32, to_mlx
 
 np = lazy("numpy", __name__)
 
@@ -53,3 +53,20 @@ def sanitize_tensor(store, name: str, digest: str, info: TensorInfo) -> list[tup
         w = store.read_tensor(view(digest, info))
         return [(pieces[0][0], store.put_tensor(info.dtype, w.transpose(0, 2, 3, 4, 1)))]
     return [(mlx, view(digest, info, shape, slc)) for mlx, shape, slc in pieces]
+
+
+def mlx_layout(hf: str, raw: np.ndarray, dtype: str, slc, shape) -> np.ndarray:
+    """The MLX-layout tensor computed from a raw source tensor the way mlx_lm does (verify and
+    eval recompute references with it from the raw source)."""
+    if ckpt.is_offset_norm(hf):
+        return from_mlx(to_mlx(raw, dtype) + 1.0)[0]
+    if ckpt.is_conv1d(hf):
+        return np.ascontiguousarray(np.moveaxis(raw, 2, 1))  # mlx_lm: [C, 1, K] -> [C, K, 1]
+    if ckpt.is_patch_embed(hf) and raw.ndim == 5:
+        return raw.transpose(0, 2, 3, 4, 1)
+    if slc is not None:
+        axis, a, b = slc
+        idx = [slice(None)] * raw.ndim
+        idx[axis] = slice(a, b)
+        raw = raw[tuple(idx)]
+    return np.ascontiguousarray(raw).reshape(shape)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from . import checkpoint as ckpt
 from .calibration import batches, build_model
+from .convert import mlx_layout  # the conversion sanitize does, as verify recomputes it
 from .errors import SourceError, UsageError
 from .lazy import lazy
 from .tensors import read_header, read_tensor, to_mlx
@@ -128,10 +129,6 @@ class DirWeights(Weights):
         self.shapes = {k: v[4] for k, v in self.where.items()}
 
     def read(self, name):
-        from .steps.verify import (
-            mlx_layout,  # the conversion sanitize does, as verify recomputes it
-        )
-
         hf, path, info, slc, shape = self.where[name]
         raw = read_tensor(info, path)
         return raw if hf is None else mlx_layout(hf, raw, info.dtype, slc, shape)

@@ -19,10 +19,11 @@ from pydantic import Field
 from .. import calibration as cal
 from .. import checkpoint as ckpt
 from ..artifact import Artifact
+from ..convert import mlx_layout
 from ..errors import VerifyError
 from ..lazy import lazy
 from ..tensors import dequantize as dequantize_np
-from ..tensors import from_mlx, nbytes, non_finite, read_slice, to_float32, to_mlx
+from ..tensors import nbytes, non_finite, read_slice, to_float32, to_mlx
 from .base import Context, Params, Slot, Step, library_version, register
 
 np = lazy("numpy", __name__)
@@ -33,22 +34,6 @@ DEFAULT_REL_L1 = {"2": 0.6, "3": 0.3, "4": 0.16, "5": 0.08, "6": 0.045, "8": 0.0
 class VerifyParams(Params):
     max_rel_l1: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_REL_L1))
     only: str | None = None  # check only the tensors whose MLX names match this glob
-
-
-def mlx_layout(hf: str, raw: np.ndarray, dtype: str, slc, shape) -> np.ndarray:
-    """The MLX-layout tensor computed from a raw source tensor the way mlx_lm does."""
-    if ckpt.is_offset_norm(hf):
-        return from_mlx(to_mlx(raw, dtype) + 1.0)[0]
-    if ckpt.is_conv1d(hf):
-        return np.ascontiguousarray(np.moveaxis(raw, 2, 1))  # mlx_lm: [C, 1, K] -> [C, K, 1]
-    if ckpt.is_patch_embed(hf) and raw.ndim == 5:
-        return raw.transpose(0, 2, 3, 4, 1)
-    if slc is not None:
-        axis, a, b = slc
-        idx = [slice(None)] * raw.ndim
-        idx[axis] = slice(a, b)
-        raw = raw[tuple(idx)]
-    return np.ascontiguousarray(raw).reshape(shape)
 
 
 def read_raw(store, hf: str, digest: str, info) -> np.ndarray:
