@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from itertools import groupby
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,18 @@ def seed(tmp_path_factory) -> Project:
     for variant in ("xl", "xl-mtp"):
         assert p.cli("build", variant, "-q") == 0
     return p
+
+
+# xl's steps in plan order (topological, ties by name), and each one's dependency wave: verify
+# and eval both need only quantize, so with -j 2 they run, and are reported, in either order.
+XL = ["fetch", "sanitize", "quantize", "eval", "verify", "publish"]
+XL_WAVE = {"fetch": 0, "sanitize": 1, "quantize": 2, "eval": 3, "verify": 3, "publish": 4}
+
+
+def waves(steps: list[str]) -> list[tuple[int | None, list[str]]]:
+    """xl's steps as reported, grouped into consecutive runs of one dependency wave, each sorted:
+    equal for two lists only if they hold the same steps (as many times) in the same wave order."""
+    return [(w, sorted(group)) for w, group in groupby(steps, key=XL_WAVE.get)]
 
 
 def ran(proc: subprocess.CompletedProcess) -> list[str]:

@@ -13,17 +13,13 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-from conftest import cached, ran
+from conftest import XL, cached, ran, waves
 
 from buildkit.plan import action_key
 from buildkit.steps import REGISTRY
 from buildkit.steps.base import library_version
 from buildkit.steps.quantize import Quantize
 
-# In plan order (topological, ties broken by name). verify and eval both take only quantize, so
-# a build runs them side by side and prints their lines in either order: see ``waves``.
-XL = ["fetch", "sanitize", "quantize", "eval", "verify", "publish"]
-XL_WAVES = [{"fetch"}, {"sanitize"}, {"quantize"}, {"eval", "verify"}, {"publish"}]
 XL_MTP = [
     "fetch",
     "sanitize",
@@ -37,16 +33,6 @@ XL_MTP = [
     "publish",
 ]
 XL4 = 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 4, group_size = 64 }\n'
-
-
-def waves(names: list[str], like: list[set[str]]) -> list:
-    """``names`` cut into consecutive groups the sizes of ``like``'s, each as a set (anything left
-    over as a last list): the order of the steps up to those that may run side by side."""
-    out, i = [], 0
-    for group in like:
-        out.append(set(names[i : i + len(group)]))
-        i += len(group)
-    return out + ([names[i:]] if i < len(names) else [])
 
 
 def cli(project, capsys, *argv):
@@ -91,11 +77,11 @@ def finish(*procs: subprocess.Popen) -> list[SimpleNamespace]:
 
 def test_first_build_runs_everything_second_nothing(project):
     first = project.build("xl")
-    assert waves(ran(first), XL_WAVES) == XL_WAVES
+    assert waves(ran(first)) == waves(XL)
     assert all(f"[run]    {n} ({n}): never built\n" in first.stderr for n in XL)
     assert "xl: 6 steps, 6 ran, 0 cached" in first.stderr
     second = project.build("xl")
-    assert ran(second) == [] and waves(cached(second), XL_WAVES) == XL_WAVES
+    assert ran(second) == [] and waves(cached(second)) == waves(XL)
     assert "xl: 6 steps, 0 ran, 6 cached" in second.stderr
     assert plan(project, "xl") == dict.fromkeys(XL, "fresh")
     assert project.run("plan", "xl").stdout.endswith("xl: 6 steps, 0 to run\n")
@@ -181,7 +167,7 @@ def test_one_param_change_reruns_exactly_its_dependents(project, seed):
         "sanitize",
     }
     b = project.build("xl4")
-    assert waves(ran(b), XL_WAVES[2:]) == XL_WAVES[2:]
+    assert waves(ran(b)) == waves(XL[2:])
     assert cached(b) == ["fetch", "sanitize"]
     assert (
         "[run]    quantize (quantize): params.plan.roles.routed_expert.bits changed 6→4\n"
@@ -220,7 +206,7 @@ def test_target_and_failed_builds_keep_what_they_built(project):
     assert "'*.no_such_module'" in p.stderr and "Traceback" not in p.stderr
     assert not (project.store / "refs" / "typo.json").exists()
     assert ran(project.build("xl", "--target", "quantize")) == ["quantize"]
-    assert waves(ran(project.build("xl")), XL_WAVES[3:]) == XL_WAVES[3:]
+    assert waves(ran(project.build("xl"))) == waves(XL[3:])
 
 
 @pytest.mark.parametrize("kind", sorted(REGISTRY))

@@ -8,26 +8,15 @@ import os
 import subprocess
 import sys
 import time
-from itertools import groupby
 from pathlib import Path
 
 import pytest
-from conftest import Project, cached, ran
+from conftest import XL, Project, cached, ran, waves
 
 from buildkit.fixture import generate
 from buildkit.store import Store
 
-XL = ["fetch", "sanitize", "quantize", "verify", "eval", "publish"]
-# Each xl step's dependency wave: verify and eval both need only quantize, so with -j 2 they
-# may run (and be reported) in either order; every other pair's order is fixed.
-WAVE = {"fetch": 0, "sanitize": 1, "quantize": 2, "verify": 3, "eval": 3, "publish": 4}
 UP_TO_DATE = "(up to date: "
-
-
-def waves(steps: list[str]) -> list[tuple[int | None, list[str]]]:
-    """Steps as reported, grouped into consecutive runs of one dependency wave, each sorted: equal
-    for two lists only if they hold the same steps (as many times) in the same wave order."""
-    return [(w, sorted(group)) for w, group in groupby(steps, key=WAVE.get)]
 
 
 def age(*roots: Path) -> None:
