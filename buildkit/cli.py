@@ -344,7 +344,7 @@ def cmd_forget(args) -> int:
 
 def cmd_status(args) -> int:
     from . import grades, manifest
-    from .scheduler import Scheduler
+    from .plan import Planner
     from .steps.base import BuildOptions
 
     store = _store(args)
@@ -364,10 +364,10 @@ def cmd_status(args) -> int:
                 req = root["request"]
                 m = manifest.load(str(p), args.manifests, source=req.get("source"))
                 out = Path(req["out"]) if req.get("out") else None
-                sched = Scheduler(
+                planner = Planner(
                     m, store, BuildOptions(project_root=Path.cwd(), out_dir=out, remote=remote)
                 )
-                states = sched.plan()
+                states = planner.plan()
                 stale = [s for s in states if not s.fresh]
                 row.update(
                     built=True,

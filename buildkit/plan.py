@@ -11,6 +11,7 @@ request's root) so that every rebuild can say why. Nothing here runs a step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,11 +48,29 @@ class NodeState:
     stats: dict = field(default_factory=dict)
 
 
-def ingredients(node: Node, inputs: dict[str, list[str]], ctx: Context) -> dict:
+class InputArtifacts(Mapping):
+    """A node's input artifacts by slot, each slot's listings read (and checked against their
+    digests) once, when first asked for: the key (``Step.key_params``) and ``run`` share them."""
+
+    def __init__(self, store: Store, digests: dict[str, list[str]]):
+        self.store, self.digests, self._read = store, digests, {}
+
+    def __getitem__(self, slot: str) -> list:
+        if slot not in self._read:
+            self._read[slot] = [self.store.get_artifact(d) for d in self.digests[slot]]
+        return self._read[slot]
+
+    def __iter__(self):
+        return iter(self.digests)
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+
+def ingredients(node: Node, inputs: InputArtifacts, ctx: Context) -> dict:
     """Everything that can change the node's output bytes, and nothing else."""
     step = node.step
-    arts = {slot: [ctx.store.get_artifact(d) for d in ds] for slot, ds in inputs.items()}
-    params = step.key_params(node.params, arts)
+    params = step.key_params(node.params, inputs)
     # A fingerprint may materialize its subject (a generated fixture, a hub download): two
     # processes fingerprinting the same thing take turns, or they race to create it.
     with ctx.store.lock(keys.digest_json("fingerprint", [node.kind, step.version, params])):
@@ -60,7 +79,7 @@ def ingredients(node: Node, inputs: dict[str, list[str]], ctx: Context) -> dict:
         "kind": node.kind,
         "version": step.version,
         "params": params,
-        "inputs": inputs,
+        "inputs": inputs.digests,
         "libraries": step.libraries(),
         "fingerprint": fingerprint,
     }
@@ -202,7 +221,7 @@ class Planner:
                 st.reasons = [f"input {', '.join(st.waits_for)} will be rebuilt first"]
                 continue
             ctx = self.context(name)
-            st.ingredients = ingredients(node, digests, ctx)
+            st.ingredients = ingredients(node, InputArtifacts(self.store, digests), ctx)
             st.key = action_key(st.ingredients)
             rec = self.lookup(st.key)
             if rec is None:

@@ -22,7 +22,7 @@ from . import allocator, keys, workers
 from .errors import BuildkitError, StepError, StoreMiss, VerifyError
 from .fsio import atomic_write
 from .manifest import Manifest
-from .plan import NodeState, Planner, action_key, ingredients, why_changed
+from .plan import InputArtifacts, NodeState, Planner, action_key, ingredients, why_changed
 from .report import Reporter
 from .steps.base import BuildOptions, Progress
 from .store import Store
@@ -149,7 +149,8 @@ class Scheduler(Planner):
         )
         ctx.executor = self.executor
         digests = self.input_digests(node, states)
-        st.ingredients = ingredients(node, digests, ctx)
+        arts = InputArtifacts(self.store, digests)
+        st.ingredients = ingredients(node, arts, ctx)
         st.key = action_key(st.ingredients)
         with self.store.lock(st.key):
             rec = self.lookup(st.key)
@@ -170,9 +171,7 @@ class Scheduler(Planner):
             st.reasons = reasons
             t = time.monotonic()
             self.fetch_inputs(digests, name)
-            inputs = {
-                slot: [self.store.get_artifact(d) for d in ds] for slot, ds in digests.items()
-            }
+            inputs = dict(arts)
             ctx.fingerprint = st.ingredients["fingerprint"]
             ctx.key, ctx.libraries = st.key, st.ingredients["libraries"]
             allocator.tune_imported()  # an earlier step imported mlx: its buffer cache off

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -120,7 +120,7 @@ class Step:
         """Versions of libraries that change this step's output bytes (part of the key)."""
         return {}
 
-    def key_params(self, params: Params, inputs: dict[str, list[Artifact]]) -> dict:
+    def key_params(self, params: Params, inputs: Mapping[str, list[Artifact]]) -> dict:
         """The params as they enter the key (all of them, defaults filled in). ``inputs`` are
         the input artifacts, for a step whose params mean something only against them (the
         quantizing steps resolve their rules to a per-tensor plan)."""

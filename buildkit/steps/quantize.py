@@ -12,6 +12,7 @@ writing overlap.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 from pydantic import Field, model_validator
 
@@ -258,7 +259,7 @@ class Quantize(Step):
     def libraries(self) -> dict[str, str]:
         return {"mlx": library_version("mlx")}
 
-    def key_params(self, params: QuantizeParams, inputs: dict[str, list[Artifact]]) -> dict:
+    def key_params(self, params: QuantizeParams, inputs: Mapping[str, list[Artifact]]) -> dict:
         """The resolved per-tensor plan, not the rules: two manifests whose rules resolve alike
         share a key, and any difference in what a tensor becomes changes it."""
         plan = resolved_plan(
