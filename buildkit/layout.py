@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import keys
+
 
 class Layout:
     """Where each kind of entry lives under a store root (see the module docstring)."""
@@ -18,3 +20,13 @@ class Layout:
         self.root = Path(root).absolute()
         for d in (*self.DIRS, "reports", "fixtures", "uptodate"):
             setattr(self, d, self.root / d)
+
+
+def fan_key(digest: str) -> str:
+    """``ab/cdef…``: a digest's place in a fanned-out directory (the store's, and a remote's)."""
+    h = digest.removeprefix(keys.PREFIX)
+    return f"{h[:2]}/{h[2:]}"
+
+
+def fan(root: Path, digest: str) -> Path:
+    return root / fan_key(digest)

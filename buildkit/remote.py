@@ -74,7 +74,7 @@ from . import keys
 from .artifact import Artifact
 from .errors import BuildkitError, StoreMiss, UsageError
 from .fsio import DirectFile, atomic_write
-from .sources import fan
+from .layout import fan, fan_key
 from .store import Store
 from .tensors import nbytes
 
@@ -309,8 +309,7 @@ def backend(url: str) -> Backend:
 
 
 def _fan(kind: str, digest: str) -> str:
-    h = digest.removeprefix(keys.PREFIX)
-    return f"{kind}/{h[:2]}/{h[2:]}"
+    return f"{kind}/{fan_key(digest)}"
 
 
 def _digest_of(key: str) -> str:

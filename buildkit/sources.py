@@ -23,15 +23,10 @@ from pathlib import Path
 from . import keys
 from .errors import SourceError
 from .fsio import RACY_TICK_NS, atomic_write, stat_ident
+from .layout import fan
 
 HASH_CHUNK = 4 << 20  # source files are hashed through a buffer of this size
 HASH_READERS = 4  # files hashed at once: a disk serves several streams faster than one
-
-
-def fan(root: Path, digest: str) -> Path:
-    """``root/ab/cdef…``: a digest's place in a fanned-out directory."""
-    h = digest.removeprefix(keys.PREFIX)
-    return root / h[:2] / h[2:]
 
 
 class SourceIndex:

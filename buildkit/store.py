@@ -39,9 +39,9 @@ from . import keys
 from .artifact import Artifact
 from .errors import SourceError, StoreError, StoreMiss
 from .fsio import atomic_write, syncfs, write_temp
-from .layout import Layout
+from .layout import Layout, fan
 from .lazy import lazy
-from .sources import SourceIndex, fan
+from .sources import SourceIndex
 from .tensors import DTYPES, Header, byte_view, nbytes, read_header, read_slice, read_tensor
 
 np = lazy("numpy", __name__)

@@ -11,7 +11,7 @@ import pytest
 
 from buildkit import keys
 from buildkit.errors import SourceError
-from buildkit.sources import fan
+from buildkit.layout import fan
 from buildkit.store import Store
 
 
