@@ -46,3 +46,17 @@ class Artifact:
 
     def tensor_bytes(self) -> int:
         return sum(nbytes(t["dtype"], t["shape"]) for t in self.tensors.values())
+
+
+def objects(art: Artifact) -> dict[str, tuple[str, list[int]] | None]:
+    """Every store object a listing needs: digest -> (dtype, shape) for a tensor stored alone
+    (checked by its tensor digest), None for a blob: a small file, or a pack of tensors
+    (``packs.py``; checked by its blob digest). Views name files outside the store."""
+    out: dict[str, tuple[str, list[int]] | None] = {}
+    for t in art.tensors.values():
+        if "pack" in t:
+            out[t["pack"]["file"]] = None
+        elif "digest" in t:
+            out[t["digest"]] = (t["dtype"], t["shape"])
+    out.update(dict.fromkeys(art.files.values()))
+    return out

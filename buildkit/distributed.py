@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import version
 from pathlib import Path
 
-from . import allocator, keys, workers
+from . import allocator, keys, packs, workers
 from .errors import StepError, UsageError
 
 _stores: dict[str, object] = {}
@@ -57,6 +57,7 @@ def run_task(root: str, libraries: dict[str, str], fn: Callable, *args):
     if root not in _stores:  # a worker's first task: malloc as a local build has it
         allocator.tune(force=True)
     store = _store(root)
+    packs.SYNC_WRITES = True  # a worker's pack writes are durable before its task returns
     # On buildkit's long-lived threads, not Dask's: mlx aborts a process whose mlx thread exits.
     out = workers.pool("dask-task").submit(fn, store, *args, workers=1).result()
     allocator.tune_imported()
@@ -64,7 +65,7 @@ def run_task(root: str, libraries: dict[str, str], fn: Callable, *args):
         paths = {
             store.object_path(e["digest"])
             for e in out.values()
-            if isinstance(e, dict) and "digest" in e
+            if isinstance(e, dict) and "digest" in e and "pack" not in e
         }
         for path in sorted(paths):
             _fsync(path)

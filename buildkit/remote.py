@@ -71,7 +71,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from . import keys
-from .artifact import Artifact
+from .artifact import Artifact, objects
 from .errors import BuildkitError, StoreMiss, UsageError
 from .fsio import DirectFile, atomic_write
 from .layout import fan, fan_key
@@ -572,7 +572,7 @@ class Remote:
                 raise _Refused(f"its listing {self._where(_fan('artifacts', digest))} is corrupt")
             store.put_artifact(art)
         art = store.get_artifact(digest)
-        for d in _objects(art):
+        for d in objects(art):
             if d not in body.get("objects", {}):
                 raise _Refused(f"it names object {keys.short(d)} without its sha256")
 
@@ -587,12 +587,9 @@ class Remote:
         todo: dict[str, tuple | None] = {}
         for a in dict.fromkeys(artifacts):
             art = store.get_artifact(a)
-            for t in art.tensors.values():
-                if "digest" in t and not store.has_object(t["digest"]):
-                    todo[t["digest"]] = (t["dtype"], t["shape"])
-            for d in art.files.values():
+            for d, shape in objects(art).items():
                 if not store.has_object(d):
-                    todo[d] = None
+                    todo[d] = shape
         todo = {
             d: s for d, s in todo.items() if d in self.sha
         }  # unknown here: the store's miss as usual
@@ -705,12 +702,7 @@ class Remote:
         arts = {d: store.get_artifact(d) for d in outputs.values()}
         objs: dict[str, tuple | None] = {}
         for art in arts.values():
-            objs.update(
-                (t["digest"], (t["dtype"], t["shape"]))
-                for t in art.tensors.values()
-                if "digest" in t
-            )
-            objs.update((d, None) for d in art.files.values())
+            objs.update(objects(art))
         repair = self.refused.intersection([key, *arts, *objs])  # found corrupt here: send again
         if not repair and self.be.head(_fan("actions", key)):
             return None
@@ -799,10 +791,6 @@ class Remote:
 
 class _Refused(Exception):
     pass
-
-
-def _objects(art: Artifact) -> list[str]:
-    return [t["digest"] for t in art.tensors.values() if "digest" in t] + list(art.files.values())
 
 
 # ---- whole variants: push and pull ---------------------------------------------------

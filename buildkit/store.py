@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import keys
-from .artifact import Artifact
+from .artifact import Artifact, objects
 from .errors import SourceError, StoreError, StoreMiss
 from .fsio import atomic_write, syncfs, write_temp
 from .layout import Layout, fan
@@ -208,12 +208,48 @@ class Store:
         dtype, shape = entry["dtype"], tuple(entry["shape"])
         if "view" in entry:
             return self._read_view(entry["view"], dtype, shape)
-        data = self._read_object(entry["digest"])
-        if len(data) != nbytes(dtype, shape) or (
-            verify and keys.tensor_digest(dtype, shape, data) != entry["digest"]
+        path, start, obj = self._span(entry)
+        arr = np.empty(shape, DTYPES[dtype])
+        view = byte_view(arr)
+        try:
+            f = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise self._missing(obj) from None
+        with f:
+            f.seek(start)
+            got = 0
+            while got < len(view) and (k := f.readinto(view[got:])):
+                got += k
+            longer = start == 0 and bool(f.read(1))  # an object of its own is exactly the tensor
+        self.stats.add(read=got)
+        if (
+            got != len(view)
+            or longer
+            or (verify and keys.tensor_digest(dtype, shape, view) != entry["digest"])
         ):
-            raise self._corrupt(entry["digest"])
-        return np.frombuffer(data, dtype=DTYPES[dtype]).reshape(shape)
+            raise self._corrupt(obj)
+        return arr
+
+    def _span(self, entry: dict) -> tuple[Path, int, str]:
+        """Where a stored tensor's bytes start: its own object at 0, or its place in a pack
+        (``packs.py``); and the object to quarantine if they are wrong."""
+        pack = entry.get("pack")
+        if pack is None:
+            return self.object_path(entry["digest"]), 0, entry["digest"]
+        path = self.object_path(pack["file"])
+        h = self._headers.get(pack["file"])
+        if h is None:
+            if not path.exists():
+                raise self._missing(pack["file"])
+            try:
+                h = read_header(path)
+            except SourceError:
+                raise self._corrupt(pack["file"]) from None
+            self._headers[pack["file"]] = h
+        info = h.tensors.get(pack["tensor"])
+        if info is None or (info.dtype, list(info.shape)) != (entry["dtype"], list(entry["shape"])):
+            raise self._corrupt(pack["file"])
+        return path, info.start, pack["file"]
 
     def iter_rows(self, entry: dict, max_bytes: int = ROW_BLOCK_BYTES) -> Iterator[np.ndarray]:
         """A tensor entry as consecutive blocks along its first axis, each at most ``max_bytes``
@@ -262,12 +298,14 @@ class Store:
                 yield arr
             return
         digest = entry["digest"]
+        path, start, obj = self._span(entry)
         h = keys.tensor_hasher(dtype, shape)
         try:
-            f = open(self.object_path(digest), "rb", buffering=0)
+            f = open(path, "rb", buffering=0)
         except FileNotFoundError:
-            raise self._missing(digest) from None
+            raise self._missing(obj) from None
         with f:
+            f.seek(start)
             for a in range(0, n, step):
                 b = min(n, a + step)
                 arr = np.empty((b - a, *shape[1:]), DTYPES[dtype])
@@ -276,12 +314,12 @@ class Store:
                 while got < len(view) and (k := f.readinto(view[got:])):
                     got += k
                 if got < len(view):
-                    raise self._corrupt(digest)  # shorter than its shape
+                    raise self._corrupt(obj)  # shorter than its shape
                 h.update(view)
                 self.stats.add(read=got)
                 yield arr
-            if f.read(1) or keys.finish(h) != digest:
-                raise self._corrupt(digest)
+            if (start == 0 and f.read(1)) or keys.finish(h) != digest:
+                raise self._corrupt(obj)
 
     def copy_tensor(self, entry: dict, sink, buf: bytearray) -> int:
         """Stream a tensor entry's bytes to ``sink(memoryview)`` through ``buf``; returns the count.
@@ -294,20 +332,23 @@ class Store:
             sink(data)
             return len(data)
         digest, want = entry["digest"], nbytes(entry["dtype"], entry["shape"])
+        path, start, obj = self._span(entry)
+        extra = 1 if start == 0 else 0  # an object of its own must end with the tensor
         h = keys.tensor_hasher(entry["dtype"], entry["shape"])
         view, done = memoryview(buf), 0
         try:
-            f = open(self.object_path(digest), "rb", buffering=0)
+            f = open(path, "rb", buffering=0)
         except FileNotFoundError:
-            raise self._missing(digest) from None
+            raise self._missing(obj) from None
         with f:
-            while n := f.readinto(view[: min(len(buf), want - done + 1)]):
+            f.seek(start)
+            while n := f.readinto(view[: min(len(buf), want - done + extra)]):
                 h.update(view[:n])
                 sink(view[:n])
                 done += n
         self.stats.add(read=done)
         if done != want or keys.finish(h) != digest:
-            raise self._corrupt(digest)
+            raise self._corrupt(obj)
         return done
 
     def header(self, file_digest: str) -> tuple[Path, Header]:
@@ -372,16 +413,17 @@ class Store:
             art = self.get_artifact(digest)
         except StoreError:
             return False
-        for t in art.tensors.values():
-            if "digest" in t:
-                p = self.object_path(t["digest"])
-                try:
-                    if p.stat().st_size != nbytes(t["dtype"], t["shape"]):
-                        self._quarantine(p, "wrong size")
-                        return False
-                except FileNotFoundError:
+        for d, shape in objects(art).items():
+            p = self.object_path(d)
+            try:
+                if shape is not None and p.stat().st_size != nbytes(*shape):
+                    self._quarantine(p, "wrong size")
                     return False
-        return all(self.has_object(d) for d in art.files.values())
+            except FileNotFoundError:
+                return False
+            if shape is None and not p.exists():
+                return False
+        return True
 
     def record_files(self, action_keys: Iterable[str], artifacts: Iterable[str]) -> list[Path]:
         """The store files a build that finds these keys cached reads: their action records,
@@ -390,8 +432,7 @@ class Store:
         for digest in dict.fromkeys(artifacts):  # nodes may share an output: read it once
             paths.append(fan(self.layout.artifacts, digest))
             art = self.get_artifact(digest)
-            paths += [self.object_path(t["digest"]) for t in art.tensors.values() if "digest" in t]
-            paths += [self.object_path(d) for d in art.files.values()]
+            paths += [self.object_path(d) for d in objects(art)]
         return list(dict.fromkeys(paths))
 
     # ---- actions -------------------------------------------------------------------
@@ -579,8 +620,7 @@ class Store:
         for d in live_arts:
             with contextlib.suppress(StoreError):
                 art = self.get_artifact(d)
-                live_objs.update(t["digest"] for t in art.tensors.values() if "digest" in t)
-                live_objs.update(art.files.values())
+                live_objs.update(objects(art))
         for sub, live in (("artifacts", live_arts), ("objects", live_objs)):
             for p in sorted(getattr(self.layout, sub).glob("*/*")):
                 if keys.PREFIX + p.parent.name + p.name not in live:
@@ -613,17 +653,16 @@ class Store:
         blobs: set[str] = set()
         for p in sorted(self.layout.artifacts.glob("*/*")):
             with contextlib.suppress(Exception):
-                listing = json.loads(p.read_bytes())
-                blobs.update(listing["files"].values())
-                for t in listing["tensors"].values():
-                    if "digest" in t:
-                        tensor_shapes[t["digest"]] = (t["dtype"], t["shape"])
+                for d, shape in objects(Artifact.from_listing(json.loads(p.read_bytes()))).items():
+                    if shape is None:
+                        blobs.add(d)
+                    else:
+                        tensor_shapes[d] = shape
         for p in sorted(self.layout.objects.glob("*/*")):
             d = keys.PREFIX + p.parent.name + p.name
-            data = p.read_bytes()
-            ok = keys.blob_digest(data) == d
+            ok = _hash_file(p, keys.blob_hasher()) == d
             if not ok and d in tensor_shapes:
-                ok = keys.tensor_digest(*tensor_shapes[d], data) == d
+                ok = _hash_file(p, keys.tensor_hasher(*tensor_shapes[d])) == d
             elif not ok and d not in blobs:
                 # a tensor no listing names (its build was interrupted): unread, gc frees it
                 continue
@@ -631,3 +670,13 @@ class Store:
                 self._quarantine(p, "content does not match its digest")
                 bad.append(f"object {keys.short(d)}: content does not match its digest")
         return bad
+
+
+def _hash_file(path: Path, h) -> str:
+    """A file's digest through ``h``, read in chunks (a pack is gigabytes)."""
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while k := f.readinto(buf):
+            h.update(view[:k])
+    return keys.finish(h)

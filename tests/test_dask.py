@@ -41,7 +41,7 @@ class Tasks(SchedulerPlugin):
             return
         self.runs[key] += 1
         self.ran_on[str(key)] = next(iter(self.scheduler.tasks[key].who_has)).pid
-        if self.kill and not self.killed and str(key).startswith("quantize_entry-"):
+        if self.kill and not self.killed and str(key).startswith("pack_entry-"):
             busy = [ws for ws in self.scheduler.workers.values() if ws.processing]
             if busy:
                 ws = busy[0]
@@ -122,7 +122,7 @@ def test_two_clients_share_tasks(project, seed, cluster):
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err
     kinds = collections.Counter(str(k).split("-")[0] for k in tasks.runs)
-    assert kinds["quantize_entry"] and kinds["inspect_tensor"], kinds  # quantize and verify
+    assert kinds["pack_entry"] and kinds["inspect_tensor"], kinds  # quantize and verify
     assert max(tasks.runs.values()) == 1, tasks.runs.most_common(3)
     for v in ("xl", "xl-mtp"):
         assert_same_as_local(project, seed, v)

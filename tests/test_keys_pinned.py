@@ -20,12 +20,12 @@ from buildkit.steps import REGISTRY
 PINNED = {  # kind: (variant, node, key)
     "fetch": ("xl", "fetch", "xxh3_128:d8c66f549e3f38a5fda93ce1c13603e6"),
     "sanitize": ("xl", "sanitize", "xxh3_128:36d3e37a47e5e53ae1a880dd0babd2f3"),
-    "quantize": ("xl", "quantize", "xxh3_128:4f4ddef6763f03a7b580e907cec4d003"),
-    "verify": ("xl", "verify", "xxh3_128:dc11e206ee300168131220ec4dfe6f3c"),
-    "eval": ("xl", "eval", "xxh3_128:6930814d9b0f86dbd659b5c264530a1d"),
-    "publish": ("xl", "publish", "xxh3_128:4e81483045d5905427a431acb449e925"),
+    "quantize": ("xl", "quantize", "xxh3_128:b514e34f126168b35b1547261b2c456e"),
+    "verify": ("xl", "verify", "xxh3_128:932b735e5b0abbae3cf6e43dbf4a8a8c"),
+    "eval": ("xl", "eval", "xxh3_128:e3a04da6b268920d774483b5960bbb10"),
+    "publish": ("xl", "publish", "xxh3_128:b7d0e8065e859168dd568ab7a3fbd223"),
     "graft": ("xl-mtp", "graft", "xxh3_128:20d6bacd0ead79548a85fcde403ec078"),
-    "requantize": ("xl-mtp", "requantize", "xxh3_128:1850d689ab003440529d49600be9e399"),
+    "requantize": ("xl-mtp", "requantize", "xxh3_128:324284653e208a5818b08275a3c3a532"),
     "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:d14d143606008d5c316114d6a9171fda"),
     "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:3f5a48db4b9b9ec0d8f5f1f31f4c4d63"),
 }

@@ -15,7 +15,7 @@ import xxhash
 from conftest import cached, ran
 
 from buildkit import keys
-from buildkit.artifact import Artifact
+from buildkit.artifact import Artifact, objects
 from buildkit.errors import StoreMiss
 from buildkit.store import Store
 
@@ -181,17 +181,15 @@ def test_lock_excludes_other_holders(tmp_path):
 
 
 def _quantize_only_object(store: Store, ref: dict) -> str:
-    """A tensor object of xl's quantize output that no other artifact of xl holds."""
+    """An object of xl's quantize output (a pack) that no other artifact of xl holds."""
     art = store.get_artifact(ref["nodes"]["quantize"]["outputs"]["out"])
     others = {
-        t.get("digest")
+        d
         for n in ("fetch", "sanitize")
-        for d in ref["nodes"][n]["outputs"].values()
-        for t in store.get_artifact(d).tensors.values()
+        for a in ref["nodes"][n]["outputs"].values()
+        for d in objects(store.get_artifact(a))
     }
-    return sorted(
-        t["digest"] for t in art.tensors.values() if "digest" in t and t["digest"] not in others
-    )[0]
+    return sorted(set(objects(art)) - others)[0]
 
 
 def _flip(path) -> None:
@@ -260,8 +258,7 @@ def _reachable(store: Store, ref: dict) -> set[str]:
     for node in ref["nodes"].values():
         for d in node["outputs"].values():
             art = store.get_artifact(d)
-            out |= {t["digest"][9:] for t in art.tensors.values() if "digest" in t}
-            out |= {f[9:] for f in art.files.values()}
+            out |= {d[9:] for d in objects(art)}
     return out
 
 
@@ -404,6 +401,12 @@ def test_quantizing_in_blocks_of_rows_gives_the_whole_tensors_bytes(tmp_path, bl
                 store, f"{name}.weight", entry, role, block_bytes=block_rows * row_bytes
             )
             whole = mx.quantize(to_mlx(np.ascontiguousarray(raw), "BF16"), group_size=64, bits=bits)
+            # its error, measured block by block, is the whole tensor's
+            x = to_mlx(np.ascontiguousarray(raw), "BF16").astype(mx.float32)
+            deq = mx.dequantize(*whole, group_size=64, bits=bits).astype(mx.float32)
+            want_err = (mx.abs(deq - x).sum() / mx.abs(x).sum()).item()
+            err = got[f"{name}.weight"].pop("rel_l1")
+            assert abs(err - want_err) <= 1e-5 * want_err, (name, bits, err, want_err)
             for suffix, arr in zip(("weight", "scales", "biases"), whole):
                 want, dtype = from_mlx(arr)
                 assert got[f"{name}.{suffix}"] == store.put_tensor(dtype, want), (

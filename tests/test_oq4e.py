@@ -135,6 +135,10 @@ def test_changing_the_calibration_text_reruns_only_calibrated_nodes(built):
     assert "calibrate" in cached(proc) and "quantize" in cached(proc)
 
 
+def without_pack(entry: dict) -> dict:
+    return {k: v for k, v in entry.items() if k != "pack"}
+
+
 def test_unreached_experts_fall_back_and_are_counted(built):
     project, _ = built
     name = extend(project, "oq4e-few", "[steps.calibrate]\nparams.max_tokens = 3\n")
@@ -178,7 +182,8 @@ def test_unreached_experts_fall_back_and_are_counted(built):
             dataaware.Tally(),
             block,
         )
-        assert entries == {k: quant.tensors[k] for k in entries}, block
+        # the same tensor digests (the build's are in packs; these stand alone)
+        assert entries == {k: without_pack(quant.tensors[k]) for k in entries}, block
 
 
 def test_incompatible_donor_is_refused_with_each_field(built):

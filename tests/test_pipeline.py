@@ -235,8 +235,9 @@ def test_published_bytes_identical_across_clean_builds(tmp_path, built):
 
 
 def test_xl_mtp_links_xls_shards_and_writes_only_the_heads(built):
-    """Each part of the model has shards of its own, so xl-mtp's trunk and vision shards are
-    xl's files, hard-linked; only the MTP head's shard is written."""
+    """Each part of the model has shards of its own, and quantize wrote them as packs in the
+    store: both variants' shards are the packs, hard-linked; only the drafter's copy of the
+    head (mtp/, under other names) is written."""
     p, xl, mtp = built
     a, b = shard_parts(p.out / "xl"), shard_parts(p.out / "xl-mtp")
     assert sorted(a) == ["language_model", "vision_tower"] and sorted(b) == [
@@ -246,11 +247,11 @@ def test_xl_mtp_links_xls_shards_and_writes_only_the_heads(built):
     ]
     for part in a:
         assert os.path.samefile(a[part], b[part]), part
-    assert b["mtp"].stat().st_nlink == 1
-    assert (
-        "(2 of 4 shards linked from an earlier publish)" in mtp.stderr
-    )  # 4th: the drafter's, mtp/
-    assert "linked" not in xl.stderr
+    assert b["mtp"].stat().st_nlink == 2  # the requantized head's pack, and this link
+    assert "(3 of 4 shards hard-linked, not written)" in mtp.stderr  # 4th: the drafter's, mtp/
+    assert "(2 of 2 shards hard-linked, not written)" in xl.stderr
+    objects = {x.stat().st_ino for x in (p.store / "objects").glob("*/*")}
+    assert all(x.stat().st_ino in objects for x in [*a.values(), *b.values()])  # the packs
     # Linking changed the inodes' ctime; the store moved xl's records along, so both paths are
     # still known without reading them.
     store = Store(p.store)

@@ -14,6 +14,7 @@ from conftest import Project, shard_parts
 
 from buildkit.artifact import Artifact
 from buildkit.errors import StepError, UsageError
+from buildkit.packs import plan_shards
 from buildkit.steps.base import BuildOptions, Context, Progress
 from buildkit.steps.fetch import parse_fixture
 from buildkit.steps.publish import (
@@ -26,7 +27,6 @@ from buildkit.steps.publish import (
     exchange,
     merge_reports,
     out_dir,
-    plan_shards,
     quantization_config,
 )
 from buildkit.store import Store
@@ -45,8 +45,8 @@ def context(tmp_path, out: Path | None = None) -> Context:
 # ---- shards ----------------------------------------------------------------------------------
 
 
-def t(n: int, dtype: str = "U8") -> dict:
-    return {"dtype": dtype, "shape": [n]}
+def t(n: int, dtype: str = "U8") -> tuple[str, list[int]]:
+    return dtype, [n]
 
 
 def test_plan_shards_keeps_parts_apart_and_respects_the_size_limit():
@@ -247,7 +247,7 @@ def test_publish_writes_no_file_outside_its_directory(tmp_path):
         Publish()._write(ctx, PublishParams(), staged, Artifact(files={"..": blob}))
 
 
-# ---- shards linked from an earlier publish ----------------------------------------------------
+# ---- shards linked from packs or an earlier publish -----------------------------------------
 
 
 def test_a_shard_changed_since_it_was_published_is_written_again(tmp_path, monkeypatch):
@@ -273,7 +273,10 @@ def test_a_shard_changed_since_it_was_published_is_written_again(tmp_path, monke
         f.write(bytes([want["language_model"][len(want["language_model"]) // 2] ^ 0x40]))
     os.unlink(copied["language_model"])  # the only other copy of the trunk's bytes
     mtp = p.build("xl-mtp")
-    assert "(1 of 4 shards linked from an earlier publish)" in mtp.stderr  # the vision tower's
+    # the vision tower's and the head's packs; the trunk's pack was the file changed in place
+    # (a hard link of it): found corrupt, removed, and quantize ran again
+    assert "(3 of 4 shards hard-linked, not written)" in mtp.stderr
+    assert "content does not match its digest; removed" in mtp.stderr
     b = shard_parts(p.out / "xl-mtp")
     assert b["language_model"].read_bytes() == want["language_model"]
     assert not os.path.samefile(b["language_model"], xl["language_model"])

@@ -122,7 +122,7 @@ def test_a_build_with_nothing_to_do_imports_no_numerics(project, seed):
     assert not mods & heavy, sorted(mods & heavy)
     (project.out / "xl-mtp" / "config.json").unlink()  # publish alone runs; its shards are
     p, mods = imported(project, "build", "xl-mtp", "--out", str(project.out / "xl-mtp"))
-    assert ran(p) == ["publish"] and "4 of 4 shards linked" in p.stderr  # linked, not copied,
+    assert ran(p) == ["publish"] and "4 of 4 shards hard-linked" in p.stderr  # linked, not copied,
     assert "load check: not run again" in p.stderr and not mods & heavy  # and the check remembered
     (project.out / "xl-mtp" / "config.json").unlink()  # a store that forgot the check: it runs
     shutil.rmtree(project.store / "memos" / "loadcheck")
@@ -219,16 +219,17 @@ def test_every_kind_declares_its_own_version(kind):
 
 def test_step_version_bump_reruns_only_that_kind(project, seed, capsys, monkeypatch):
     project.adopt(seed)
-    monkeypatch.setattr(Quantize, "version", 2)
-    assert REGISTRY["requantize"].version == 1  # requantize subclasses quantize, keeps its own
+    v = Quantize.version
+    monkeypatch.setattr(Quantize, "version", v + 1)
+    assert REGISTRY["requantize"].version == v  # requantize subclasses quantize, keeps its own
     p = cli(project, capsys, "plan", "xl-mtp")
     assert re.search(
-        r"^stale quantize \(quantize\) \w{12}: step version changed 1→2$", p.stdout, re.M
+        rf"^stale quantize \(quantize\) \w{{12}}: step version changed {v}→{v + 1}$", p.stdout, re.M
     )
     assert re.search(r"^fresh requantize ", p.stdout, re.M)
     b = cli(project, capsys, "build", "xl-mtp")
     assert b.returncode == 0
-    assert "[run]    quantize (quantize): step version changed 1→2\n" in b.stderr
+    assert f"[run]    quantize (quantize): step version changed {v}→{v + 1}\n" in b.stderr
     # The new version wrote the same bytes, so the dependents' inputs did not change: early
     # cutoff keeps verify, eval and publish cached (a changed output would re-run them, see above).
     assert ran(b) == ["quantize"]
@@ -265,7 +266,7 @@ def test_explain_prints_the_ingredients_of_the_key(project, seed, capsys):
     assert d["inputs"] == {"model": ["sanitize:model"]}
     ingr = d["ingredients"]
     assert set(ingr) == {"kind", "version", "params", "inputs", "libraries", "fingerprint"}
-    assert (ingr["kind"], ingr["version"]) == ("quantize", 1)
+    assert (ingr["kind"], ingr["version"]) == ("quantize", 2)
     assert ingr["params"]["plan"]["roles"]["routed_expert"]["bits"] == 6
     assert (
         ingr["params"]["plan"]["tensors"][

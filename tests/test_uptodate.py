@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import XL, Project, cached, ran, waves
 
+from buildkit.artifact import objects as artifact_objects
 from buildkit.fixture import generate
 from buildkit.store import Store
 
@@ -74,14 +75,7 @@ def test_a_build_with_nothing_to_do_reads_only_stats_and_imports_neither_pydanti
 
     def objects(node: str) -> set[str]:
         arts = [store.get_artifact(d) for d in refs[node]["outputs"].values()]
-        return {
-            str(store.object_path(d))
-            for art in arts
-            for d in [
-                *(t["digest"] for t in art.tensors.values() if "digest" in t),
-                *art.files.values(),
-            ]
-        }
+        return {str(store.object_path(d)) for art in arts for d in artifact_objects(art)}
 
     # The quantized weights, and eval's too: its report and the trunk's hidden states it keeps.
     for node in ("quantize", "eval"):
@@ -97,7 +91,7 @@ def test_every_kind_of_change_takes_the_full_path_and_the_next_build_is_up_to_da
 
     def quantized_object() -> Path:
         art = store.get_artifact(refs()["quantize"]["outputs"]["out"])
-        return store.object_path(next(t["digest"] for t in art.tensors.values() if "digest" in t))
+        return store.object_path(next(iter(artifact_objects(art))))
 
     def shard() -> Path:
         return next(out.glob("*.safetensors"))

@@ -11,11 +11,12 @@ beside the target, checked (index parity,
 metadata, mlx_lm load with finite logits), then exchanged with the old one in
 one rename, so a reader never sees a mix of old and new shards.
 
-Shards are content-addressed too: a shard whose bytes an earlier publish wrote
-(the same header and the same store entries, in order) is hard-linked from that
-file when its stat shows it unchanged, instead of being copied again. Since parts
-never share a shard, xl-mtp links xl's shards and writes only the head's, and a
-change to the head's bits rewrites only the head's shard.
+Shards are not written again when their bytes exist: quantizing steps write their tensors as
+packs, store objects in the shape of the shards planned here (``packs.py``), and a shard that
+is a pack is hard-linked from the store; a shard an earlier publish wrote (the same header and
+store entries, in order) is linked from that file. Either is linked only while its stat shows
+it unchanged (else it is hashed first). Since parts never share a shard, xl-mtp links xl's
+shards and the head's pack; only the drafter directory's copy of the head is written.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ from pathlib import Path
 from pydantic import Field
 
 from .. import checkpoint as ckpt
-from .. import keys, loadcheck
+from .. import keys, loadcheck, packs
 from ..allocator import libc
 from ..artifact import Artifact
 from ..errors import StepError, UsageError
 from ..fsio import DirectFile, drop_idle_write_buffers, file_ident, fsync_dir, settle
 from ..store import Store
-from ..tensors import header_bytes, nbytes, read_header
+from ..tensors import nbytes, read_header
 from .base import Context, Params, Slot, Step, register
 
 STAMP = ".buildkit-publish.json"
@@ -65,22 +66,6 @@ class PublishParams(Params):
 def out_dir(params: PublishParams, ctx: Context) -> Path:
     p = ctx.options.out_dir or Path(params.out.format(variant=ctx.variant))
     return p if p.is_absolute() else ctx.options.project_root / p
-
-
-def plan_shards(tensors: dict[str, dict], limit: int) -> list[list[str]]:
-    """Tensor names per shard: each part of the model (``checkpoint.model_part``) in shards of
-    its own, in order of part, then name; a shard holds at most ``limit`` bytes (or one tensor)."""
-    shards, cur, size = [], [], 0
-    last = None
-    for part, name in sorted((ckpt.model_part(k), k) for k in tensors):
-        n = nbytes(tensors[name]["dtype"], tensors[name]["shape"])
-        if cur and (size + n > limit or part != last):
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(name)
-        last = part
-        size += n
-    return shards + ([cur] if cur else [])
 
 
 def copy_entry(store, entry: dict, sink, buf: bytearray) -> int:
@@ -462,7 +447,7 @@ class Staged:
     art: Artifact | None = None
     load_check: loadcheck.Lookup | None = None
     shards: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # name -> (digest, stat)
-    linked: int = 0  # shards hard-linked from an earlier publish rather than written
+    linked: int = 0  # shards hard-linked (a pack, or an earlier publish's) rather than written
     source: dict = field(default_factory=dict)  # what fetch says the source was (for the card)
 
 
@@ -645,7 +630,7 @@ class Publish(Step):
             self._discard(staged)
         remember_shards(ctx.store, dest, staged.shards)
         linked = (
-            f" ({staged.linked} of {len(staged.shards)} shards linked from an earlier publish)"
+            f" ({staged.linked} of {len(staged.shards)} shards hard-linked, not written)"
             if staged.linked
             else ""
         )
@@ -654,7 +639,9 @@ class Publish(Step):
 
     def _write(self, ctx, params, staged: Staged, src) -> Artifact:
         store, tmp, tensors, parts = ctx.store, staged.tmp, staged.tensors, staged.parts
-        shards = plan_shards(tensors, params.max_shard_bytes)
+        shards = packs.plan_shards(
+            {k: (e["dtype"], e["shape"]) for k, e in tensors.items()}, params.max_shard_bytes
+        )
         n = len(shards)
         weight_map, meta_shards, sizes = {}, {}, {}
         total = 0
@@ -710,15 +697,13 @@ class Publish(Step):
         """Write (or hard-link) one shard of ``items`` (name, store entry) at ``fname``; its body's
         bytes."""
         store, path = ctx.store, staged.tmp / fname
-        head = header_bytes(
-            [(k, e["dtype"], tuple(e["shape"])) for k, e in items], {"format": "mlx"}
-        )
+        head = packs.shard_header([(k, e["dtype"], e["shape"]) for k, e in items])
         body = sum(nbytes(e["dtype"], e["shape"]) for _, e in items)
         # what the shard's bytes follow from: the code writing them, its header, its tensors
         plan = keys.digest_json(
             "shard", [self.writer, keys.blob_digest(head), [e for _, e in items]]
         )
-        digest = link_shard(store, plan, path)
+        digest = link_pack(store, items, head, body, path) or link_shard(store, plan, path)
         if digest is not None:
             staged.linked += 1
             ctx.progress.advance(len(items), len(head) + body)
@@ -786,6 +771,28 @@ class Publish(Step):
             loadcheck.check(
                 ctx.store, tmp, staged.config, tensors, self.writer, staged.load_check, ctx.log
             )
+
+
+def link_pack(store: Store, items: list[tuple[str, dict]], head: bytes, body: int, path: Path):
+    """Hard-link, at ``path``, the pack that is this shard (``packs.py``: quantize wrote its
+    tensors as this shard, under these names, in this order) while its stat vouches for its
+    bytes (else it is hashed first); its digest, or None."""
+    files = {e.get("pack", {}).get("file") for _, e in items}
+    if len(files) != 1 or None in files or any(e["pack"]["tensor"] != k for k, e in items):
+        return None
+    (digest,) = files
+    # by stat, else hashed: a pack written through a published link (same inode) is not linked
+    pack = store.sources.find(digest)
+    if pack is None:
+        return None
+    try:
+        with open(pack, "rb") as f:
+            if os.fstat(f.fileno()).st_size != len(head) + body or f.read(len(head)) != head:
+                return None  # planned with another shard size (max_shard_bytes), say
+        os.link(pack, path)
+    except OSError:  # gone meanwhile, EXDEV, EMLINK, ...: the shard is written instead
+        return None
+    return digest
 
 
 def link_shard(store: Store, plan: str, path: Path) -> str | None:

@@ -19,10 +19,14 @@ from pydantic import Field, model_validator
 from .. import budget, dataaware
 from ..artifact import Artifact
 from ..errors import StepError
+from ..lazy import lazy
+from ..packs import PackSet, PackWriter
 from ..roles import Recipe, Role
 from ..store import ROW_BLOCK_BYTES
 from ..tensors import ITEMSIZE, from_mlx, nbytes, to_mlx
 from .base import Context, Params, Slot, Step, library_version, register
+
+np = lazy("numpy", __name__)
 
 
 class QuantizeParams(Params):
@@ -71,21 +75,53 @@ def quantize_entry(
     shape = entry["shape"]
     check_quantizable(name, shape, role)
     base = module_path(name)
+    err = []  # per block: sum |dequantized - source|, sum |source| (float32)
 
     def blocks():
         for block in store.iter_rows(entry, block_bytes):
-            q = mx.quantize(
-                to_mlx(block, entry["dtype"]),
-                group_size=role.group_size,
-                bits=role.bits,
-                mode=role.mode,
+            x = to_mlx(block, entry["dtype"])
+            q = mx.quantize(x, group_size=role.group_size, bits=role.bits, mode=role.mode)
+            # verify's dequantization error, measured here on the codes, scales and biases
+            # being written while the source block is in memory, not by reading both again
+            xf = x.astype(mx.float32)
+            got = mx.dequantize(
+                *q, group_size=role.group_size, bits=role.bits, mode=role.mode, dtype=mx.float32
             )
-            yield {
+            sums = mx.stack([mx.abs(got - xf).sum(), mx.abs(xf).sum()])
+            out = {
                 f"{base}.{suffix}": from_mlx(arr)
                 for suffix, arr in zip(("weight", "scales", "biases"), q, strict=False)
             }
+            err.append(np.array(sums))
+            yield out
 
-    return store.put_row_blocks(shape[0], blocks(), f"{base}.weight")
+    out = store.put_row_blocks(shape[0], blocks(), f"{base}.weight")
+    num, den = np.sum(err, axis=0, dtype=np.float64)
+    out[f"{base}.weight"][REL_L1] = float(num / max(den, 1e-30))
+    return out
+
+
+REL_L1 = "rel_l1"  # a task's figure beside its weight's entry; the step moves it to meta
+
+
+def output_shapes(name: str, entry: dict, role: Role) -> dict[str, tuple[str, list[int]]]:
+    """What a tensor becomes under ``role``: name -> (dtype, shape) of each stored tensor."""
+    if role.passthrough:
+        return {name: (entry["dtype"], list(entry["shape"]))}
+    check_quantizable(name, entry["shape"], role)
+    base = module_path(name)
+    return {
+        f"{base}.{k}": (dt, list(shape))
+        for k, (dt, shape) in quantized_shapes(entry["shape"], role, entry["dtype"]).items()
+    }
+
+
+def pack_entry(store, name: str, entry: dict, role: Role, slots: dict) -> dict[str, dict]:
+    """One tensor into its slots in the step's packs (a task: ``Context.map``)."""
+    w = PackWriter(store, slots)
+    if role.passthrough:
+        return {name: w.copy(name, entry)}
+    return quantize_entry(w, name, entry, role)
 
 
 def stored_bits(entries: dict[str, dict]) -> int:
@@ -178,49 +214,71 @@ def quantize_artifact(
 
     tally = dataaware.check_calibration(recipe, roles, calibration)
 
-    def work(store, name: str, entry: dict, role: Role) -> dict[str, dict]:
+    def work(store, name: str, entry: dict, role: Role, slots: dict) -> dict[str, dict]:
         if role.calibrated:  # data-aware routed experts (buildkit/dataaware.py)
-            return dataaware.quantize_entry(store, name, entry, role, calibration, tally)
-        return quantize_entry(store, name, entry, role)
+            w = PackWriter(store, slots)
+            return dataaware.quantize_entry(w, name, entry, role, calibration, tally)
+        return pack_entry(store, name, entry, role, slots)
 
-    # Passthrough entries are kept here; the rest are tasks: on two threads (two tensors in
-    # memory, never the model) or, under --dask, on the cluster. Each result is a few small
-    # dicts. Data-aware tasks share a tally, so they stay in this process.
+    # Every tensor goes into the packs publish will link (passthrough ones copied), as tasks:
+    # on two threads (two tensors in memory, never the model) or, under --dask, on the
+    # cluster. Each result is a few small dicts. Data-aware tasks share a tally, so they stay
+    # in this process.
+    outputs = {
+        name: output_shapes(name, art.tensors[name], recipe.roles[roles[name]]) for name in names
+    }
+    packset = PackSet(ctx.store, {k: v for o in outputs.values() for k, v in o.items()})
     tasks = [
-        (name, (name, art.tensors[name], recipe.roles[roles[name]]))
+        (
+            name,
+            (name, art.tensors[name], recipe.roles[roles[name]], packset.slots_for(outputs[name])),
+        )
         for name in names
-        if not recipe.roles[roles[name]].passthrough
     ]
     calibrated = calibration is not None  # check_calibration: then some role is calibrated
-    results = (
-        ctx.map(work, tasks, local_only=True) if calibrated else ctx.map(quantize_entry, tasks)
-    )
-    with contextlib.closing(results):
-        for name in names:
-            role_name = roles[name]
-            role = recipe.roles[role_name]
-            entries = {name: art.tensors[name]} if role.passthrough else next(results)
-            src = art.tensors[name]
-            n = 1
-            for d in src["shape"]:
-                n *= d
-            out.tensors.update(entries)
-            if not role.passthrough:
-                quant_cfg[module_path(name)] = role.quant()
-            row = table.setdefault(
-                role_name, {**role.model_dump(exclude_defaults=True), "tensors": 0, "params": 0}
-            )
-            row["tensors"] += 1
-            row["params"] += n
-            src_params += n
-            src_bits += 8 * ITEMSIZE[src["dtype"]] * n
-            out_bits += stored_bits(entries)
-            ctx.progress.advance(1, nbytes(src["dtype"], src["shape"]))
+    results = ctx.map(work, tasks, local_only=True) if calibrated else ctx.map(pack_entry, tasks)
+    written: dict[str, dict] = {}
+    rel_l1: dict[str, float] = {}  # weight -> its dequantization error, for verify
+    try:
+        with contextlib.closing(results):
+            for name in names:
+                role_name = roles[name]
+                role = recipe.roles[role_name]
+                entries = next(results)
+                if set(entries) != set(outputs[name]):
+                    raise StepError(
+                        f"tensor {name!r}: made {sorted(entries)}, planned {sorted(outputs[name])}"
+                    )
+                for k, e in entries.items():
+                    if REL_L1 in e:
+                        rel_l1[k] = round(e.pop(REL_L1), 7)
+                written.update(entries)
+                for i in packset.written(entries):
+                    packset.finish(i)
+                src = art.tensors[name]
+                n = 1
+                for d in src["shape"]:
+                    n *= d
+                if not role.passthrough:
+                    quant_cfg[module_path(name)] = role.quant()
+                row = table.setdefault(
+                    role_name, {**role.model_dump(exclude_defaults=True), "tensors": 0, "params": 0}
+                )
+                row["tensors"] += 1
+                row["params"] += n
+                src_params += n
+                src_bits += 8 * ITEMSIZE[src["dtype"]] * n
+                out_bits += stored_bits(entries)
+                ctx.progress.advance(1, nbytes(src["dtype"], src["shape"]))
+    finally:
+        packset.discard()  # temp files of packs never completed (a failure)
+    out.tensors = {k: packset.entry(k, e) for k, e in sorted(written.items())}
     out.meta = {
         "quantization": quant_cfg,
         "roles": roles,
         "role_table": table,
         "bits_per_weight": round(out_bits / max(src_params, 1), 4),
+        "rel_l1": dict(sorted(rel_l1.items())),
         "source_bits_per_weight": round(src_bits / max(src_params, 1), 4),
     }
     if "budget" in plan:
@@ -246,7 +304,9 @@ def quantize_artifact(
 @register
 class Quantize(Step):
     kind = "quantize"
-    version = 1  # data-aware bytes are versioned by dataaware.METHOD, in key_params' data_aware
+    # 2: tensors written into packs, the shards publish links (buildkit/packs.py); data-aware
+    # bytes are versioned by dataaware.METHOD, in key_params' data_aware
+    version = 2
     Params = QuantizeParams
     # calibration: a calibrate output; sensitivity: a sensitivity output (for recipe.target_bpw)
     inputs = {
@@ -286,5 +346,5 @@ class Requantize(Quantize):
     """The same role allocation applied to a grafted head (inherited rules need not all match)."""
 
     kind = "requantize"
-    version = 1
+    version = 2  # 2: the head's tensors in a pack of their own (packs.py)
     Params = RequantizeParams

@@ -45,21 +45,24 @@ def read_raw(store, hf: str, digest: str, info) -> np.ndarray:
 BLOCK_BYTES = 1 << 20  # rows of source compared at a time: temporaries stay small and reused
 
 
-def inspect_tensor(store, item, model: dict, roles_q: dict) -> dict:
-    """``Inspect`` as a task (``Context.map``): ``model`` and ``roles_q`` need hold only the
-    entries of the MLX tensors made from ``item``'s source tensor."""
-    return Inspect(store, model, roles_q)(item)
+def inspect_tensor(store, item, model: dict, roles_q: dict, recorded: dict) -> dict:
+    """``Inspect`` as a task (``Context.map``): ``model``, ``roles_q`` and ``recorded`` need
+    hold only the entries of the MLX tensors made from ``item``'s source tensor."""
+    return Inspect(store, model, roles_q, recorded)(item)
 
 
-def task_slice(item, model: dict, roles_q: dict) -> tuple[dict, dict]:
-    """The entries and quantization records ``Inspect`` reads for one source tensor."""
+def task_slice(item, model: dict, roles_q: dict, recorded: dict) -> tuple[dict, dict, dict]:
+    """The entries, quantization records and recorded errors ``Inspect`` reads for one source
+    tensor."""
     bases = {n.removesuffix(".weight") for n, _, _ in item[3]}
     names = {f"{b}.{k}" for b in bases for k in ("weight", "scales", "biases")} | {
         n for n, _, _ in item[3]
     }
-    return {n: model[n] for n in sorted(names) if n in model}, {
-        b: roles_q[b] for b in sorted(bases) if b in roles_q
-    }
+    return (
+        {n: model[n] for n in sorted(names) if n in model},
+        {b: roles_q[b] for b in sorted(bases) if b in roles_q},
+        {n: recorded[n] for n in sorted(names) if n in recorded},
+    )
 
 
 class Inspect:
@@ -70,8 +73,9 @@ class Inspect:
     (``tensors.dequantize``), independent of mlx's kernels.
     """
 
-    def __init__(self, store, model: dict, roles_q: dict):
+    def __init__(self, store, model: dict, roles_q: dict, recorded: dict | None = None):
         self.store, self.model, self.roles_q = store, model, roles_q
+        self.recorded = recorded or {}  # weight -> rel-L1 quantize measured on what it wrote
 
     def quant(self, name: str) -> dict | None:
         base = name.removesuffix(".weight")
@@ -122,6 +126,7 @@ class Inspect:
             "nonfinite": [],
             "shape_bad": [],
             "err": {},
+            "sampled": {},  # first rows only, beside quantize's figure for all of them
             "split": None,
             "bytes": info.nbytes,
         }
@@ -193,6 +198,12 @@ class Inspect:
                         for k in ("scales", "biases")
                     ),
                 )
+        # Where quantize measured a tensor's error on every row as it wrote it (the figure
+        # checked below), this independent measure reads only the first block of rows: enough
+        # to catch a wrong mapping from the source (a swapped, transposed or misnamed tensor
+        # errs in every row); the digests check the stored bytes.
+        quantized = [n for n, _, _, q in dense if q is not None]
+        sample = bool(quantized) and all(n in self.recorded for n in quantized)
         num = {n: 0.0 for n, *_ in dense}
         den = dict(num)
         swapped = swapped_den = 0.0  # gate|up against up|gate, in the first block of rows
@@ -210,7 +221,7 @@ class Inspect:
                 np.abs(np.subtract(x, y, out=buf), out=buf)
             return buf.sum()
 
-        for a in range(0, rows, step):
+        for a in range(0, min(rows, step) if sample else rows, step):
             b = min(rows, a + step)
             block = raw[a:b] if raw is not None else read_slice(info, path, 0, a, b)
             src = to_float32(block, info.dtype)
@@ -256,11 +267,16 @@ class Inspect:
                 swapped = float(abs_sum(refs[0], outs[1]) + abs_sum(refs[1], outs[0]))
                 swapped_den = sum(den.values())
         for it, _, _ in stored.values():
-            if next(it, None) is not None:  # runs the reader to its end, where it checks the digest
+            if sample:
+                it.close()
+            elif next(it, None) is not None:  # runs the reader to its end: the digest check
                 raise VerifyError(f"{hf}: a stored tensor has more rows than its source")
         for n, _, _, q in dense:
             if q is not None:
-                r["err"][n] = (str(q["bits"]), num[n] / max(den[n], 1e-30))
+                mine = num[n] / max(den[n], 1e-30)
+                r["err"][n] = (str(q["bits"]), self.recorded[n] if sample else mine)
+                if sample:
+                    r["sampled"][n] = (str(q["bits"]), mine)
         if len(dense) == 2:
             tot = max(sum(den.values()), 1e-30)
             r["split"] = (sum(num.values()) / tot, swapped / max(swapped_den, 1e-30))
@@ -370,7 +386,7 @@ class Checks:
 @register
 class Verify(Step):
     kind = "verify"
-    version = 3
+    version = 4  # 4: quantize's own rel-L1, and the first rows measured independently
     Params = VerifyParams
     inputs = {
         "model": Slot(many=True),  # the artifacts that make up the output model
@@ -387,9 +403,11 @@ class Verify(Step):
         store = ctx.store
         model: dict[str, dict] = {}
         roles_q: dict[str, dict] = {}
+        recorded: dict[str, float] = {}
         for art in inputs["model"]:
             model.update(art.tensors)
             roles_q.update(art.meta.get("quantization", {}))
+            recorded.update(art.meta.get("rel_l1", {}))
         # Every MLX tensor the sources imply: name -> (hf name, file digest, info, slice, shape)
         expected: dict[str, tuple] = {}
         trunk_src = inputs["source"][0]
@@ -445,8 +463,14 @@ class Verify(Step):
         split = {"checked": 0, "ok": 0}
         ctx.progress.start(len(items))
         # One task per source tensor, each handed only its own entries (under --dask they travel).
-        tasks = [(it[0], (it, *task_slice(it, model, roles_q))) for it in items]
+        tasks = [(it[0], (it, *task_slice(it, model, roles_q, recorded))) for it in items]
+        sampled: dict[str, list[float]] = {}
+        over_first: list[str] = []
         for r in ctx.map(inspect_tensor, tasks):
+            for name, (bits, err) in r["sampled"].items():
+                sampled.setdefault(bits, []).append(err)
+                if not err <= params.max_rel_l1.get(bits, 1.0):
+                    over_first.append(f"{name}: {err:.4f} in its first rows")
             norms += r["norm"]
             passes += r["pass"]
             nonfinite += r["nonfinite"]
@@ -497,6 +521,16 @@ class Verify(Step):
             },
             over[:20] or None,
         )
+        if sampled:  # the independent measure where quantize measured every row
+            checks.add(
+                "dequant_rel_l1_first_rows",
+                not over_first,
+                {
+                    f"{b}-bit": {"tensors": len(v), "max": round(max(v), 5)}
+                    for b, v in sorted(sampled.items())
+                },
+                over_first[:20] or None,
+            )
         checks.add(
             "experts_split_order", not split_bad and split["checked"] > 0, split, split_bad or None
         )
