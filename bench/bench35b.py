@@ -8,7 +8,8 @@ order, each as a child process under ``/usr/bin/time -v`` (wall, CPU, peak RSS):
 1. ``python -m mlx_lm convert --hf-path SRC --mlx-path OUT -q --q-bits 6 --q-group-size 64``,
    under ``prlimit --as`` (address-space limit, ``--mem-limit``) so it cannot take a shared
    machine down; its output is measured and deleted before buildkit runs (disk);
-2. ``buildkit build xl`` into an empty store (verification included: verify and the load check);
+2. ``buildkit build xl`` into an empty store (verification included: verify and the load check;
+   not eval, which convert has no counterpart of: the variants' publish takes no eval input);
 3. ``buildkit build xl-mtp`` after it (the head only);
 4. ``buildkit estimate`` of both, against the bytes the builds published.
 
@@ -181,17 +182,42 @@ def run(args) -> dict:
         R["convert"]["published"] = tensor_bytes(conv_out) if conv_out.exists() else 0
         R["convert"]["disk"] = du(conv_out)
         shutil.rmtree(conv_out, ignore_errors=True)
+    # Grading is not part of this comparison (convert grades nothing, and eval at this scale is
+    # CPU-hours of forward passes over random weights): the same variants, publish without
+    # eval inputs, built up to publish. Verify and the load check stay.
+    manifests = work / "manifests"
+    shutil.copytree(ROOT / "manifests", manifests)
+    for v in ("xl", "xl-mtp"):
+        (manifests / f"{v}-noeval.toml").write_text(
+            f'extends = "{v}"\n[steps.publish.inputs]\neval = []\n'
+        )
     for v in ("xl", "xl-mtp"):
         r = measure(
             v,
-            [*bk, "--store", store, "build", v, "--source", src, "--out", out / v, "-j", "2"],
+            [
+                *bk,
+                "--store",
+                store,
+                "--manifests",
+                manifests,
+                "build",
+                f"{v}-noeval",
+                "--target",
+                "publish",
+                "--source",
+                src,
+                "--out",
+                out / v,
+                "-j",
+                "2",
+            ],
             logs,
         )
         r["published"] = tensor_bytes(out / v)
         r["out_disk"] = du(out / v)
         r["store_disk"] = du(store)
         est = subprocess.run(
-            [*bk, "estimate", v, "--source", str(src), "--json"],
+            [*bk, "--manifests", str(manifests), "estimate", v, "--source", str(src), "--json"],
             cwd=ROOT,
             capture_output=True,
             text=True,
