@@ -403,7 +403,8 @@ def test_quantizing_in_blocks_of_rows_gives_the_whole_tensors_bytes(tmp_path, bl
             whole = mx.quantize(to_mlx(np.ascontiguousarray(raw), "BF16"), group_size=64, bits=bits)
             # its error, measured block by block, is the whole tensor's
             x = to_mlx(np.ascontiguousarray(raw), "BF16").astype(mx.float32)
-            deq = mx.dequantize(*whole, group_size=64, bits=bits).astype(mx.float32)
+            w32 = [whole[0], whole[1].astype(mx.float32), whole[2].astype(mx.float32)]
+            deq = mx.dequantize(*w32, group_size=64, bits=bits)  # in float32, as verify does
             want_err = (mx.abs(deq - x).sum() / mx.abs(x).sum()).item()
             err = got[f"{name}.weight"].pop("rel_l1")
             assert abs(err - want_err) <= 1e-5 * want_err, (name, bits, err, want_err)
