@@ -48,6 +48,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO / "buildkit" / "data" / "trained" / "heldout.txt"
 SEQ_LEN, HELDOUT_EVERY, BITS, GROUP = 128, 5, 4, 64
@@ -100,7 +102,7 @@ def timed(argv: list[str], log: Path, timeout: float | None = None) -> dict:
             timeout=timeout,
         )
     except subprocess.TimeoutExpired:
-        return {"rc": "timeout"}
+        return {"rc": "timeout", "error": f"no result in {timeout:.0f} s"}
     log.write_text(p.stdout + p.stderr)
     err = p.stderr.split("\tCommand being timed")[0]
     h, m, s = (
@@ -160,6 +162,109 @@ def grade(model_dir: Path, source: Path, text: Path, log: Path) -> dict:
     if r["rc"]:
         raise SystemExit(f"eval of {model_dir} failed: {r['error']} (see {log})")
     return json.loads(r["stdout"])
+
+
+def per_position_kl(source: Path, dirs: dict[str, Path], text: Path) -> dict:
+    """KL(p_source || p_model) at every graded position, per model directory: eval's own
+    numerics (buildkit.evaluate), kept per position so methods can be compared paired."""
+    import mlx.core as mx
+
+    from buildkit import evaluate as ev
+    from buildkit.steps.eval import EvalParams, heldout_tokens
+
+    p = EvalParams()
+    src = ev.DirWeights(source)
+    tokens = heldout_tokens(
+        text.read_text(encoding="utf-8"), p.heldout_every, src.tokenizer_json(), p.max_tokens
+    )
+    seqs = ev.sequences(tokens, p.seq_len)
+    ts, head = ev.run_trunk(src, seqs), ev.Output(src)
+    ref = [ev._logprobs(head(ts.h[j][r])) for j, r, _ in ev.rows(seqs)]
+    out = {}
+    for label, d in dirs.items():
+        w = ev.DirWeights(d)
+        tm, mh = ev.run_trunk(w, seqs), ev.Output(w)
+        kl = []
+        for (j, r, ids), lp in zip(ev.rows(seqs), ref, strict=True):
+            k = mx.sum(mx.exp(lp) * (lp - ev._logprobs(mh(tm.h[j][r]))), axis=-1)
+            kl.append(np.maximum(np.array(k[: len(ids) - 1]), 0.0))
+        out[label] = np.concatenate(kl).astype(np.float64)
+    return out
+
+
+def expert_output_error(source: Path, dirs: dict[str, Path], text: Path) -> dict[str, float]:
+    """Mean over experts of ||y_q - y|| / ||y|| on the held-out tokens routed to each (y: the
+    bf16 expert's SwiGLU output), for directories whose routed experts are 4-bit g64: what each
+    quantizer minimises, before the rest of the model sees it."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from buildkit import calibration as cal
+    from buildkit.steps.eval import EvalParams
+
+    model = load_f32(source)[0]
+    _, held = cal.split_lines(text.read_text(encoding="utf-8"), HELDOUT_EVERY)
+    ids = cal.tokenize((source / "tokenizer.json").read_bytes(), held, EvalParams().max_tokens)
+    seen, ref = {}, {}
+
+    class Tap(nn.Module):  # records what the router sent where, then runs the experts
+        def __init__(self, inner, i):
+            super().__init__()
+            self.inner, self.i = inner, i
+
+        def __call__(self, x, indices):
+            seen[self.i] = (np.array(x.reshape(-1, x.shape[-1])), np.array(indices))
+            return self.inner(x, indices)
+
+    for i, layer in enumerate(model.language_model.model.layers):
+        sw = layer.mlp.switch_mlp
+        ref[i] = {p: np.array(getattr(sw, p).weight) for p in cal.PROJS}
+        layer.mlp.switch_mlp = Tap(sw, i)
+    mx.eval(model(mx.array([ids])))
+    out = {}
+    for label, d in dirs.items():
+        t = {k: v for f in sorted(d.glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
+        errs = []
+        for i, (x, idx) in seen.items():
+            idx = idx.reshape(len(x), -1)
+            sw = f"language_model.model.layers.{i}.mlp.switch_mlp."
+            k = [sw + p for p in cal.PROJS]
+            if any(
+                n + ".scales" not in t
+                or t[n + ".weight"].shape[-1] * 32 != BITS * GROUP * t[n + ".scales"].shape[-1]
+                for n in k
+            ):
+                break  # not 4-bit g64 experts (dynamic_quant's are 8-bit)
+            w = [
+                np.array(
+                    mx.dequantize(t[n + ".weight"], t[n + ".scales"], t[n + ".biases"]).astype(
+                        mx.float32
+                    )
+                )
+                for n in k
+            ]
+            if any(v.shape != ref[i][p].shape for v, p in zip(w, cal.PROJS, strict=True)):
+                break
+            for e in range(len(w[0])):
+                rows = x[(idx == e).any(-1)]
+                if len(rows):
+                    y = cal.expert_outputs(rows, *(ref[i][p][e] for p in cal.PROJS))
+                    yq = cal.expert_outputs(rows, *(v[e] for v in w))
+                    errs.append(np.linalg.norm(yq - y) / np.linalg.norm(y))
+        else:
+            out[label] = float(np.mean(errs))
+    return out
+
+
+def ratio_interval(kl: np.ndarray, base: np.ndarray, block: int = 16, n: int = 4000) -> tuple:
+    """KLD mean ratio to a baseline on the same positions, with a 90% block-bootstrap interval
+    (blocks of ``block`` consecutive positions: neighbouring positions are not independent)."""
+    rng = np.random.default_rng(0)
+    m = len(kl) // block * block
+    a, b = kl[:m].reshape(-1, block).sum(1), base[:m].reshape(-1, block).sum(1)
+    pick = rng.integers(0, len(a), (n, len(a)))
+    r = a[pick].sum(1) / b[pick].sum(1)
+    return kl.mean() / base.mean(), *np.percentile(r, [5, 95])
 
 
 # ---- the mlx_lm drivers (run as child processes: `peers.py _gptq ...`) ------------------------
@@ -278,7 +383,7 @@ def main() -> None:
     ap.add_argument("--only", help=f"comma-separated: {','.join(METHODS)}")
     ap.add_argument("--dwq-epochs", type=int, default=8)
     ap.add_argument("--dwq-lr", type=float, default=1e-5)
-    ap.add_argument("--cli-timeout", type=float, default=600)
+    ap.add_argument("--cli-timeout", type=float, default=600, help="for the mlx_lm.* commands")
     args = ap.parse_args()
     work, text = Path(args.work).resolve(), Path(args.text).resolve()
     only = args.only.split(",") if args.only else list(METHODS)
@@ -344,7 +449,8 @@ def main() -> None:
         if method in BUILDS:
             fresh(proj / f"store-{BUILDS[method]}")
         print(f"[{method}] running", file=sys.stderr, flush=True)
-        r = timed(argvs[0], logs / f"{method}.log", args.cli_timeout)
+        limit = args.cli_timeout if method.startswith("mlx_lm.") else None
+        r = timed(argvs[0], logs / f"{method}.log", limit)
         r.pop("stdout", None)
         r["load_avg"] = round(os.getloadavg()[0], 2)
         results[method] = {"run": r, "outputs": {}}
@@ -356,14 +462,33 @@ def main() -> None:
             results[method]["outputs"][label] = fig
             print(f"[{method}] {label}: {json.dumps(fig)}", file=sys.stderr)
         results_path.write_text(json.dumps(results, indent=2, sort_keys=True))
+    # paired: every graded output against xl-4bit, position by position
+    dirs = {
+        label: d
+        for method, (_, outputs) in plan.items()
+        if method in results and not results[method]["run"]["rc"]
+        for label, d in outputs
+        if d.exists()
+    }
+    if "xl-4bit" in dirs:
+        kl = per_position_kl(src, dirs, text)
+        experr = expert_output_error(src, dirs, text)
+        for method in results:
+            for label, fig in results[method]["outputs"].items():
+                if label in kl:
+                    r, lo, hi = ratio_interval(kl[label], kl["xl-4bit"])
+                    fig["kld_ratio_to_xl_4bit"] = [round(float(x), 3) for x in (r, lo, hi)]
+                if label in experr:
+                    fig["expert_output_error"] = round(experr[label], 4)
     results_path.write_text(json.dumps(results, indent=2, sort_keys=True))
     print(table(results))
 
 
 def table(results: dict) -> str:
     rows = [
-        "| method | ran? | bpw | bytes | KLD mean | KLD p99 | top-1 | wall | CPU | peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | ran? | bpw | bytes | KLD mean | ÷ xl-4bit (90% interval) | KLD p99 | top-1 "
+        "| expert error | wall | CPU | peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method in METHODS:
         if method not in results:
@@ -371,11 +496,14 @@ def table(results: dict) -> str:
         r = results[method]["run"]
         t = f"{r.get('wall_s', '-')} s | {r.get('cpu_s', '-')} s | {r.get('peak_rss_mb', '-')} MB"
         if r["rc"]:
-            rows.append(f"| {method} | refused: `{r['error']}` | | | | | | {t} |")
+            rows.append(f"| {method} | refused: `{r['error']}` | | | | | | | | {t} |")
         for label, f in results[method]["outputs"].items():
+            ratio = f.get("kld_ratio_to_xl_4bit")
+            ratio = f"{ratio[0]:.2f} ({ratio[1]:.2f}-{ratio[2]:.2f})" if ratio else ""
             rows.append(
                 f"| {label} | ran | {f['bpw']:.3f} | {f['bytes']:,} | {f['kld_mean']:.5f} | "
-                f"{f['kld_p99']:.4f} | {100 * f['top1_agreement']:.1f}% | {t} |"
+                f"{ratio} | {f['kld_p99']:.4f} | {100 * f['top1_agreement']:.1f}% | "
+                f"{f.get('expert_output_error', '')} | {t} |"
             )
     return "\n".join(rows)
 
