@@ -30,6 +30,7 @@ np = lazy("numpy", __name__)
 
 METHOD = "gptq-per-expert/1"  # bump when the output bytes change
 DAMP = 0.01  # of the mean diagonal, added to H: GPTQ's (and mlx_lm's) damping
+PROJS_IN = ("gate_proj", "up_proj")  # what makes down_proj's inputs
 
 
 def inputs_name(layer: str) -> str:
@@ -149,8 +150,7 @@ def quantize_entry(
             gw, uw = (to_float32(a, dtype) for a in gate_up)
             gx = xs @ gw.T
             xs = gx / (1.0 + np.exp(-gx)) * (xs @ uw.T)
-        xs = xs.astype(np.float64)
-        return xs.T @ xs
+        return (xs.T @ xs).astype(np.float64)  # float32 products: sgemm, ~10x dgemm's speed
 
     def blocks():
         e0 = 0
@@ -193,9 +193,6 @@ def quantize_entry(
         tally.expert_slices += int(reached.sum())
         tally.fallback.setdefault(layer, set()).update(np.flatnonzero(~reached).tolist())
     return out
-
-
-PROJS_IN = ("gate_proj", "up_proj")
 
 
 def key() -> dict:
