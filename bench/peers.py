@@ -14,6 +14,9 @@ Methods (each a child process under ``/usr/bin/time -v``: wall, CPU, peak RSS):
 - ``xl-4bit``: buildkit, xl with 4-bit routed experts, data-agnostic (mx.quantize) - the
   baseline; a full cold build (calibrate-free), verify, eval and publish included.
 - ``oq4e``: buildkit, the same with ``calibrated = true`` (oq4e's data-aware search), cold build.
+- ``buildkit-gptq``: buildkit, the same with ``method = "gptq"`` (buildkit/gptq.py: a Hessian per
+  expert) and calibrate's ``keep_inputs``; verify's 4-bit rel-L1 line raised to 0.2 (GPTQ moves
+  weights to lower the output error).
 - ``mlx_lm.<tool>`` as a user runs it: ``mlx_lm.<tool> --model SRC --mlx-path OUT``; each
   refuses here (the exact error is recorded): gptq, dynamic_quant and dwq download their
   calibration data (no network, and no option for a local file), awq has no qwen3_5_moe config.
@@ -34,7 +37,9 @@ Usage (from the repository root, with buildkit importable)::
     python bench/peers.py --text buildkit/data/calibration.txt   # another text
 
 It prints a Markdown table (bench/RESULTS.md, "Against mlx_lm's quantizers") and writes
-``peers.json`` in the work directory.
+``peers.json`` in the work directory; results of methods not rerun are kept from earlier runs in
+the same directory. After the runs, every graded output is compared with xl-4bit position by
+position (KLD ratio, 90% block-bootstrap interval) and by held-out expert output error.
 """
 
 from __future__ import annotations
