@@ -24,6 +24,8 @@ class Role(BaseModel):
     group_size: int = Field(default=64, ge=16)
     mode: Literal["affine"] = "affine"
     calibrated: bool = False  # data-aware scale search (needs calibration data)
+    # how a calibrated role is quantized: dataaware.py's search, or gptq.py's error feedback
+    method: Literal["search", "gptq"] = "search"
     # bits a bits-per-weight budget (recipe.target_bpw) may give this role's tensors, one each
     budget_bits: tuple[int, ...] | None = None
 
@@ -35,6 +37,8 @@ class Role(BaseModel):
             )
         if self.passthrough and (self.bits is not None or self.calibrated):
             raise ValueError("a passthrough role takes no bits and is not calibrated")
+        if self.method != "search" and not self.calibrated:
+            raise ValueError(f"method = {self.method!r} needs calibrated = true (calibration data)")
         for b in (self.bits, *(self.budget_bits or ())):
             if b is not None and b not in BITS:
                 raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8 (mlx affine), got {b}")
@@ -51,9 +55,12 @@ class Role(BaseModel):
         return self
 
     def key_dump(self) -> dict:
-        """The role as it enters a quantizing step's key (budget_bits only when set, so roles
-        without one keep the keys they had before budgets existed)."""
-        return self.model_dump(mode="json", exclude=None if self.budget_bits else {"budget_bits"})
+        """The role as it enters a quantizing step's key (budget_bits only when set, method only
+        when not the default, so roles keep the keys they had before either existed)."""
+        exclude = {"budget_bits"} if not self.budget_bits else set()
+        if self.method == "search":
+            exclude.add("method")
+        return self.model_dump(mode="json", exclude=exclude or None)
 
     def quant(self) -> dict | None:
         return (

@@ -33,6 +33,9 @@ class CalibrateParams(Params):
     seq_len: int = Field(default=128, ge=2)
     max_tokens: int = Field(default=4096, ge=1)
     max_heldout_tokens: int = Field(default=1024, ge=1)
+    # also keep the calibration stream's routed inputs in ``out`` (what GPTQ builds its
+    # per-expert Hessians from; ~16 MB a layer on the real model)
+    keep_inputs: bool = False
 
 
 @register
@@ -49,7 +52,10 @@ class Calibrate(Step):
         return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
 
     def key_params(self, params: CalibrateParams, inputs=None) -> dict:
-        return params.model_dump(mode="json", exclude={"text"})
+        # keep_inputs only when set: calibrations without it keep their keys
+        return params.model_dump(
+            mode="json", exclude={"text"} | (set() if params.keep_inputs else {"keep_inputs"})
+        )
 
     def fingerprint(self, params: CalibrateParams, ctx: Context) -> dict:
         path = cal.text_path(params.text, ctx.options.project_root)
@@ -101,6 +107,12 @@ class Calibrate(Step):
                 stats.tensors[cal.stat_name(f"{sw}.{proj}")] = ctx.store.put_tensor("F32", sq)
             if (s["tokens"] == 0).any():
                 unreached[layer] = np.flatnonzero(s["tokens"] == 0).tolist()
+            if params.keep_inputs:
+                x, experts = seen["calibration"].cat()
+                stats.tensors[f"{sw}.inputs"] = ctx.store.put_tensor("BF16", f32_to_bf16(x))
+                stats.tensors[f"{sw}.experts"] = ctx.store.put_tensor(
+                    "I32", experts.astype(np.int32)
+                )
             x, experts = seen["heldout"].cat()
             heldout.tensors[f"{sw}.inputs"] = ctx.store.put_tensor("BF16", f32_to_bf16(x))
             heldout.tensors[f"{sw}.experts"] = ctx.store.put_tensor("I32", experts.astype(np.int32))

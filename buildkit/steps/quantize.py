@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from pydantic import Field, model_validator
 
-from .. import budget, dataaware
+from .. import budget, dataaware, gptq
 from ..artifact import Artifact
 from ..errors import StepError
 from ..lazy import lazy
@@ -241,6 +241,9 @@ def quantize_artifact(
     tally = dataaware.check_calibration(recipe, roles, calibration)
 
     def work(store, name: str, entry: dict, role: Role, slots: dict) -> dict[str, dict]:
+        if role.calibrated and role.method == "gptq":  # error feedback (buildkit/gptq.py)
+            w = PackWriter(store, slots)
+            return gptq.quantize_entry(w, name, entry, role, calibration, art.tensors, tally)
         if role.calibrated:  # data-aware routed experts (buildkit/dataaware.py)
             w = PackWriter(store, slots)
             return dataaware.quantize_entry(w, name, entry, role, calibration, tally)
@@ -315,6 +318,8 @@ def quantize_artifact(
         ctx.log(f"budget: target {b['target_bpw']} bits per weight, planned {b['bits_per_weight']}")
     if tally:
         out.meta["calibration"] = tally.summary()
+        if any(r.method == "gptq" for r in recipe.roles.values()):
+            out.meta["calibration"]["method"] = gptq.METHOD
         ctx.log(
             f"data-aware: {tally.expert_slices} expert slices; "
             f"{out.meta['calibration']['fallback_experts']} experts "
@@ -354,6 +359,8 @@ class Quantize(Step):
         d = {"plan": plan, "require_all_rules": params.require_all_rules}
         if any(v["calibrated"] for v in plan["roles"].values()):
             d["data_aware"] = dataaware.key()  # the search's version and the numpy it runs on
+        if any(v.get("method") == "gptq" for v in plan["roles"].values()):
+            d["gptq"] = gptq.key()
         return d
 
     def run(self, ctx: Context, params: QuantizeParams, inputs) -> dict[str, Artifact]:

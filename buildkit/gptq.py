@@ -1,0 +1,202 @@
+"""GPTQ for routed experts: column-by-column rounding with error feedback, one Hessian per expert.
+
+For an expert's weight W [out, in] and the inputs X [n, in] calibration routed to that
+expert, GPTQ (Frantar et al., 2022) rounds W's columns one at a time and spreads each column's
+rounding error over the columns not yet rounded, weighted by the inverse of H = XᵀX, so that
+the output error ||X (W - Ŵ)ᵀ||² (not each weight's own error, as ``dataaware``'s diagonal
+objective does) is small. Each group of ``group_size`` columns gets mx.quantize's affine
+(scale, bias) of its columns as error feedback has left them, rounded to the dtype the scales
+are stored in before any code is chosen against them.
+
+mlx_lm's ``gptq`` sums one Hessian over all the experts of a layer; here each expert has its
+own, from the rows routed to it (gate/up: the MoE input; down: that expert's own
+``silu(gate x) * up x``), which measured lower KL divergence on the trained fixture
+(bench/RESULTS.md, "Against mlx_lm's quantizers"). The inputs are the calibration stream's
+routed rows, which the calibrate step keeps with ``params.keep_inputs = true``. Experts no
+calibration token reached keep mx.quantize's result and are counted, as in ``dataaware``.
+"""
+
+from __future__ import annotations
+
+from . import calibration as cal
+from .dataaware import Tally, pack
+from .errors import StepError
+from .lazy import lazy
+from .roles import Role
+from .store import ROW_BLOCK_BYTES
+from .tensors import f32_to_bf16, from_mlx, to_float32, to_mlx, unpack
+
+np = lazy("numpy", __name__)
+
+METHOD = "gptq-per-expert/1"  # bump when the output bytes change
+DAMP = 0.01  # of the mean diagonal, added to H: GPTQ's (and mlx_lm's) damping
+PROJS_IN = ("gate_proj", "up_proj")  # what makes down_proj's inputs
+
+
+def inputs_name(layer: str) -> str:
+    return f"{layer}{cal.SWITCH}.inputs"
+
+
+def experts_name(layer: str) -> str:
+    return f"{layer}{cal.SWITCH}.experts"
+
+
+def inverse_factor(h: np.ndarray) -> np.ndarray:
+    """Upper Cholesky factor U of H⁻¹ (H⁻¹ = UᵀU) for a batch of Hessians [e, C, C], after
+    GPTQ's treatment: a channel no row ever used is given a unit diagonal (its weights then
+    round on their own) and every diagonal is raised by DAMP of the mean."""
+    h = np.array(h, dtype=np.float64)
+    diag = np.einsum("ecc->ec", h)  # a view: writes go to h
+    diag[diag <= 0] = 1.0
+    diag += DAMP * diag.mean(-1, keepdims=True)
+    return np.linalg.cholesky(np.linalg.inv(h)).transpose(0, 2, 1).astype(np.float32)
+
+
+def _affine(w: np.ndarray, bits: int, group_size: int, dtype: str):
+    """mx.quantize's (scales, biases) for columns w [e, O, g], rounded to the stored dtype."""
+    import mlx.core as mx
+
+    _, s, b = mx.quantize(mx.array(w), group_size=group_size, bits=bits)
+    if dtype in ("BF16", "F16"):
+        t = mx.bfloat16 if dtype == "BF16" else mx.float16
+        s, b = s.astype(t).astype(mx.float32), b.astype(t).astype(mx.float32)
+    return np.array(s)[..., 0], np.array(b)[..., 0]
+
+
+def quantize(
+    w: np.ndarray, u: np.ndarray, bits: int, group_size: int, dtype: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GPTQ of a batch of weights w [e, O, C] with inverse factors u [e, C, C]
+    (``inverse_factor``): codes uint8 [e, O, C], scales and biases float32 [e, O, C / g]."""
+    w = np.array(w, dtype=np.float32)
+    e, rows, cols = w.shape
+    n = float(2**bits - 1)
+    codes = np.empty(w.shape, np.uint8)
+    scales = np.empty((e, rows, cols // group_size), np.float32)
+    biases = np.empty_like(scales)
+    for i in range(0, cols, group_size):
+        j = i + group_size
+        s, b = _affine(w[..., i:j], bits, group_size, dtype)
+        scales[..., i // group_size], biases[..., i // group_size] = s, b
+        inv = np.where(s != 0, 1.0 / np.where(s != 0, s, 1.0), 0.0)
+        err = np.empty((e, rows, group_size), np.float32)
+        for k in range(i, j):
+            q = np.clip(np.round((w[..., k] - b) * inv), 0, n)
+            codes[..., k] = q
+            d = (w[..., k] - (s * q + b)) / u[:, k, k][:, None]
+            # this column's error, spread over the rest of the group now, past it once per group
+            w[..., k:j] -= d[..., None] * u[:, None, k, k:j]
+            err[..., k - i] = d
+        w[..., j:] -= err @ u[:, i:j, j:]
+    return codes, scales, biases
+
+
+def _routed(calibration, layer: str) -> tuple[np.ndarray, np.ndarray]:
+    x, ex = (
+        calibration.tensors.get(inputs_name(layer)),
+        calibration.tensors.get(experts_name(layer)),
+    )
+    if x is None or ex is None:
+        raise StepError(
+            f"GPTQ needs the calibration stream's routed inputs of {layer}, which the calibrate "
+            "step keeps only with params.keep_inputs = true: set it on the calibrate step"
+        )
+    return x, ex
+
+
+def quantize_entry(
+    store,
+    name: str,
+    entry: dict,
+    role: Role,
+    calibration,
+    model: dict[str, dict],
+    tally: Tally,
+    block_bytes: int = ROW_BLOCK_BYTES,
+) -> dict[str, dict]:
+    """One routed-expert weight [E, out, in] -> weight/scales/biases by per-expert GPTQ, a few
+    experts at a time; ``model`` holds the layer's bf16 gate/up (down's inputs are made from
+    them)."""
+    import mlx.core as mx
+
+    module, shape, g = name.removesuffix(".weight"), entry["shape"], role.group_size
+    layer, sep, proj = module.partition(cal.SWITCH + ".")
+    if not sep or len(shape) != 3 or proj not in cal.PROJS:
+        raise StepError(
+            f"GPTQ role matches {name!r} {shape}, which is not a routed-expert weight; "
+            "give this tensor a role without method = 'gptq'"
+        )
+    if shape[-1] % g:
+        raise StepError(
+            f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {g}"
+        )
+    xe, ee = _routed(calibration, layer)
+    x = to_float32(store.read_tensor(xe), xe["dtype"])
+    chosen = store.read_tensor(ee)
+    dtype, E = entry["dtype"], shape[0]
+    rows_of = [np.flatnonzero((chosen == e).any(-1)) for e in range(E)]
+    reached = np.array([len(r) > 0 for r in rows_of])
+    # down_proj's inputs are each expert's activations: gate and up, read in the same blocks
+    sw = f"{layer}{cal.SWITCH}"
+    gu = (
+        zip(*(store.iter_rows(model[f"{sw}.{p}.weight"], block_bytes) for p in PROJS_IN))
+        if proj == "down_proj"
+        else None
+    )
+
+    def hessian(e: int, gate_up) -> np.ndarray:
+        xs = x[rows_of[e]]
+        if gate_up is not None:  # down's input: silu(gate x) * up x, as mlx_lm's SwitchGLU
+            gw, uw = (to_float32(a, dtype) for a in gate_up)
+            gx = xs @ gw.T
+            xs = gx / (1.0 + np.exp(-gx)) * (xs @ uw.T)
+        return (xs.T @ xs).astype(np.float64)  # float32 products: sgemm, ~10x dgemm's speed
+
+    def blocks():
+        e0 = 0
+        for raw in store.iter_rows(entry, block_bytes):
+            gate_up = next(gu) if gu is not None else None
+            if gate_up is not None and len(gate_up[0]) != len(raw):
+                raise StepError(
+                    f"{name}: gate/up blocks of {len(gate_up[0])} experts, not {len(raw)}"
+                )
+            wq, scales, biases = mx.quantize(to_mlx(raw, dtype), group_size=g, bits=role.bits)
+            (packed, _), (s_np, s_dtype), (b_np, _) = (from_mlx(a) for a in (wq, scales, biases))
+            hit = [j for j in range(len(raw)) if reached[e0 + j]]
+            if hit:
+                h = np.stack(
+                    [
+                        hessian(e0 + j, None if gate_up is None else (gate_up[0][j], gate_up[1][j]))
+                        for j in hit
+                    ]
+                )
+                w = to_float32(raw[hit], dtype)
+                q, s, b = quantize(w, inverse_factor(h), role.bits, g, s_dtype)
+                codes = unpack(packed, role.bits).copy()
+                s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
+                codes[hit], s32[hit], b32[hit] = q, s, b
+                packed = pack(codes, role.bits)
+                s_np, b_np = (
+                    f32_to_bf16(v) if s_dtype == "BF16" else v.astype(s_np.dtype)
+                    for v in (s32, b32)
+                )
+            e0 += len(raw)
+            yield {
+                f"{module}.weight": (packed, "U32"),
+                f"{module}.scales": (s_np, s_dtype),
+                f"{module}.biases": (b_np, s_dtype),
+            }
+
+    out = store.put_row_blocks(E, blocks(), f"{module}.weight")
+    with tally.lock:
+        tally.tensors += 1
+        tally.expert_slices += int(reached.sum())
+        tally.fallback.setdefault(layer, set()).update(np.flatnonzero(~reached).tolist())
+    return out
+
+
+def key() -> dict:
+    """What, besides the recipe, fixes GPTQ's bytes: its version and the numpy it runs on."""
+    from importlib.metadata import version
+
+    return {"method": METHOD, "numpy": version("numpy")}
