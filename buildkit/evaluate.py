@@ -192,15 +192,54 @@ def _mask(layer, h):
 class Trunk:
     """One model's pass over the text: per batch of sequences, the embeddings x0 and the last
     decoder layer's output h (before the final norm), float32 [B, L, H]; and per sequence its
-    argmax per position."""
+    argmax per position. ``inputs`` (if asked for) holds, per decoder layer, the batches that
+    entered it."""
 
     x0: list = field(default_factory=list)
     h: list = field(default_factory=list)
     argmax: list = field(default_factory=list)
+    inputs: list = field(default_factory=list)
 
 
-def run_trunk(w: Weights, seqs: list[np.ndarray], progress=None) -> Trunk:
-    """Every layer over every batch of ``seqs`` ([B, L] token ids), one layer in memory."""
+def embed(w: Weights, seqs: list[np.ndarray]) -> list:
+    """The embeddings [B, L, H] of each batch of token ids, float32."""
+    import mlx.core as mx
+
+    model = build_model(w.config)
+    _quantize(model, w, "")
+    module = model.language_model.model.embed_tokens
+    _load(module, w, "language_model.model.embed_tokens.")
+    x0 = [module(mx.array(s)) for s in seqs]
+    mx.eval(x0)
+    return x0
+
+
+def decoder_layer(w: Weights, i: int, args):
+    """Decoder layer ``i`` alone (mlx_lm's class, ``args`` the text model's), quantized and
+    loaded from ``w``."""
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+
+    layer = DecoderLayer(args, i)
+    prefix = f"language_model.model.layers.{i}."
+    _quantize(layer, w, prefix)
+    _load(layer, w, prefix)
+    return layer
+
+
+def run_layer(layer, hs: list) -> list:
+    """One decoder layer over each batch of hidden states (no cache: whole sequences)."""
+    import mlx.core as mx
+
+    out = [layer(h, mask=_mask(layer, h), cache=None) for h in hs]
+    mx.eval(out)
+    return out
+
+
+def run_trunk(
+    w: Weights, seqs: list[np.ndarray], progress=None, keep_inputs: bool = False
+) -> Trunk:
+    """Every layer over every batch of ``seqs`` ([B, L] token ids), one layer in memory;
+    ``keep_inputs`` keeps what entered each layer (``Trunk.inputs``)."""
     import mlx.core as mx
 
     model = build_model(w.config)
@@ -211,17 +250,20 @@ def run_trunk(w: Weights, seqs: list[np.ndarray], progress=None) -> Trunk:
     mx.eval(x0)
     text.embed_tokens = None  # free it; only the decoder layers are used from here on
     h = list(x0)
+    inputs = []
     layers = text.layers
     for i in range(len(layers)):
         layer = layers[i]
         _load(layer, w, f"language_model.model.layers.{i}.")
+        if keep_inputs:
+            inputs.append(list(h))  # mlx arrays are immutable: keeping them costs no copy
         for j in range(len(h)):
             h[j] = layer(h[j], mask=_mask(layer, h[j]), cache=None)
             mx.eval(h[j])
         layers[i] = None  # free this layer's weights before loading the next
         if progress:
             progress.advance(1)
-    return Trunk(x0, h)
+    return Trunk(x0, h, inputs=inputs)
 
 
 class Output:
@@ -244,6 +286,37 @@ def _logprobs(logits):
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+def kl_div(lp_p, lp_q):
+    """KL(p || q) per position, from log-probabilities [..., V]."""
+    import mlx.core as mx
+
+    return mx.sum(mx.exp(lp_p) * (lp_p - lp_q), axis=-1)
+
+
+def np_logprobs(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities of logits [..., V] in numpy (float32; mlx's CPU exp is ~10x slower)."""
+    m = logits.max(axis=-1, keepdims=True)
+    return logits - (m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)))
+
+
+def reference_logprobs(out: Output, h: list, seqs: list[np.ndarray]) -> list[np.ndarray]:
+    """Log-probabilities of each sequence (``rows``' order) from final hidden states ``h``."""
+    return [np_logprobs(np.array(out(h[j][r]))) for j, r, _ in rows(seqs)]
+
+
+def mean_kl(out: Output, ref: list[np.ndarray], h: list, seqs: list[np.ndarray]) -> float:
+    """Mean KL(ref || model) over the positions that have a next token (as
+    ``compare_outputs`` counts them), of final hidden states ``h`` against ``ref``
+    (``reference_logprobs``)."""
+    total, n = 0.0, 0
+    for lp_ref, (j, r, s) in zip(ref, rows(seqs), strict=True):
+        m = len(s) - 1
+        lp = np_logprobs(np.array(out(h[j][r])[:m]))
+        k = (np.exp(lp_ref[:m]) * (lp_ref[:m] - lp)).sum(axis=-1)
+        total, n = total + float(np.maximum(k, 0.0).astype(np.float64).sum()), n + m
+    return total / max(n, 1)
+
+
 def rows(seqs: list[np.ndarray]):
     """(batch index, row, token ids [L]) of every sequence: logits are made one sequence at a
     time (the real vocabulary makes a batch's logits gigabytes)."""
@@ -263,7 +336,7 @@ def compare_outputs(
         s = s[None]
         lp = [_logprobs(o(t.h[j][r])) for o, t in zip(heads, (ts, tm), strict=False)]
         am = [mx.argmax(x, axis=-1) for x in lp]
-        k = mx.sum(mx.exp(lp[0]) * (lp[0] - lp[1]), axis=-1)
+        k = kl_div(lp[0], lp[1])
         nxt = mx.array(s[0, 1:])[:, None]
         nl = [-mx.take_along_axis(x[:-1], nxt, axis=-1)[:, 0] for x in lp]
         mx.eval(k, *am, *nl)
