@@ -38,7 +38,7 @@ MEASURE = (
     "mean KL divergence from bf16 of next-token distributions on the calibration text, "
     "that group alone quantized at each bits"
 )
-MAX_STATES = 1 << 16  # cells of the knapsack's table (per tensor; bytes: one per cell)
+MAX_STATES = 1 << 16  # cells of the knapsack's table (a row per group, a byte per cell)
 
 
 def routed_weights(tensors: dict[str, dict]) -> list[str]:
@@ -60,7 +60,8 @@ def groups_of(names: list[str], granularity: str) -> dict[str, list[str]]:
     gate, up and down) or per ``tensor`` (its module path)."""
     out: dict[str, list[str]] = {}
     for n in sorted(names):
-        key = n.partition(cal.SWITCH)[0] + cal.SWITCH if granularity == "layer" else n[:-7]
+        module = n.removesuffix(".weight")
+        key = module.partition(cal.SWITCH)[0] + cal.SWITCH if granularity == "layer" else module
         out.setdefault(key, []).append(n)
     return out
 
@@ -143,7 +144,8 @@ def measure(
                 role = Role(bits=b, group_size=group_size, calibrated=calibration is not None)
                 w = dict(own)
                 for n in groups[g]:
-                    w[n[:-7].rpartition(".")[2]] = _dequantized(store, model, n, role, calibration)
+                    proj = n.removesuffix(".weight").rpartition(".")[2]
+                    w[proj] = _dequantized(store, model, n, role, calibration)
                 module.mlp.switch_mlp = NpSwitchGLU(*(w[p] for p in cal.PROJS))
                 cands[g, b] = ev.run_layer(module, hs[i])
         for k in range(i + 1, n_layers):  # the later layers are bf16, read once for all

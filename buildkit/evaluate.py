@@ -192,13 +192,11 @@ def _mask(layer, h):
 class Trunk:
     """One model's pass over the text: per batch of sequences, the embeddings x0 and the last
     decoder layer's output h (before the final norm), float32 [B, L, H]; and per sequence its
-    argmax per position. ``inputs`` (if asked for) holds, per decoder layer, the batches that
-    entered it."""
+    argmax per position."""
 
     x0: list = field(default_factory=list)
     h: list = field(default_factory=list)
     argmax: list = field(default_factory=list)
-    inputs: list = field(default_factory=list)
 
 
 def embed(w: Weights, seqs: list[np.ndarray]) -> list:
@@ -235,11 +233,8 @@ def run_layer(layer, hs: list) -> list:
     return out
 
 
-def run_trunk(
-    w: Weights, seqs: list[np.ndarray], progress=None, keep_inputs: bool = False
-) -> Trunk:
-    """Every layer over every batch of ``seqs`` ([B, L] token ids), one layer in memory;
-    ``keep_inputs`` keeps what entered each layer (``Trunk.inputs``)."""
+def run_trunk(w: Weights, seqs: list[np.ndarray], progress=None) -> Trunk:
+    """Every layer over every batch of ``seqs`` ([B, L] token ids), one layer in memory."""
     import mlx.core as mx
 
     model = build_model(w.config)
@@ -250,20 +245,17 @@ def run_trunk(
     mx.eval(x0)
     text.embed_tokens = None  # free it; only the decoder layers are used from here on
     h = list(x0)
-    inputs = []
     layers = text.layers
     for i in range(len(layers)):
         layer = layers[i]
         _load(layer, w, f"language_model.model.layers.{i}.")
-        if keep_inputs:
-            inputs.append(list(h))  # mlx arrays are immutable: keeping them costs no copy
         for j in range(len(h)):
             h[j] = layer(h[j], mask=_mask(layer, h[j]), cache=None)
             mx.eval(h[j])
         layers[i] = None  # free this layer's weights before loading the next
         if progress:
             progress.advance(1)
-    return Trunk(x0, h, inputs=inputs)
+    return Trunk(x0, h)
 
 
 class Output:
@@ -284,13 +276,6 @@ def _logprobs(logits):
     import mlx.core as mx
 
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def kl_div(lp_p, lp_q):
-    """KL(p || q) per position, from log-probabilities [..., V]."""
-    import mlx.core as mx
-
-    return mx.sum(mx.exp(lp_p) * (lp_p - lp_q), axis=-1)
 
 
 def np_logprobs(logits: np.ndarray) -> np.ndarray:
@@ -336,7 +321,7 @@ def compare_outputs(
         s = s[None]
         lp = [_logprobs(o(t.h[j][r])) for o, t in zip(heads, (ts, tm), strict=False)]
         am = [mx.argmax(x, axis=-1) for x in lp]
-        k = kl_div(lp[0], lp[1])
+        k = mx.sum(mx.exp(lp[0]) * (lp[0] - lp[1]), axis=-1)
         nxt = mx.array(s[0, 1:])[:, None]
         nl = [-mx.take_along_axis(x[:-1], nxt, axis=-1)[:, 0] for x in lp]
         mx.eval(k, *am, *nl)

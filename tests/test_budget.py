@@ -171,6 +171,27 @@ def test_plan_spends_the_whole_budget_where_a_greedy_one_stops_short():
     assert summary["total_sensitivity"] == 200.0
 
 
+def test_a_fine_grained_budget_still_holds_when_the_table_is_coarsened():
+    """Tensors whose sizes share only a factor of 64 need ~10^6 cells in units of it; the table
+    is capped (budget.MAX_STATES) by rounding costs up, so the plan never exceeds the budget."""
+    role = Role(bits=4, budget_bits=(3, 4, 8))
+    tensors = {
+        "a.weight": {"dtype": "BF16", "shape": [1, 100_001, 64]},
+        "b.weight": {"dtype": "BF16", "shape": [1, 100_000, 64]},
+    }
+    roles = dict.fromkeys(tensors, "e")
+    sens = {
+        "a.weight": {"3": 10.0, "4": 3.0, "8": 0.0},
+        "b.weight": {"3": 10.0, "4": 2.0, "8": 0.0},
+    }
+    lo, hi = budget.reachable(tensors, roles, {"e": role}, per_tensor(sens))
+    for share in (0.2, 0.5, 0.9):
+        target = lo + share * (hi - lo)
+        bits, summary = budget.plan(tensors, roles, {"e": role}, target, per_tensor(sens))
+        assert summary["bits_per_weight"] <= target
+    assert bits == {"a.weight": 8, "b.weight": 4}  # 0.9 of the way: the more sensitive at 8
+
+
 def test_a_group_takes_one_bits_for_all_its_tensors():
     tensors, roles, recipe_roles, sens = _plan_inputs()
     measured = {
