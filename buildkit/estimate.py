@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import budget
 from . import checkpoint as ckpt
 from .convert import mlx_pieces
 from .errors import SourceError, UsageError
@@ -88,6 +89,26 @@ def _node_inputs(m, node, mlx_tensors: dict[str, dict]) -> dict[str, dict]:
     )
 
 
+def _budget(node, given: dict[str, dict], roles: dict[str, str]) -> dict | None:
+    """A node's bits-per-weight budget, if it has one: its target and the range it can reach.
+    The bits per layer are planned at build time, from measured sensitivities."""
+    recipe = node.params.recipe
+    if recipe.target_bpw is None:
+        return None
+    names = [n for n in budget.routed_weights(given) if recipe.roles[roles[n]].budget_bits]
+    if not names:
+        return None
+    measured = {"groups": budget.groups_of(names, "tensor"), "sensitivity": {}}
+    lo, hi = budget.reachable(given, roles, recipe.roles, measured)
+    return {
+        "step": node.name,
+        "target_bpw": recipe.target_bpw,
+        "lowest_bpw": round(lo, 4),
+        "highest_bpw": round(hi, 4),
+        "tensors": len(names),
+    }
+
+
 def estimate(m) -> dict:
     """The estimate of a loaded manifest (``manifest.load``) from its source's headers."""
     if not m.source:
@@ -106,6 +127,7 @@ def estimate(m) -> dict:
         raise SourceError(f"{m.name} grafts an MTP head but the source has no mtp.* tensors")
 
     roles_rows: list[dict] = []
+    budgets: list[dict] = []
     parts = {p: {"params": 0, "bytes": 0} for p in PARTS}
     tensors = 0
     for node in m.nodes.values():
@@ -113,6 +135,8 @@ def estimate(m) -> dict:
             continue
         given = _node_inputs(m, node, mlx_tensors)
         roles = assign_roles(sorted(given), node.params)
+        if b := _budget(node, given, roles):
+            budgets.append(b)
         rows: dict[str, dict] = {}
         for name, role_name in sorted(roles.items()):
             role = node.params.recipe.roles[role_name]
@@ -166,6 +190,7 @@ def estimate(m) -> dict:
         "tensors": tensors,
         "parts": parts,
         "roles": roles_rows,
+        "budgets": budgets,
     }
     if not parts["mtp"]["params"]:
         del parts["mtp"]
@@ -188,6 +213,19 @@ def render(e: dict) -> str:
             f"{r['step']:12} {r['role']:18} {bits:>4} {group:>5} {r['tensors']:>7} "
             f"{r['params']:>16,} {r['bytes']:>16,}"
         )
+    for b in e.get("budgets", []):
+        lines += [
+            "",
+            f"{b['step']}: a budget of {b['target_bpw']} bits per weight over its tensors "
+            f"(reachable {b['lowest_bpw']:.3f} to {b['highest_bpw']:.3f}) gives the "
+            f"{b['tensors']} routed-expert tensors their bits at build time, per layer by "
+            "measured sensitivity; the rows above count them at their role's bits"
+            + (
+                ""
+                if b["lowest_bpw"] <= b["target_bpw"]
+                else "; the target is below the lowest reachable and the build will refuse it"
+            ),
+        ]
     lines += ["", f"{'part':18} {'params':>16} {'bytes':>16} {'bits/weight':>11}"]
     for name, p in e["parts"].items():
         lines.append(

@@ -199,6 +199,40 @@ class Trunk:
     argmax: list = field(default_factory=list)
 
 
+def embed(w: Weights, seqs: list[np.ndarray]) -> list:
+    """The embeddings [B, L, H] of each batch of token ids, float32."""
+    import mlx.core as mx
+
+    model = build_model(w.config)
+    _quantize(model, w, "")
+    module = model.language_model.model.embed_tokens
+    _load(module, w, "language_model.model.embed_tokens.")
+    x0 = [module(mx.array(s)) for s in seqs]
+    mx.eval(x0)
+    return x0
+
+
+def decoder_layer(w: Weights, i: int, args):
+    """Decoder layer ``i`` alone (mlx_lm's class, ``args`` the text model's), quantized and
+    loaded from ``w``."""
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+
+    layer = DecoderLayer(args, i)
+    prefix = f"language_model.model.layers.{i}."
+    _quantize(layer, w, prefix)
+    _load(layer, w, prefix)
+    return layer
+
+
+def run_layer(layer, hs: list) -> list:
+    """One decoder layer over each batch of hidden states (no cache: whole sequences)."""
+    import mlx.core as mx
+
+    out = [layer(h, mask=_mask(layer, h), cache=None) for h in hs]
+    mx.eval(out)
+    return out
+
+
 def run_trunk(w: Weights, seqs: list[np.ndarray], progress=None) -> Trunk:
     """Every layer over every batch of ``seqs`` ([B, L] token ids), one layer in memory."""
     import mlx.core as mx
@@ -242,6 +276,30 @@ def _logprobs(logits):
     import mlx.core as mx
 
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def np_logprobs(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities of logits [..., V] in numpy (float32; mlx's CPU exp is ~10x slower)."""
+    m = logits.max(axis=-1, keepdims=True)
+    return logits - (m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)))
+
+
+def reference_logprobs(out: Output, h: list, seqs: list[np.ndarray]) -> list[np.ndarray]:
+    """Log-probabilities of each sequence (``rows``' order) from final hidden states ``h``."""
+    return [np_logprobs(np.array(out(h[j][r]))) for j, r, _ in rows(seqs)]
+
+
+def mean_kl(out: Output, ref: list[np.ndarray], h: list, seqs: list[np.ndarray]) -> float:
+    """Mean KL(ref || model) over the positions that have a next token (as
+    ``compare_outputs`` counts them), of final hidden states ``h`` against ``ref``
+    (``reference_logprobs``)."""
+    total, n = 0.0, 0
+    for lp_ref, (j, r, s) in zip(ref, rows(seqs), strict=True):
+        m = len(s) - 1
+        lp = np_logprobs(np.array(out(h[j][r])[:m]))
+        k = (np.exp(lp_ref[:m]) * (lp_ref[:m] - lp)).sum(axis=-1)
+        total, n = total + float(np.maximum(k, 0.0).astype(np.float64).sum()), n + m
+    return total / max(n, 1)
 
 
 def rows(seqs: list[np.ndarray]):

@@ -117,3 +117,19 @@ def test_estimate_refuses_what_quantize_refuses(project, capsys):
     project.write_manifest("typo", 'extends = "xl"\n[recipe.rules]\n"*.mlp.gaet" = "router"\n')
     assert project.cli("estimate", "typo") != 0
     assert "'*.mlp.gaet' match no tensor" in capsys.readouterr().err
+
+
+def test_estimate_says_a_budget_and_the_range_it_reaches(project, capsys):
+    """oq-budget's experts get their bits at build time; estimate gives the range, which ends
+    where every budgeted expert is at its lowest (3) and highest (8) bits."""
+    e = run_json(project, capsys, "oq-budget")
+    b = {x["step"]: x for x in e["budgets"]}["quantize"]
+    assert b["target_bpw"] == 4.5 and b["tensors"] == 12
+    for bits, end in ((3, "lowest_bpw"), (8, "highest_bpw")):
+        project.write_manifest(
+            f"x{bits}", f'extends = "xl"\n[recipe.roles]\nrouted_expert = {{ bits = {bits} }}\n'
+        )
+        assert run_json(project, capsys, f"x{bits}")["bits_per_weight"] == b[end]
+    capsys.readouterr()
+    assert project.cli("estimate", "oq-budget") == 0
+    assert "below the lowest reachable and the build will refuse it" in capsys.readouterr().out

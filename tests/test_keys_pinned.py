@@ -27,7 +27,7 @@ PINNED = {  # kind: (variant, node, key)
     "graft": ("xl-mtp", "graft", "xxh3_128:20d6bacd0ead79548a85fcde403ec078"),
     "requantize": ("xl-mtp", "requantize", "xxh3_128:324284653e208a5818b08275a3c3a532"),
     "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:d14d143606008d5c316114d6a9171fda"),
-    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:3f5a48db4b9b9ec0d8f5f1f31f4c4d63"),
+    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:0b73105ac02b2520267828d92d483f83"),
 }
 
 

@@ -264,7 +264,7 @@ def card_origin(params: PublishParams, source: dict) -> tuple[str | None, str]:
 
 def budget_lines(b: dict | None) -> list[str]:
     """The card's account of a bits-per-weight budget: target, result, and each budgeted
-    tensor's bits and measured sensitivity at every candidate bits."""
+    group's bits and measured sensitivity at every candidate bits."""
     if not b:
         return []
     cand = sorted({int(k) for s in b["sensitivity"].values() for k in s})
@@ -273,15 +273,15 @@ def budget_lines(b: dict | None) -> list[str]:
         "## Bits-per-weight budget",
         "",
         f"Target **{b['target_bpw']}** bits per weight (this part), "
-        f"planned **{b['bits_per_weight']}**. Sensitivity: {b['proxy']}; "
-        "bits chosen greedily by the largest drop in it per stored bit.",
+        f"planned **{b['bits_per_weight']}**. Sensitivity: {b['measure']}; "
+        "bits chosen to make the summed sensitivity least within the budget.",
         "",
-        "| tensor | bits | " + " | ".join(f"sensitivity at {c}" for c in cand) + " |",
+        "| routed experts | bits | " + " | ".join(f"sensitivity at {c}" for c in cand) + " |",
         "|---|---|" + "---|" * len(cand),
     ]
     for name, s in b["sensitivity"].items():
         lines.append(
-            f"| {name.removesuffix('.weight')} | {b['bits'][name]} | "
+            f"| {name} | {b['bits'][name]} | "
             + " | ".join(str(s.get(str(c), "")) for c in cand)
             + " |"
         )

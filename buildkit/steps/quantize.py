@@ -189,8 +189,9 @@ def resolved_plan(
     """What a quantizing step does to each tensor, as it enters the key: the roles used (with
     bits, group size, mode) and which tensors take each, in sorted order. Rule syntax and order
     reach the key only through what they resolve to. Under a budget (``recipe.target_bpw``),
-    each budgeted tensor takes a role ``<role>@<bits>`` of the bits the plan gave it, and the
-    plan's summary (target, planned bits per weight, the sensitivities) is under ``budget``."""
+    each budgeted tensor takes a role ``<role>@<bits>`` of the bits the plan gave its group,
+    and the plan's summary (target, planned bits per weight, each group's bits and
+    sensitivities) is under ``budget``."""
     recipe = params.recipe
     roles = assign_roles(sorted(tensors), params)
     table = dict(recipe.roles)
@@ -203,7 +204,7 @@ def resolved_plan(
                 'inputs.sensitivity = "<a sensitivity step>" to this quantizing step'
             )
         bits, summary = budget.plan(
-            tensors, roles, recipe.roles, recipe.target_bpw, sensitivity.meta["tensors"]
+            tensors, roles, recipe.roles, recipe.target_bpw, sensitivity.meta
         )
         for name, b in bits.items():
             derived = f"{roles[name]}@{b}"
@@ -311,10 +312,7 @@ def quantize_artifact(
         "source_bits_per_weight": round(src_bits / max(src_params, 1), 4),
     }
     if "budget" in plan:
-        b = plan["budget"]
-        out.meta["budget"] = b | {
-            "bits": {n: recipe.roles[roles[n]].bits for n in b["sensitivity"]}
-        }
+        b = out.meta["budget"] = plan["budget"]  # bits and sensitivity per budgeted group
         ctx.log(f"budget: target {b['target_bpw']} bits per weight, planned {b['bits_per_weight']}")
     if tally:
         out.meta["calibration"] = tally.summary()
