@@ -68,8 +68,9 @@ def groups_of(names: list[str], granularity: str) -> dict[str, list[str]]:
 
 def _dequantized(store, model: Artifact, name: str, role: Role, calibration) -> np.ndarray:
     """The tensor as quantize stores it under ``role`` (data-aware if the role is calibrated),
-    dequantized to float32 [E, out, in]. The quantized objects go to the store (content
-    addressed: the quantize step that follows finds the same bytes)."""
+    dequantized to float32 [E, out, in]. The quantized objects go to the store as objects of
+    their own (quantize writes its tensors into packs, so these are not reused; gc frees
+    them)."""
     import mlx.core as mx
 
     from . import dataaware
