@@ -235,6 +235,8 @@ class _Streamed:
         self.__dict__.update(module=module, name=name)
 
     def __getattr__(self, attr):
+        if "module" not in self.__dict__:
+            raise AttributeError(f"{self.__dict__['name']} has run and let its weights go")
         return getattr(self.__dict__["module"], attr)
 
     def __call__(self, *args, **kwargs):
@@ -262,6 +264,7 @@ class _Rows:
         self.__dict__.update(
             module=module, name=name, infos=infos, rows=rows, step=max(1, block // per_row)
         )
+        self.__dict__["unread"] = {k: module[k] for k in infos}  # lazy: they hold no data
 
     def __getattr__(self, attr):
         return getattr(self.__dict__["module"], attr)
@@ -286,14 +289,18 @@ class _Rows:
         import mlx.nn as nn
         import numpy as np
 
-        if isinstance(self.__dict__["module"], nn.Embedding | nn.QuantizedEmbedding):
-            ids = np.array(x)
-            rows, inverse = np.unique(ids, return_inverse=True)
+        module = self.__dict__["module"]
+        if not isinstance(module, nn.Embedding | nn.QuantizedEmbedding):
+            return self._blocks("__call__", x)
+        ids = np.array(x)
+        rows, inverse = np.unique(ids, return_inverse=True)
+        try:
             self._load(rows)
-            out = self.__dict__["module"](mx.array(inverse.reshape(ids.shape).astype(np.int32)))
+            out = module(mx.array(inverse.reshape(ids.shape).astype(np.int32)))
             mx.eval(out)
-            return out
-        return self._blocks("__call__", x)
+        finally:  # the rows go; the module's shapes and dtypes are the published ones again
+            module.update(self.__dict__["unread"])
+        return out
 
     def as_linear(self, x):
         return self._blocks("as_linear", x)
@@ -303,10 +310,13 @@ class _Rows:
         import numpy as np
 
         d, outs = self.__dict__, []
-        for start in range(0, d["rows"], d["step"]):
-            self._load(np.arange(start, min(start + d["step"], d["rows"])))
-            outs.append(getattr(d["module"], method)(x))
-            mx.eval(outs[-1])
+        try:
+            for start in range(0, d["rows"], d["step"]):
+                self._load(np.arange(start, min(start + d["step"], d["rows"])))
+                outs.append(getattr(d["module"], method)(x))
+                mx.eval(outs[-1])
+        finally:
+            d["module"].update(d["unread"])
         return mx.concatenate(outs, axis=-1)
 
 
@@ -319,11 +329,12 @@ def _published(path: Path) -> dict[str, tuple[Path, tensors.TensorInfo]]:
 def _stream(model, path: Path, block: int) -> None:
     """Make a forward pass of ``model`` hold one module's weights at a time, not the model's.
 
-    A decoder layer, and any module of more than ``block`` bytes of parameters (at the real
-    model's scale a routed-expert projection, ~0.2 GB), runs once, is evaluated and lets its
-    weights go. Such a module that is an embedding or linear layer published under its name and
-    shape (embed_tokens and lm_head, ~0.5 and 1 GB, 2 GB in float32; the larger projections) is
-    run from the file in blocks of ``block`` bytes instead, so it may run more than once."""
+    Each module of a list (decoder layers, vision blocks), and any module of more than
+    ``block`` bytes of parameters (at the real model's scale a routed-expert projection,
+    ~0.2 GB), runs once, is evaluated and lets its weights go. Such a module that is an
+    embedding or linear layer published under its name and shape (embed_tokens and lm_head,
+    ~0.5 and 1 GB, 2 GB in float32; the larger projections) is run from the file in blocks of
+    ``block`` bytes instead, and may run more than once."""
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -352,9 +363,15 @@ def _stream(model, path: Path, block: int) -> None:
                     parent[key] = wrapped
                 else:
                     child[i] = wrapped
-    for prefix, m in model.named_modules():
-        if isinstance(m.get("layers"), list):
-            m["layers"][:] = [_Streamed(layer, f"{prefix}.layers") for layer in m["layers"]]
+    for prefix, parent in model.named_modules():  # stacks: decoder layers, vision blocks
+        for key, child in parent.items():
+            if isinstance(child, list):
+                child[:] = [
+                    _Streamed(m, ".".join(p for p in (prefix, key, str(i)) if p))
+                    if isinstance(m, nn.Module)
+                    else m
+                    for i, m in enumerate(child)
+                ]
 
 
 def _has_modules(m) -> bool:
