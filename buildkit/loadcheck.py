@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from . import keys, lazy
+from . import keys, lazy, tensors
 from .checkpoint import DRAFTER_DIR, HEAD_PREFIX
 from .errors import StepError
 from .store import Store
@@ -42,6 +42,7 @@ MODULE = "mlx_lm.utils"  # what the check imports: ~1 s, mostly transformers
 VLM_MODULES = ("mlx_vlm.utils", "mlx_vlm.speculative.drafters")
 IMAGE_SIDE = 64  # pixels: a 4x4 grid of 16-pixel patches, 4 image tokens after the 2x2 merge
 BOUND = ("language_model.model.embed_tokens", "language_model.lm_head")  # what the drafter binds to
+BLOCK = 16 << 20  # bytes: a module larger runs alone, an embedding or linear one in such blocks
 
 
 def _versions() -> dict[str, str]:
@@ -228,35 +229,171 @@ def _check_mlx_lm(
 
 
 class _Streamed:
-    """A decoder layer that runs once, evaluates its output and lets its weights go."""
+    """A module that runs once: its output is evaluated and its weights let go."""
 
-    def __init__(self, layer):
-        self.__dict__["layer"] = layer
+    def __init__(self, module, name: str = ""):
+        self.__dict__.update(module=module, name=name)
 
-    def __getattr__(self, name):
-        return getattr(self.__dict__["layer"], name)
+    def __getattr__(self, attr):
+        if "module" not in self.__dict__:
+            raise AttributeError(f"{self.__dict__['name']} has run and let its weights go")
+        return getattr(self.__dict__["module"], attr)
 
     def __call__(self, *args, **kwargs):
         import mlx.core as mx
 
-        out = self.__dict__.pop("layer")(*args, **kwargs)
+        module = self.__dict__.pop("module", None)
+        if module is None:  # the check streams each module once: this model runs one twice
+            raise RuntimeError(
+                f"{self.__dict__['name']} ran twice in one pass; its weights are gone"
+            )
+        out = module(*args, **kwargs)
         mx.eval(out)
         return out
 
 
-def check_loads(path: Path) -> dict:
+class _Rows:
+    """An embedding or linear layer run from the published file in blocks of rows: an embedding
+    reads only the rows of its tokens, a linear layer (or ``as_linear``) one block at a time.
+    Each block goes through the module's own code, in the dtype its parameters have now (float32
+    on the CPU), so the output is the whole layer's, bit for bit; the whole is never held."""
+
+    def __init__(self, module, name: str, infos: dict, block: int):
+        rows = next(iter(infos.values()))[1].shape[0]
+        per_row = sum(info.nbytes for _, info in infos.values()) // rows
+        self.__dict__.update(
+            module=module, name=name, infos=infos, rows=rows, step=max(1, block // per_row)
+        )
+        self.__dict__["unread"] = {k: module[k] for k in infos}  # lazy: they hold no data
+
+    def __getattr__(self, attr):
+        return getattr(self.__dict__["module"], attr)
+
+    def _load(self, rows) -> None:
+        """Give the module the published rows ``rows`` (sorted row numbers) of each parameter."""
+        import mlx.core as mx
+        import numpy as np
+
+        d = self.__dict__
+        params = {}
+        for k, (file, info) in d["infos"].items():
+            runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)  # consecutive rows
+            parts = [tensors.read_slice(info, file, 0, int(r[0]), int(r[-1]) + 1) for r in runs]
+            arr = tensors.to_mlx(np.concatenate(parts), info.dtype)
+            params[k] = arr.astype(d["module"][k].dtype)
+        d["module"].update(params)
+        mx.eval(d["module"].parameters())
+
+    def __call__(self, x):
+        import mlx.core as mx
+        import mlx.nn as nn
+        import numpy as np
+
+        module = self.__dict__["module"]
+        if not isinstance(module, nn.Embedding | nn.QuantizedEmbedding):
+            return self._blocks("__call__", x)
+        ids = np.array(x)
+        rows, inverse = np.unique(ids, return_inverse=True)
+        try:
+            self._load(rows)
+            out = module(mx.array(inverse.reshape(ids.shape).astype(np.int32)))
+            mx.eval(out)
+        finally:  # the rows go; the module's shapes and dtypes are the published ones again
+            module.update(self.__dict__["unread"])
+        return out
+
+    def as_linear(self, x):
+        return self._blocks("as_linear", x)
+
+    def _blocks(self, method: str, x):
+        import mlx.core as mx
+        import numpy as np
+
+        d, outs = self.__dict__, []
+        try:
+            for start in range(0, d["rows"], d["step"]):
+                self._load(np.arange(start, min(start + d["step"], d["rows"])))
+                outs.append(getattr(d["module"], method)(x))
+                mx.eval(outs[-1])
+        finally:
+            d["module"].update(d["unread"])
+        return mx.concatenate(outs, axis=-1)
+
+
+def _published(path: Path) -> dict[str, tuple[Path, tensors.TensorInfo]]:
+    """Each published tensor's file and place in it, from the safetensors headers."""
+    files = sorted(path.glob("*.safetensors"))
+    return {n: (f, info) for f in files for n, info in tensors.read_header(f).tensors.items()}
+
+
+def _stream(model, path: Path, block: int) -> None:
+    """Make a forward pass of ``model`` hold one module's weights at a time, not the model's.
+
+    Each module of a list (decoder layers, vision blocks), and any module of more than
+    ``block`` bytes of parameters (at the real model's scale a routed-expert projection,
+    ~0.2 GB), runs once, is evaluated and lets its weights go. Such a module that is an
+    embedding or linear layer published under its name and shape (embed_tokens and lm_head,
+    ~0.5 and 1 GB, 2 GB in float32; the larger projections) is run from the file in blocks of
+    ``block`` bytes instead, and may run more than once."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    published = _published(path)
+    for prefix, parent in model.named_modules():
+        for key, child in list(parent.items()):
+            for i, m in enumerate(child) if isinstance(child, list) else [(None, child)]:
+                if not isinstance(m, nn.Module) or _has_modules(m):
+                    continue
+                name = ".".join(p for p in (prefix, key, None if i is None else str(i)) if p)
+                params = {k: v for k, v in m.items() if isinstance(v, mx.array)}
+                size = sum(v.nbytes for v in params.values())
+                if size <= block:
+                    continue
+                infos = {k: published.get(f"{name}.{k}") for k in params}
+                rows = isinstance(
+                    m, nn.Linear | nn.QuantizedLinear | nn.Embedding | nn.QuantizedEmbedding
+                ) and all(
+                    info is not None
+                    and info[1].shape == tuple(params[k].shape)
+                    and info[1].shape[0] == params["weight"].shape[0]
+                    for k, info in infos.items()
+                )
+                wrapped = _Rows(m, name, infos, block) if rows else _Streamed(m, name)
+                if i is None:
+                    parent[key] = wrapped
+                else:
+                    child[i] = wrapped
+    for prefix, parent in model.named_modules():  # stacks: decoder layers, vision blocks
+        for key, child in parent.items():
+            if isinstance(child, list):
+                child[:] = [
+                    _Streamed(m, ".".join(p for p in (prefix, key, str(i)) if p))
+                    if isinstance(m, nn.Module)
+                    else m
+                    for i, m in enumerate(child)
+                ]
+
+
+def _has_modules(m) -> bool:
+    from mlx.utils import tree_flatten
+
+    return len(tree_flatten(m.children())) > 0
+
+
+def check_loads(path: Path, block: int = BLOCK) -> dict:
     """Load with mlx_lm (the real client) and run a forward pass; logits must be finite.
 
     The model is loaded lazily (mlx_lm's strict load still checks every key and shape) and
-    the pass is evaluated layer by layer, each layer's weights read just before it runs and
-    freed just after: memory is one layer plus embeddings and head, not the model.
+    the pass is streamed (``_stream``): each module's weights are read just before it runs and
+    freed just after, the embedding and the head in blocks of rows, so memory is about the
+    largest module or ``block`` bytes, not the model, whatever the vocabulary.
 
     On the CPU the pass runs in float32: mlx emulates bfloat16 arithmetic there, about four
-    times slower (bench/RESULTS.md). The floating-point parameters (norms, scales, biases) are
-    widened as they are read; packed weights are untouched, and bfloat16 has float32's exponent
-    range, so a value that overflows one overflows the other. On a GPU the model runs as mlx_lm
-    runs it.
-    Returns the logits' shape and dtype and the names of the loaded model's parameters.
+    times slower (bench/RESULTS.md). The floating-point parameters (norms, scales, biases, bf16
+    weights) are widened as they are read; packed weights are untouched, and bfloat16 has
+    float32's exponent range, so a value that overflows one overflows the other. On a GPU the
+    model runs as mlx_lm runs it.
+    Returns the logits (their shape and dtype) and the names of the loaded model's parameters.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -267,9 +404,7 @@ def check_loads(path: Path) -> dict:
         names = {k for k, _ in tree_flatten(model.parameters())}
         if mx.default_device() == mx.cpu:
             model.set_dtype(mx.float32)  # floating-point parameters only (mlx's default predicate)
-        for m in model.modules():
-            if isinstance(m.get("layers"), list):
-                m["layers"][:] = [_Streamed(layer) for layer in m["layers"]]
+        _stream(model, path, block)
         logits = model(mx.array([[1]]))  # one token: mlx on CPU costs ~2 s a token on a 2 GB model
         mx.eval(logits)
     except Exception as e:  # any failure to load is a failed publish, with mlx_lm's words
@@ -277,6 +412,7 @@ def check_loads(path: Path) -> dict:
     if not bool(mx.isfinite(logits).all().item()):
         raise StepError("mlx_lm loads the published model but its logits are not finite")
     return {
+        "logits": logits,
         "logits_shape": list(logits.shape),
         "dtype": str(logits.dtype).removeprefix("mlx.core."),
         "parameters": names,
@@ -319,11 +455,12 @@ def _test_image():
     return Image.fromarray(rgb.astype(np.uint8))
 
 
-def check_vlm_loads(path: Path, image: bool = True) -> dict:
+def check_vlm_loads(path: Path, image: bool = True, block: int = BLOCK) -> dict:
     """Load with mlx_vlm and run an image prompt: the chat template must place the image, the
     processor make pixels of it, the tokenizer's image token match ``image_token_id``, and the
     vision tower and the language model give finite logits (``image=False``: a text prompt).
-    Streamed layer by layer, in float32 on the CPU, as ``check_loads``. Returns a summary."""
+    Streamed, vision tower included, in float32 on the CPU, as ``check_loads``. Returns a
+    summary and the logits."""
     import mlx.core as mx
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.utils import load, prepare_inputs
@@ -351,9 +488,7 @@ def check_vlm_loads(path: Path, image: bool = True) -> dict:
             )
         if mx.default_device() == mx.cpu:
             model.set_dtype(mx.float32)
-        for m in model.language_model.modules():
-            if isinstance(m.get("layers"), list):
-                m["layers"][:] = [_Streamed(layer) for layer in m["layers"]]
+        _stream(model, path, block)
         extra = {
             k: v
             for k, v in inputs.items()
@@ -376,16 +511,18 @@ def check_vlm_loads(path: Path, image: bool = True) -> dict:
     if not image:
         return {
             "summary": f"{list(logits.shape)} logits, finite "
-            "(no image: the source lacks processor files)"
+            "(no image: the source lacks processor files)",
+            "logits": logits,
         }
     grid = inputs["image_grid_thw"].tolist()[0]
     return {
         "summary": f"{IMAGE_SIDE}x{IMAGE_SIDE} image as a {grid} patch grid, "
-        f"{n_image} image tokens, {list(logits.shape)} logits, finite"
+        f"{n_image} image tokens, {list(logits.shape)} logits, finite",
+        "logits": logits,
     }
 
 
-def check_drafter_loads(path: Path) -> dict:
+def check_drafter_loads(path: Path, block: int = BLOCK) -> dict:
     """Load the MTP head from ``path/mtp`` with mlx_vlm's drafter loader, check that its norms are
     the published ones (mlx_vlm did not shift them again), bind it to the model and draft a
     token."""
@@ -412,6 +549,7 @@ def check_drafter_loads(path: Path) -> dict:
                 "it takes them for Hugging Face offsets and shifts them again"
             )
         target = load_model(path, lazy=True)
+        _stream(target, path, block)  # the drafter runs the target's embeddings and lm_head
         drafter.reset(target)
         hidden = mx.ones((1, 1, drafter.fc.weight.shape[0]), dtype=mx.float32)
         logits = drafter._lm_head_fn(drafter._forward_tokens(mx.array([[1]]), hidden, mx.int32))

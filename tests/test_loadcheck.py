@@ -151,3 +151,46 @@ def test_the_check_runs_the_published_model_and_fails_when_it_cannot(tmp_path, s
         match=f"(?s)mlx_lm cannot load the published model: .*Missing 1 parameters.*{first}",
     ):
         loadcheck.check_loads(missing)
+
+
+def test_the_streamed_pass_computes_what_the_clients_compute(seed: Project):
+    """The check holds one module's weights at a time and runs the embedding and lm_head from
+    the file in blocks of rows; with a 64 KiB block every module of the seed model above it is
+    streamed and lm_head runs in many blocks, yet the logits are those of mlx_lm and mlx_vlm
+    running the whole model in memory, bit for bit, and the drafter still drafts."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    path, block = seed.out / "xl", 64 << 10
+    model, _ = load_model(path)  # the whole model in memory, run as mlx_lm runs it
+    if mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32)
+    whole = model(mx.array([[1]]))
+    streamed = loadcheck.check_loads(path, block=block)["logits"]
+    assert streamed.shape == whole.shape and bool(mx.array_equal(streamed, whole).item())
+
+    pytest.importorskip("mlx_vlm")
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import load, prepare_inputs
+
+    model, processor = load(str(path))  # the image prompt check_vlm_loads runs, run whole
+    if mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32)
+    prompt = apply_chat_template(processor, model.config, "Describe the image.", num_images=1)
+    inputs = prepare_inputs(
+        processor,
+        images=[loadcheck._test_image()],
+        prompts=prompt,
+        image_token_index=model.config.image_token_id,
+    )
+    whole = model(
+        inputs["input_ids"],
+        inputs["pixel_values"],
+        mask=inputs["attention_mask"],
+        image_grid_thw=inputs["image_grid_thw"],
+    ).logits
+    streamed = loadcheck.check_vlm_loads(path, block=block)["logits"]
+    assert streamed.shape == whole.shape and bool(mx.array_equal(streamed, whole).item())
+
+    drafted = loadcheck.check_drafter_loads(seed.out / "xl-mtp", block=block)
+    assert "drafted a token" in drafted["summary"]

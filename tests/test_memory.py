@@ -10,10 +10,12 @@ No timing is asserted.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import Project
@@ -40,9 +42,9 @@ DIMS = dict(
 )
 
 
-# The streaming build without the two steps that hold a whole model part by design: the load
-# check (mlx_lm's embedding and head) and eval (both models' embeddings and heads in float32,
-# README, Limits). Publish takes no eval input, and the build targets publish.
+# The streaming build without publish's client checks (measured apart, below) and eval, which
+# holds a whole model part by design (both models' embeddings and heads in float32, README,
+# Limits). Publish takes no eval input, and the build targets publish.
 NO_LOAD_CHECK = (
     'extends = "xl"\n[steps.publish.params]\nload_check = false\n'
     "[steps.publish.inputs]\neval = []\n"
@@ -85,6 +87,35 @@ def peak_rss_of_build(project: Project, source, variant: str = "xl-stream") -> i
     return usage.ru_maxrss * 1024  # Linux: KiB
 
 
+CHECK = """
+import sys
+from pathlib import Path
+from buildkit import allocator, loadcheck
+allocator.tune()  # as a build process is
+part, path = sys.argv[1], Path(sys.argv[2])
+if part == "mlx_lm":
+    loadcheck.check_loads(path)
+else:
+    loadcheck.check_vlm_loads(path)
+"""
+CHECKS = ("mlx_lm", "mlx_vlm") if importlib.util.find_spec("mlx_vlm") else ("mlx_lm",)
+CHECK_TOKENS = {"mlx_lm": 1, "mlx_vlm": 32}  # the positions each check's logits cover
+
+
+def peak_rss_of_check(published: Path, part: str) -> int:
+    """Run one client check of a published model in a child process; its peak RSS in bytes."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHECK, part, str(published)],
+        cwd=published.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    out = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, out.decode()[-3000:]
+    return usage.ru_maxrss * 1024
+
+
 def model_facts(spec: FixtureSpec) -> tuple[int, int]:
     tensors = [t for t, _ in _plan(spec)]
     return sum(t.nbytes for t in tensors), max(t.nbytes for t in tensors)
@@ -99,8 +130,8 @@ def test_peak_rss_does_not_grow_with_the_model(tmp_path):
     assert largest == largest_l  # same tensor shapes, only more layers
     grown = large_bytes - small_bytes  # about 340 MB of bf16
 
-    # publish's load check is left out here: it runs mlx_lm.load, which holds the whole
-    # quantized model as any mlx_lm user does (measured separately below).
+    # publish's client checks are left out here (measured separately below, and against the
+    # vocabulary in the next test).
     peaks, srcs = {}, {}
     for name, spec in (("small", small), ("large", large)):
         srcs[name] = generate(tmp_path / f"src-{name}", spec)
@@ -123,8 +154,8 @@ def test_peak_rss_does_not_grow_with_the_model(tmp_path):
         f"3 x largest tensor ({largest / MB:.1f} MB) + 600 MB = {bound / MB:.0f} MB"
     )
 
-    # With the load check, the extra memory is mlx_lm holding the published model: at most
-    # about its size on disk, never the bf16 source.
+    # With the client checks and eval (which holds embeddings and heads), the extra memory is
+    # at most about the published model's size on disk, never the bf16 source.
     checked = Project(tmp_path / "checked")
     with_check = peak_rss_of_build(checked, srcs["large"], "xl")
     published = sum(f.stat().st_size for f in (checked.out / "xl").glob("*.safetensors"))
@@ -139,8 +170,9 @@ def test_peak_rss_does_not_grow_with_the_model(tmp_path):
 )
 def test_peak_rss_does_not_grow_with_the_largest_tensor(tmp_path):
     """The real embedding and lm_head are 1 GB each: quantize and verify stream a tensor in
-    blocks of rows, so peak RSS must not follow the largest tensor either. Same model but for
-    the vocabulary: embed_tokens and lm_head go from 32 MB to 160 MB each (both many blocks)."""
+    blocks of rows, and so do publish's client checks, so peak RSS must not follow the largest
+    tensor either. Same model but for the vocabulary: embed_tokens and lm_head go from 32 MB to
+    160 MB each (both many blocks)."""
     small, large = (
         FixtureSpec(layers=4, **{**DIMS, "vocab": 32768}),
         FixtureSpec(layers=4, **{**DIMS, "vocab": 163840}),
@@ -152,6 +184,12 @@ def test_peak_rss_does_not_grow_with_the_largest_tensor(tmp_path):
             Project(tmp_path / name), generate(tmp_path / f"src-{name}", spec)
         )
     growth = peaks["large"] - peaks["small"]
+    checks = {
+        name: {
+            part: peak_rss_of_check(tmp_path / name / "out" / "xl-stream", part) for part in CHECKS
+        }
+        for name in peaks
+    }
     # Quantizing a tensor whole holds its bf16 bytes and mlx's copy of them: 2 x the tensor
     # (measured: 2.0-2.05 x on real-size tensors), 4 x with both workers on one. In blocks,
     # what grows is verify's float32 scales and biases (1/16 of the tensor) and allocator
@@ -162,6 +200,19 @@ def test_peak_rss_does_not_grow_with_the_largest_tensor(tmp_path):
         f"to {largest_l / MB:.0f} MB ({peaks['small'] / MB:.0f} -> {peaks['large'] / MB:.0f} MB): "
         "something holds a whole tensor"
     )
+    # publish's client checks stream too: the embedding by its tokens' rows, lm_head (bf16 here,
+    # 2x in float32 on the CPU) in blocks. Holding lm_head whole grew the mlx_lm check 460 MB
+    # (its bf16 bytes, their float32 copy, the embedding); streamed, both checks grew 17 MB.
+    # What may grow is the logits (vocabulary x tokens in float32, twice while joined).
+    for part in CHECKS:
+        grew = checks["large"][part] - checks["small"][part]
+        logits = 2 * 4 * CHECK_TOKENS[part] * (large.vocab - small.vocab)
+        assert grew < (largest_l - largest_s) / 4 + logits, (
+            f"the {part} check's peak RSS grew {grew / MB:.0f} MB when lm_head grew from "
+            f"{largest_s / MB:.0f} to {largest_l / MB:.0f} MB "
+            f"({checks['small'][part] / MB:.0f} -> {checks['large'][part] / MB:.0f} MB): "
+            "it holds a vocabulary-sized tensor"
+        )
 
 
 MALLINFO = """
