@@ -38,7 +38,7 @@ def search_groups(w, d, grid, n, refine, storage, bq, bs, bb, q_out, s_out, b_ou
     R, G, g = w.shape
     m = ROWS
     f = np.float32
-    x, x0, xq = np.empty((g, m), f), np.empty((g, m), f), np.empty((g, m), f)
+    x, x0, xq = np.empty((g, m), f), np.empty((g, m), np.uint8), np.empty((g, m), np.uint8)
     cs, cb, sxx = np.empty(m, f), np.empty(m, f), np.empty(m, f)
     lo, hi, sc = np.empty(m, f), np.empty(m, f), np.empty(m, f)
     sx, e0, e = np.empty(m, f), np.empty(m, f), np.empty(m, f)
@@ -52,13 +52,17 @@ def search_groups(w, d, grid, n, refine, storage, bq, bs, bb, q_out, s_out, b_ou
             sw += dc[k]
         for r0 in range(0, R, m):
             rows = min(m, R - r0)
-            for j in range(m):  # the block, rows innermost (zeros past the last row)
-                i = min(r0 + j, R - 1)
-                keep = f(1.0) if j < rows else f(0.0)
+            for j in range(rows):  # the block, rows innermost
+                wr, qr = w[r0 + j, c], bq[r0 + j, c]
                 for k in range(g):
-                    x[k, j] = w[i, c, k] * keep
-                    x0[k, j] = f(bq[i, c, k]) * keep
-                cs[j], cb[j] = bs[i, c] * keep, bb[i, c] * keep
+                    x[k, j] = wr[k]
+                    x0[k, j] = qr[k]
+                cs[j], cb[j] = bs[r0 + j, c], bb[r0 + j, c]
+            for j in range(rows, m):  # zeros past the last row
+                for k in range(g):
+                    x[k, j] = 0.0
+                    x0[k, j] = 0
+                cs[j], cb[j] = 0.0, 0.0
             for j in range(m):
                 lo[j], hi[j], sx[j], sxx[j], e0[j] = x[0, j], x[0, j], 0.0, 0.0, 0.0
             for k in range(g):
@@ -68,7 +72,7 @@ def search_groups(w, d, grid, n, refine, storage, bq, bs, bb, q_out, s_out, b_ou
                     hi[j] = max(hi[j], xk[j])
                     sx[j] += dk * xk[j]
                     sxx[j] += dk * (xk[j] * xk[j])
-                    r = cs[j] * x0k[j] + cb[j] - xk[j]
+                    r = cs[j] * f(x0k[j]) + cb[j] - xk[j]
                     e0[j] += dk * (r * r)
             for j in range(m):
                 be[j] = np.inf
@@ -122,7 +126,7 @@ def search_groups(w, d, grid, n, refine, storage, bq, bs, bb, q_out, s_out, b_ou
                 dk, xk, xqk = dc[k], x[k], xq[k]
                 for j in range(m):
                     q = min(max(np.rint((xk[j] - bb_[j]) * inv[j]), f(0.0)), n)
-                    xqk[j] = q
+                    xqk[j] = np.uint8(q)
                     r = bs_[j] * q + bb_[j] - xk[j]
                     e[j] += dk * (r * r)
             for j in range(rows):
@@ -131,4 +135,4 @@ def search_groups(w, d, grid, n, refine, storage, bq, bs, bb, q_out, s_out, b_ou
                 won[i, c] = w_
                 s_out[i, c], b_out[i, c] = (bs_[j], bb_[j]) if w_ else (cs[j], cb[j])
                 for k in range(g):
-                    q_out[i, c, k] = np.uint8(xq[k, j] if w_ else x0[k, j])
+                    q_out[i, c, k] = xq[k, j] if w_ else x0[k, j]
