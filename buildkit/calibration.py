@@ -302,16 +302,20 @@ def expert_outputs(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.nda
     return ((g / (1.0 + np.exp(-g))) * u) @ down.T
 
 
+HELDOUT_ROWS = 64  # per expert: the real model's 1024 held-out tokens give each of its 256 ~32
+
+
 def expert_errors(
     x: np.ndarray, experts: np.ndarray, n_experts: int, weights, variants: list[str]
 ) -> dict[str, np.ndarray]:
-    """Relative output error ||y_v - y_ref|| / ||y_ref|| of every expert per variant (NaN where no
-    held-out token reaches it). ``weights(variant, e)`` gives expert e's float32 gate/up/down
-    [out, in] for a variant or for ``"ref"``, one expert at a time, so memory stays small."""
+    """Relative output error ||y_v - y_ref|| / ||y_ref|| of every expert per variant over (the
+    first ``HELDOUT_ROWS`` of) its held-out rows (NaN where none reaches it). ``weights(variant,
+    e)`` gives expert e's float32 gate/up/down [out, in] for a variant or for ``"ref"``, one
+    expert at a time, so memory stays small."""
     out = {v: np.full(n_experts, np.nan) for v in variants}
     x = x.astype(np.float32)
     for e in range(n_experts):
-        rows = x[(experts == e).any(axis=-1)]
+        rows = x[(experts == e).any(axis=-1)][:HELDOUT_ROWS]
         if not len(rows):
             continue
         ref = weights("ref", e)

@@ -370,7 +370,7 @@ class Checks:
 @register
 class Verify(Step):
     kind = "verify"
-    version = 3
+    version = 4  # 4: calibrated_expert_error over at most calibration.HELDOUT_ROWS rows an expert
     Params = VerifyParams
     inputs = {
         "model": Slot(many=True),  # the artifacts that make up the output model
