@@ -3,8 +3,9 @@
 Two measurements, each printed as a table (the machine is shared: read ratios within a run):
 
 1. ``--builds``: cold builds of ``xl`` and ``oq4e-mtp-xl`` from the same generated fixture,
-   each in an empty store, one after the other; step times from the ``[done]`` lines, and the
-   oq4e/xl wall-time ratio (target: at most 3).
+   each in an empty store, one after the other, with their eval steps and without them (what
+   the build costs, not its grading); step times from the ``[done]`` lines, and the oq4e/xl
+   ratios of wall and CPU time (target: at most 3), with each build's peak RSS.
 2. per-tensor microbenchmark (always): one routed-expert tensor [E, out, in] bf16, time per
    weight of ``mx.quantize`` against ``dataaware.search`` on the same tensor (target: search
    at most 2x), and the search's weighted error against data-agnostic.
@@ -40,10 +41,18 @@ BASE_SPEC = {
 }
 
 
-def build(variant: str, source: Path, work: Path) -> tuple[float, dict[str, float]]:
+TIME = "/usr/bin/time"  # GNU time: the build's own CPU seconds and peak RSS, not the bench's
+
+
+def build(variant: str, source: Path, work: Path) -> tuple[float, float, int, dict[str, float]]:
+    """(wall s, CPU s, peak RSS KiB, {step: wall s}) of one cold build in an empty store; a
+    ``-noeval`` variant builds only what publish needs."""
     store = work / f"store-{variant}"
     shutil.rmtree(store, ignore_errors=True)
     argv = [
+        TIME,
+        "-f",
+        "BENCH-TIME %U %S %M",
         sys.executable,
         "-m",
         "buildkit.cli",
@@ -57,6 +66,7 @@ def build(variant: str, source: Path, work: Path) -> tuple[float, dict[str, floa
         str(source),
         "--out",
         str(work / f"out-{variant}"),
+        *(["--target", "publish"] if variant.endswith("-noeval") else []),
     ]
     t = time.perf_counter()
     p = subprocess.run(argv, capture_output=True, text=True, cwd=BUILDKIT_ROOT)
@@ -66,7 +76,8 @@ def build(variant: str, source: Path, work: Path) -> tuple[float, dict[str, floa
     steps = {
         m[1]: float(m[2]) for m in re.finditer(r"^\[done\]\s+(\S+) .* in ([\d.]+)s", p.stderr, re.M)
     }
-    return wall, steps
+    user, sys_, rss = re.search(r"^BENCH-TIME (\S+) (\S+) (\d+)", p.stderr, re.M).groups()
+    return wall, float(user) + float(sys_), int(rss), steps
 
 
 def builds(spec: dict, work: Path) -> None:
@@ -82,14 +93,30 @@ def builds(spec: dict, work: Path) -> None:
     (work / "manifests" / "bench-oq4e.toml").write_text(
         f'extends = "oq4e-mtp-xl"\n[steps.donor_fetch.params]\nsource = "{src}"\n'
     )
-    xl = build("xl", src, work)
-    oq = build("bench-oq4e", src, work)
-    print(f"\nfixture {spec} ({size:.0f} MB)\n")
+    # the same two variants without their grading steps (eval, and the data-agnostic quantize
+    # only eval_baseline reads): what it costs to build
+    for name, parent in (("bench-xl-noeval", "xl"), ("bench-oq4e-noeval", "bench-oq4e")):
+        (work / "manifests" / f"{name}.toml").write_text(
+            f'extends = "{parent}"\n[steps.publish]\ninputs = {{ eval = [] }}\n'
+        )
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    runs = {
+        v: build(v, src, work) for v in ("xl", "bench-oq4e", "bench-xl-noeval", "bench-oq4e-noeval")
+    }
+    xl, oq = runs["xl"], runs["bench-oq4e"]
+    print(f"\nfixture {spec} ({size:.0f} MB); load average before: {' '.join(load)}\n")
     print("| step | xl | oq4e-mtp-xl |\n|---|---|---|")
-    for step in dict.fromkeys([*xl[1], *oq[1]]):
-        print(f"| {step} | {xl[1].get(step, '')} | {oq[1].get(step, '')} |")
-    print(f"| (process wall) | {xl[0]:.1f} | {oq[0]:.1f} |")
-    print(f"\noq4e-mtp-xl / xl cold wall: {oq[0] / xl[0]:.2f} (target <= 3)")
+    for step in dict.fromkeys([*xl[3], *oq[3]]):
+        print(f"| {step} | {xl[3].get(step, '')} | {oq[3].get(step, '')} |")
+    print("\n| cold build | xl | oq4e-mtp-xl | ratio (target <= 3) |\n|---|---|---|---|")
+    for label, a, b in (
+        ("with eval steps", xl, oq),
+        ("without eval steps", runs["bench-xl-noeval"], runs["bench-oq4e-noeval"]),
+    ):
+        print(f"| {label}, wall s | {a[0]:.1f} | {b[0]:.1f} | {b[0] / a[0]:.2f} |")
+        print(f"| {label}, CPU s | {a[1]:.1f} | {b[1]:.1f} | {b[1] / a[1]:.2f} |")
+        print(f"| {label}, peak RSS MB | {a[2] / 1024:.0f} | {b[2] / 1024:.0f} | |")
 
 
 def micro(experts: int, out: int, inp: int, bits: int, repeat: int) -> None:
