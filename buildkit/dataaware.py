@@ -58,12 +58,15 @@ IMPORTANCE_FLOOR = 1e-3  # of the mean importance: no channel is weighted zero
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """Integer codes [..., n] -> uint32 words [..., n * bits / 32] as mx.quantize packs them."""
+    from .groupsearch import pack_rows  # compiled: numpy's bit planes took most of quantize
+
     shape = codes.shape
     if (shape[-1] * bits) % 32:
         raise StepError(f"cannot pack {shape[-1]} {bits}-bit codes into whole 32-bit words")
-    planes = (codes.astype(np.uint32)[..., None] >> np.arange(bits, dtype=np.uint32)) & 1
-    flat = planes.astype(np.uint8).reshape(*shape[:-1], shape[-1] * bits)
-    return np.packbits(flat, axis=-1, bitorder="little").view("<u4")
+    rows = np.ascontiguousarray(codes, np.uint8).reshape(-1, shape[-1])
+    out = np.empty((len(rows), shape[-1] * bits // 32), np.uint32)
+    pack_rows(rows, bits, out)
+    return out.reshape(*shape[:-1], -1)
 
 
 # ---- the search ---------------------------------------------------------------------------

@@ -136,3 +136,19 @@ def search_groups(w, d, grid, n, refine, storage, bq, bs, bb, q_out, s_out, b_ou
                 s_out[i, c], b_out[i, c] = (bs_[j], bb_[j]) if w_ else (cs[j], cb[j])
                 for k in range(g):
                     q_out[i, c, k] = xq[k, j] if w_ else x0[k, j]
+
+
+@numba.njit(cache=True, nogil=True)
+def pack_rows(codes, bits, out):
+    # codes [rows, n] uint8 -> out [rows, n * bits / 32] uint32, LSB first (mx.quantize's
+    # layout): a 64-bit accumulator takes each code and hands on every full 32-bit word
+    for r in range(codes.shape[0]):
+        acc, have, w = np.uint64(0), 0, 0
+        for k in range(codes.shape[1]):
+            acc |= np.uint64(codes[r, k]) << np.uint64(have)
+            have += bits
+            if have >= 32:
+                out[r, w] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+                acc >>= np.uint64(32)
+                have -= 32
+                w += 1
