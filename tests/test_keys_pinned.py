@@ -21,7 +21,7 @@ PINNED = {  # kind: (variant, node, key)
     "fetch": ("xl", "fetch", "xxh3_128:d8c66f549e3f38a5fda93ce1c13603e6"),
     "sanitize": ("xl", "sanitize", "xxh3_128:36d3e37a47e5e53ae1a880dd0babd2f3"),
     "quantize": ("xl", "quantize", "xxh3_128:4f4ddef6763f03a7b580e907cec4d003"),
-    "verify": ("xl", "verify", "xxh3_128:dc11e206ee300168131220ec4dfe6f3c"),
+    "verify": ("xl", "verify", "xxh3_128:e6ba115ff0bbccb14b402ac71a8029d6"),
     "eval": ("xl", "eval", "xxh3_128:6930814d9b0f86dbd659b5c264530a1d"),
     "publish": ("xl", "publish", "xxh3_128:4e81483045d5905427a431acb449e925"),
     "graft": ("xl-mtp", "graft", "xxh3_128:20d6bacd0ead79548a85fcde403ec078"),
