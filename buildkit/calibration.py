@@ -5,7 +5,8 @@ The text is split deterministically into calibration and held-out lines
 sanitized trunk is run with mlx_lm's ``qwen3_5_moe`` classes one decoder layer
 at a time (one layer's weights in memory, cast to float32: mlx on CPU has no
 bf16 ``gather_mm``). The layer's linears and routed experts run as numpy
-matmuls (``_to_numpy``), the rest (norms, attention, the gated delta net) in
+matmuls (``_linears_to_numpy``; ``_experts`` reads the experts from the store
+straight to float32), the rest (norms, attention, the gated delta net) in
 mlx. The experts module records its input, the experts the router chose and
 the intermediate activations ``silu(gate x) * up x``. From those, per layer and
 expert: the number of routed tokens and the per-channel mean square of the
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from .errors import SourceError, UsageError
 from .lazy import lazy
-from .tensors import to_mlx
+from .tensors import to_float32, to_mlx
 
 np = lazy("numpy", __name__)
 
@@ -138,9 +139,9 @@ def _numpy_modules():
         MoE input and the chosen experts, and sums each expert's x² and activations² as they
         pass."""
 
-        def __init__(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray):
+        def __init__(self, gate_up: np.ndarray, down: np.ndarray):
             super().__init__()
-            self.gate_up = np.concatenate([gate, up], axis=1)  # [E, 2I, H]: one matmul for both
+            self.gate_up = gate_up  # [E, 2I, H]: one matmul for both
             self.down = down
             self.routed: Routed | None = None
 
@@ -186,21 +187,33 @@ def build_model(config: dict):
     return qwen3_5_moe.Model(qwen3_5_moe.ModelArgs.from_dict(config))
 
 
-def _load(module, store, tensors: dict[str, dict], prefix: str) -> None:
+def _load(module, store, tensors: dict[str, dict], prefix: str, skip: str = "\0") -> None:
     import mlx.core as mx
 
     weights = [
         (name[len(prefix) :], to_mlx(store.read_tensor(e), e["dtype"]).astype(mx.float32))
         for name, e in sorted(tensors.items())
-        if name.startswith(prefix)
+        if name.startswith(prefix) and not name.startswith(skip)
     ]
     module.load_weights(weights, strict=True)
     mx.eval(module.parameters())
 
 
-def _to_numpy(layer, NpLinear, NpSwitchGLU):
-    """Swap the layer's linears and routed experts for their numpy versions (same weights);
-    returns the experts module, whose ``routed`` collects what it sees."""
+def _experts(store, tensors: dict[str, dict], switch: str) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's routed experts in float32 straight from the store, gate and up in one
+    [E, 2I, H] array: not through mlx and a concatenation, so one copy of them in memory."""
+    e = {p: tensors[f"{switch}.{p}.weight"] for p in PROJS}
+    E, inter, hidden = e["gate_proj"]["shape"]
+    gate_up = np.empty((E, 2 * inter, hidden), np.float32)
+    for half, p in enumerate(("gate_proj", "up_proj")):
+        gate_up[:, half * inter : (half + 1) * inter] = to_float32(
+            store.read_tensor(e[p]), e[p]["dtype"]
+        )
+    return gate_up, to_float32(store.read_tensor(e["down_proj"]), e["down_proj"]["dtype"])
+
+
+def _linears_to_numpy(layer, NpLinear) -> None:
+    """Swap the layer's (bias-free) linears for their numpy versions, same weights."""
     import mlx.nn as nn
 
     for path, m in layer.named_modules():
@@ -210,10 +223,6 @@ def _to_numpy(layer, NpLinear, NpSwitchGLU):
             for part in filter(None, parent.split(".")):
                 owner = getattr(owner, part)
             setattr(owner, name, NpLinear(np.array(m.weight)))
-    sw = layer.mlp.switch_mlp
-    switch = NpSwitchGLU(*(np.array(getattr(sw, p).weight) for p in PROJS))
-    layer.mlp.switch_mlp = switch
-    return switch
 
 
 def moe_activations(
@@ -239,8 +248,11 @@ def moe_activations(
         progress.start(len(layers))
     for i in range(len(layers)):
         layer, prefix = layers[i], f"language_model.model.layers.{i}"
-        _load(layer, store, art.tensors, prefix + ".")
-        switch = _to_numpy(layer, NpLinear, NpSwitchGLU)
+        # the experts in numpy from the store, then the rest of the layer through mlx
+        switch = NpSwitchGLU(*_experts(store, art.tensors, prefix + SWITCH))
+        layer.mlp.switch_mlp = switch
+        _load(layer, store, art.tensors, prefix + ".", skip=prefix + SWITCH + ".")
+        _linears_to_numpy(layer, NpLinear)
         seen: dict[str, Routed] = {}
         for stream, hs in hidden.items():
             switch.routed = seen.setdefault(stream, Routed())
@@ -302,16 +314,20 @@ def expert_outputs(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.nda
     return ((g / (1.0 + np.exp(-g))) * u) @ down.T
 
 
+HELDOUT_ROWS = 64  # per expert: the real model's 1024 held-out tokens give each of its 256 ~32
+
+
 def expert_errors(
     x: np.ndarray, experts: np.ndarray, n_experts: int, weights, variants: list[str]
 ) -> dict[str, np.ndarray]:
-    """Relative output error ||y_v - y_ref|| / ||y_ref|| of every expert per variant (NaN where no
-    held-out token reaches it). ``weights(variant, e)`` gives expert e's float32 gate/up/down
-    [out, in] for a variant or for ``"ref"``, one expert at a time, so memory stays small."""
+    """Relative output error ||y_v - y_ref|| / ||y_ref|| of every expert per variant over (the
+    first ``HELDOUT_ROWS`` of) its held-out rows (NaN where none reaches it). ``weights(variant,
+    e)`` gives expert e's float32 gate/up/down [out, in] for a variant or for ``"ref"``, one
+    expert at a time, so memory stays small."""
     out = {v: np.full(n_experts, np.nan) for v in variants}
     x = x.astype(np.float32)
     for e in range(n_experts):
-        rows = x[(experts == e).any(axis=-1)]
+        rows = x[(experts == e).any(axis=-1)][:HELDOUT_ROWS]
         if not len(rows):
             continue
         ref = weights("ref", e)

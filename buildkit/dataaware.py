@@ -12,10 +12,16 @@ gets the mlx affine parameters (scale s, bias b, codes q in [0, 2^bits - 1],
    steps (t < 0 widens the grid, t > 0 clips the extremes);
 2. for each, the weighted least-squares (s, b) for those codes, rounded to the
    storage dtype of scales (that of the weight, as ``mx.quantize`` stores them),
-   then codes re-rounded against the rounded (s, b), ``REFINE`` times;
-3. mx.quantize's own (data-agnostic) result is a candidate too, and each group
-   keeps the candidate with the smallest weighted error, so no group is worse than
-   data-agnostic quantization on the calibration objective.
+   then codes re-rounded against the rounded (s, b) and fit again, ``REFINE``
+   times; the last fit's sums give its weighted error in closed form, a bound on
+   the error of the codes re-rounded to that (s, b);
+3. the grid with the smallest bound is re-rounded and its exact weighted error
+   compared with mx.quantize's own (data-agnostic) result; each group keeps the
+   better, so no group is worse than data-agnostic quantization on the
+   calibration objective.
+
+The loop over candidates is compiled (``groupsearch``, numba): about twice
+``mx.quantize``'s time per weight (bench/RESULTS.md "oq4e speed").
 
 No per-channel rescaling is folded anywhere (AWQ's equivalent transform needs a
 preceding per-expert op, and the experts share their input), so the output is
@@ -36,11 +42,13 @@ from .tensors import f32_to_bf16, from_mlx, to_float32, to_mlx, unpack
 
 np = lazy("numpy", __name__)
 
-METHOD = "diag-weighted-affine-search/2"  # bump when the search changes its output bytes
-# 2: float32 mlx ops, 9 grids and one refinement (was float64 numpy, 17 and two): about 4x less
-# work for 2% more weighted error on Gaussian weights (bench/oq4e_bench.py measures both)
+METHOD = "diag-weighted-affine-search/3"  # bump when the search changes its output bytes
+# 3: one fused numba loop (groupsearch.py); grids ranked by their error estimated from the
+# least-squares sums, the best one's exact error against data-agnostic; the 7 grids that did
+# best on the bench's tensor (was 9 evenly spaced): ~20x faster for the same weighted error
+# (bench/RESULTS.md "oq4e speed")
 # extra quantization steps over the min-max range
-GRID = [-1.0 + 0.5 * i for i in range(9)]
+GRID = [-1.0, -0.5, -0.25, 0.25, 0.5, 1.0, 1.75]
 REFINE = 1
 IMPORTANCE_FLOOR = 1e-3  # of the mean importance: no channel is weighted zero
 
@@ -50,106 +58,53 @@ IMPORTANCE_FLOOR = 1e-3  # of the mean importance: no channel is weighted zero
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """Integer codes [..., n] -> uint32 words [..., n * bits / 32] as mx.quantize packs them."""
+    from .groupsearch import pack_rows  # compiled: numpy's bit planes took most of quantize
+
     shape = codes.shape
     if (shape[-1] * bits) % 32:
         raise StepError(f"cannot pack {shape[-1]} {bits}-bit codes into whole 32-bit words")
-    planes = (codes.astype(np.uint32)[..., None] >> np.arange(bits, dtype=np.uint32)) & 1
-    flat = planes.astype(np.uint8).reshape(*shape[:-1], shape[-1] * bits)
-    return np.packbits(flat, axis=-1, bitorder="little").view("<u4")
+    rows = np.ascontiguousarray(codes, np.uint8).reshape(-1, shape[-1])
+    out = np.empty((len(rows), shape[-1] * bits // 32), np.uint32)
+    pack_rows(rows, bits, out)
+    return out.reshape(*shape[:-1], -1)
 
 
 # ---- the search ---------------------------------------------------------------------------
 
-
-def _storage_round(x, dtype: str):
-    """float32 values as they will be stored in ``dtype`` (and read back)."""
-    import mlx.core as mx
-
-    if dtype in ("BF16", "F16"):
-        return x.astype(mx.bfloat16 if dtype == "BF16" else mx.float16).astype(mx.float32)
-    return x
-
-
-def _candidates(w, d, base, bits: int, dtype: str):
-    """Every grid's (codes, scales, biases, error) on a leading axis [T, ...], plus base's
-    error; mlx ops, so a Mac runs them on the GPU and the CPU runs them vectorised."""
-    import mlx.core as mx
-
-    n = float(2**bits - 1)
-    grid = mx.array(GRID, dtype=mx.float32).reshape(-1, 1, 1)
-    sw, sx = d.sum(-1), (d * w).sum(-1)
-    lo, hi = w.min(-1), w.max(-1)
-    span = mx.where(hi > lo, hi - lo, 1.0)
-    q = mx.clip(mx.round((w - lo[..., None]) * ((n + grid) / span)[..., None]), 0, n)
-    for _ in range(REFINE + 1):
-        # weighted least squares (s, b) minimizing Σ d (s q + b - w)² per group, rounded to
-        # the stored dtype, then the codes re-rounded against them
-        dq = d * q
-        sq, sqq, sqx = dq.sum(-1), (dq * q).sum(-1), (dq * w).sum(-1)
-        det = sw * sqq - sq * sq
-        ok = det > 1e-9 * sw * mx.maximum(sqq, 1e-30)
-        safe = mx.where(ok, det, 1.0)
-        s = _storage_round(mx.where(ok, (sw * sqx - sq * sx) / safe, 0.0), dtype)
-        b = _storage_round(mx.where(ok, (sqq * sx - sq * sqx) / safe, sx / sw), dtype)
-        inv = mx.where(s > 0, 1.0 / mx.where(s > 0, s, 1.0), 0.0)
-        q = mx.clip(mx.round((w - b[..., None]) * inv[..., None]), 0, n)
-    bq, bs, bb = base
-
-    def err(q, s, b):
-        return (d * mx.square(s[..., None] * q + b[..., None] - w)).sum(-1)
-
-    return q, s, b, err(q, s, b), err(bq, bs, bb)
-
-
-def _search(w, d, bits: int, dtype: str, base):
-    import mlx.core as mx
-
-    q, s, b, e, e0 = _candidates(w, d, base, bits, dtype)
-    i = mx.argmin(e, axis=0)[None]  # the first of equal errors, as a strict < scan would keep
-    won = mx.take_along_axis(e, i, 0)[0] < e0
-    pick_q = mx.take_along_axis(q, mx.broadcast_to(i[..., None], (1, *q.shape[1:])), 0)[0]
-    bq, bs, bb = base
-    return (
-        mx.where(won[..., None], pick_q, bq).astype(mx.uint8),
-        mx.where(won, mx.take_along_axis(s, i, 0)[0], bs),
-        mx.where(won, mx.take_along_axis(b, i, 0)[0], bb),
-        won,
-    )
-
-
-SEARCH_BLOCK = (
-    1 << 15
-)  # weights searched at a time (x len(GRID) candidates): temporaries stay in cache
+STORAGE = {"BF16": 1, "F16": 2}  # how (scale, bias) are rounded before codes are re-fit
 
 
 def search(
     w: np.ndarray, d: np.ndarray, bits: int, dtype: str, base: tuple
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Best (codes, scales, biases) per group of w [rows, G, g] under importance d (broadcast to
-    w), starting from the data-agnostic ``base`` = (codes, scales, biases); also returns a
-    boolean [rows, G] of the groups where a searched candidate beat ``base``. Groups are
-    independent: rows go a block at a time, all candidates of a block at once."""
-    import mlx.core as mx
+    """Best (codes, scales, biases) per group of w [rows, G, g] under importance d [1, G, g]
+    (shared by the rows), starting from the data-agnostic ``base`` = (codes, scales, biases);
+    also returns a boolean [rows, G] of the groups where a searched candidate beat ``base``."""
+    R, G, g = w.shape
+    d = np.asarray(d, np.float32)
+    if d.size != G * g:
+        raise ValueError(f"importance of shape {d.shape} is not one per column of {w.shape}")
+    q = np.empty((R, G, g), np.uint8)
+    s, b = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
+    won = np.empty((R, G), np.bool_)
+    from .groupsearch import search_groups  # imports numba: only when a search runs
 
-    rows = max(1, SEARCH_BLOCK // max(1, w[0].size))
-    dm = mx.array(np.asarray(d, np.float32))
-    parts = []
-    for a in range(0, w.shape[0], rows):
-        sl = slice(a, a + rows)
-        out = _search(
-            mx.array(w[sl]),
-            dm,
-            bits,
-            dtype,
-            (
-                mx.array(base[0][sl].astype(np.float32)),
-                mx.array(base[1][sl]),
-                mx.array(base[2][sl]),
-            ),
-        )
-        mx.eval(out)
-        parts.append([np.array(x) for x in out])
-    return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
+    search_groups(
+        np.ascontiguousarray(w, np.float32),
+        np.ascontiguousarray(d.reshape(G, g)),
+        np.asarray(GRID, np.float32),
+        np.float32(2**bits - 1),
+        REFINE,
+        STORAGE.get(dtype, 0),
+        np.ascontiguousarray(base[0].reshape(R, G, g), np.uint8),
+        np.ascontiguousarray(base[1], np.float32),
+        np.ascontiguousarray(base[2], np.float32),
+        q,
+        s,
+        b,
+        won,
+    )
+    return q, s, b, won
 
 
 # ---- one routed-expert tensor --------------------------------------------------------------
@@ -181,10 +136,11 @@ class Tally:
 
 
 def key() -> dict:
-    """What, besides the recipe, fixes the bytes of the search: its version and numpy's."""
+    """What, besides the recipe, fixes the bytes of the search: its version and the numpy and
+    numba (the compiler of its loop) it runs on."""
     from importlib.metadata import version
 
-    return {"method": METHOD, "numpy": version("numpy")}
+    return {"method": METHOD, "numpy": version("numpy"), "numba": version("numba")}
 
 
 def check_calibration(recipe, roles: dict[str, str], calibration) -> Tally:

@@ -228,6 +228,25 @@ def test_search_is_never_worse_than_data_agnostic_on_its_objective():
     assert (err <= err0).all() and won.mean() > 0.5 and err.sum() < 0.9 * err0.sum()
 
 
+@pytest.mark.parametrize("storage", ["BF16", "F16"])
+def test_search_rounds_scales_as_they_are_stored(storage):
+    """The compiled loop rounds (scale, bias) by bit operations; they must be numpy's casts,
+    normal, subnormal and overflowing values alike."""
+    from buildkit import groupsearch
+
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal(50_000) * np.exp2(rng.uniform(-30, 18, 50_000))).astype(np.float32)
+    x[:4] = [0.0, -0.0, 65519.0, 65520.0]  # the edge of f16's range: rounds to 65504, then inf
+    got = x.copy()
+    groupsearch.store_round(got, len(got), dataaware.STORAGE[storage])
+    if storage == "F16":
+        with np.errstate(over="ignore"):
+            want = x.astype(np.float16).astype(np.float32)
+    else:
+        want = to_float32(*from_mlx(mx.array(x).astype(mx.bfloat16)))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_importance_weighting_matters_where_channels_differ():
     """Same search, uniform vs measured importance: with heavy-tailed channel scales (as real
     activations have) the measured importance must cut the held-out output error further."""

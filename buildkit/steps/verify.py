@@ -386,7 +386,9 @@ class Checks:
 @register
 class Verify(Step):
     kind = "verify"
-    version = 4  # 4: quantize's own rel-L1, and the first rows measured independently
+    # 4: quantize's own rel-L1, and the first rows measured independently; 5: calibrated_expert_error
+    # over at most calibration.HELDOUT_ROWS rows an expert
+    version = 5
     Params = VerifyParams
     inputs = {
         "model": Slot(many=True),  # the artifacts that make up the output model
