@@ -386,8 +386,8 @@ class Checks:
 @register
 class Verify(Step):
     kind = "verify"
-    # 4: quantize's own rel-L1, and the first rows measured independently; 5: calibrated_expert_error
-    # over at most calibration.HELDOUT_ROWS rows an expert
+    # 4: quantize's own rel-L1, and the first rows measured independently;
+    # 5: calibrated_expert_error over at most calibration.HELDOUT_ROWS rows an expert
     version = 5
     Params = VerifyParams
     inputs = {
