@@ -114,7 +114,11 @@ def measure(
 
     def layer(i: int):
         module = ev.decoder_layer(src, i, args)
-        return module, cal._to_numpy(module, NpLinear, NpSwitchGLU)
+        sw = module.mlp.switch_mlp
+        gate_up = np.concatenate([np.array(sw.gate_proj.weight), np.array(sw.up_proj.weight)], 1)
+        switch = module.mlp.switch_mlp = NpSwitchGLU(gate_up, np.array(sw.down_proj.weight))
+        cal._linears_to_numpy(module, NpLinear)
+        return module, switch
 
     seqs = ev.sequences(tokens, seq_len)
     hs = [ev.embed(src, seqs)]  # hs[i]: what enters layer i, then the last layer's output
@@ -147,7 +151,9 @@ def measure(
                 for n in groups[g]:
                     proj = n.removesuffix(".weight").rpartition(".")[2]
                     w[proj] = _dequantized(store, model, n, role, calibration)
-                module.mlp.switch_mlp = NpSwitchGLU(*(w[p] for p in cal.PROJS))
+                module.mlp.switch_mlp = NpSwitchGLU(
+                    np.concatenate([w["gate_proj"], w["up_proj"]], 1), w["down_proj"]
+                )
                 cands[g, b] = ev.run_layer(module, hs[i])
         for k in range(i + 1, n_layers):  # the later layers are bf16, read once for all
             later = layer(k)[0]
