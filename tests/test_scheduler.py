@@ -266,7 +266,7 @@ def test_explain_prints_the_ingredients_of_the_key(project, seed, capsys):
     assert d["inputs"] == {"model": ["sanitize:model"]}
     ingr = d["ingredients"]
     assert set(ingr) == {"kind", "version", "params", "inputs", "libraries", "fingerprint"}
-    assert (ingr["kind"], ingr["version"]) == ("quantize", 2)
+    assert (ingr["kind"], ingr["version"]) == ("quantize", 3)
     assert ingr["params"]["plan"]["roles"]["routed_expert"]["bits"] == 6
     assert (
         ingr["params"]["plan"]["tensors"][

@@ -333,9 +333,10 @@ def quantize_artifact(
 @register
 class Quantize(Step):
     kind = "quantize"
-    # 2: tensors written into packs, the shards publish links (buildkit/packs.py); data-aware
-    # bytes are versioned by dataaware.METHOD, in key_params' data_aware
-    version = 2
+    # 2: tensors written into packs, the shards publish links (buildkit/packs.py); 3: meta.rel_l1
+    # by buildkit's float32 dequantization (qerror.py), not mx.dequantize's bf16-rounded one.
+    # Data-aware bytes are versioned by dataaware.METHOD, in key_params' data_aware
+    version = 3
     Params = QuantizeParams
     # calibration: a calibrate output; sensitivity: a sensitivity output (for recipe.target_bpw)
     inputs = {
@@ -377,5 +378,5 @@ class Requantize(Quantize):
     """The same role allocation applied to a grafted head (inherited rules need not all match)."""
 
     kind = "requantize"
-    version = 2  # 2: the head's tensors in a pack of their own (packs.py)
+    version = 3  # 2: the head's tensors in a pack of their own (packs.py); 3: as quantize's
     Params = RequantizeParams
