@@ -160,6 +160,13 @@ def check_calibration(recipe, roles: dict[str, str], calibration) -> Tally:
     return Tally()
 
 
+def repack(codes, s32, b32, bits: int, s_dtype: str, s_np_dtype):
+    """Codes and float32 scales and biases back to what is stored: packed uint32 codes, and
+    scales and biases rounded to their storage dtype (bf16 as mlx rounds it)."""
+    s_np, b_np = (f32_to_bf16(x) if s_dtype == "BF16" else x.astype(s_np_dtype) for x in (s32, b32))
+    return pack(codes, bits), s_np, b_np
+
+
 def quantize_entry(
     store,
     name: str,
@@ -221,11 +228,7 @@ def quantize_entry(
                     q, s, b, better = search(w, d.reshape(1, C // g, g), role.bits, s_dtype, base)
                     codes[j], s32[j], b32[j] = q.reshape(O, C), s, b
                     won += int(better.sum())
-                packed = pack(codes, role.bits)
-                s_np, b_np = (
-                    f32_to_bf16(x) if s_dtype == "BF16" else x.astype(s_np.dtype)
-                    for x in (s32, b32)
-                )
+                packed, s_np, b_np = repack(codes, s32, b32, role.bits, s_dtype, s_np.dtype)
             e0 += len(raw)
             yield {
                 f"{module}.weight": (packed, "U32"),

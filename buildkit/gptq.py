@@ -19,12 +19,12 @@ calibration token reached keep mx.quantize's result and are counted, as in ``dat
 from __future__ import annotations
 
 from . import calibration as cal
-from .dataaware import Tally, pack
+from .dataaware import Tally, repack
 from .errors import StepError
 from .lazy import lazy
 from .roles import Role
 from .store import ROW_BLOCK_BYTES
-from .tensors import f32_to_bf16, from_mlx, to_float32, to_mlx, unpack
+from .tensors import from_mlx, to_float32, to_mlx, unpack
 
 np = lazy("numpy", __name__)
 
@@ -175,11 +175,7 @@ def quantize_entry(
                 codes = unpack(packed, role.bits).copy()
                 s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
                 codes[hit], s32[hit], b32[hit] = q, s, b
-                packed = pack(codes, role.bits)
-                s_np, b_np = (
-                    f32_to_bf16(v) if s_dtype == "BF16" else v.astype(s_np.dtype)
-                    for v in (s32, b32)
-                )
+                packed, s_np, b_np = repack(codes, s32, b32, role.bits, s_dtype, s_np.dtype)
             e0 += len(raw)
             yield {
                 f"{module}.weight": (packed, "U32"),

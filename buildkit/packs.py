@@ -14,7 +14,6 @@ shape; the step hashes and names a pack once its last tensor is in.
 
 from __future__ import annotations
 
-import itertools
 import os
 import uuid
 from collections.abc import Iterable
@@ -25,6 +24,7 @@ from .checkpoint import model_part
 from .errors import StoreError
 from .fsio import file_ident, settle
 from .lazy import lazy
+from .store import row_blocks
 from .tensors import DTYPES, header_bytes, nbytes
 
 np = lazy("numpy", __name__)
@@ -174,25 +174,14 @@ class PackWriter:
         return {"dtype": dtype, "shape": list(shape), "digest": keys.finish(h), "pack": pack}
 
     def put_row_blocks(self, rows: int, blocks, stream: str) -> dict[str, dict]:
-        """As ``Store.put_row_blocks``: tensor ``stream`` written as its blocks come, the others
-        (scales and biases) joined and written at the end."""
-        blocks = iter(blocks)
-        first = next(blocks)
-        rest: dict[str, list] = {k: [] for k in first if k != stream}
-
-        def streamed():
-            for block in itertools.chain([first], blocks):
-                for k, (arr, _) in block.items():
-                    if k != stream:
-                        rest[k].append(arr)
-                yield block[stream][0]
-
-        arr, dtype = first[stream]
-        out = {stream: self._write(stream, dtype, [rows, *arr.shape[1:]], streamed())}
-        for k, parts in rest.items():
-            joined = np.concatenate(parts)
-            out[k] = self._write(k, first[k][1], list(joined.shape), [joined])
-        return out
+        """``store.row_blocks`` into their slots."""
+        return row_blocks(
+            rows,
+            blocks,
+            stream,
+            self._write,
+            lambda name, dtype, arr: self._write(name, dtype, list(arr.shape), [arr]),
+        )
 
     def copy(self, name: str, entry: dict) -> dict:
         """A passthrough tensor into its slot, in blocks of rows (the bf16 lm_head is 1 GB)."""

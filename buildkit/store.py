@@ -155,25 +155,14 @@ class Store:
     def put_row_blocks(
         self, rows: int, blocks: Iterable[dict[str, tuple[np.ndarray, str]]], stream: str
     ) -> dict[str, dict]:
-        """Tensors made together block by block along their first axis (``rows`` rows in all),
-        each block a dict name -> (array, dtype): tensor ``stream`` is written as its blocks
-        come, the others (small: a quantized weight's scales and biases) are joined at the end."""
-        blocks = iter(blocks)
-        first = next(blocks)  # dtypes and trailing dims are known once one block is made
-        rest: dict[str, list] = {k: [] for k in first if k != stream}
-
-        def streamed():
-            for block in itertools.chain([first], blocks):
-                for k, (arr, _) in block.items():
-                    if k != stream:
-                        rest[k].append(arr)
-                yield block[stream][0]
-
-        arr, dtype = first[stream]
-        out = {stream: self.put_tensor_chunks(dtype, [rows, *arr.shape[1:]], streamed())}
-        for k, parts in rest.items():
-            out[k] = self.put_tensor(first[k][1], np.concatenate(parts))
-        return out
+        """``row_blocks`` into objects of their own."""
+        return row_blocks(
+            rows,
+            blocks,
+            stream,
+            lambda name, dtype, shape, chunks: self.put_tensor_chunks(dtype, shape, chunks),
+            lambda name, dtype, arr: self.put_tensor(dtype, arr),
+        )
 
     def put_blob(self, data: bytes) -> str:
         return self._put_object(keys.blob_digest(data), [data])
@@ -208,15 +197,10 @@ class Store:
         dtype, shape = entry["dtype"], tuple(entry["shape"])
         if "view" in entry:
             return self._read_view(entry["view"], dtype, shape)
-        path, start, obj = self._span(entry)
+        f, start, obj = self._open(entry)
         arr = np.empty(shape, DTYPES[dtype])
         view = byte_view(arr)
-        try:
-            f = open(path, "rb", buffering=0)
-        except FileNotFoundError:
-            raise self._missing(obj) from None
         with f:
-            f.seek(start)
             got = 0
             while got < len(view) and (k := f.readinto(view[got:])):
                 got += k
@@ -229,6 +213,17 @@ class Store:
         ):
             raise self._corrupt(obj)
         return arr
+
+    def _open(self, entry: dict):
+        """A stored tensor's file, unbuffered and at its first byte; that offset, and the object
+        to quarantine if its bytes are wrong."""
+        path, start, obj = self._span(entry)
+        try:
+            f = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise self._missing(obj) from None
+        f.seek(start)
+        return f, start, obj
 
     def _span(self, entry: dict) -> tuple[Path, int, str]:
         """Where a stored tensor's bytes start: its own object at 0, or its place in a pack
@@ -298,14 +293,9 @@ class Store:
                 yield arr
             return
         digest = entry["digest"]
-        path, start, obj = self._span(entry)
+        f, start, obj = self._open(entry)
         h = keys.tensor_hasher(dtype, shape)
-        try:
-            f = open(path, "rb", buffering=0)
-        except FileNotFoundError:
-            raise self._missing(obj) from None
         with f:
-            f.seek(start)
             for a in range(0, n, step):
                 b = min(n, a + step)
                 arr = np.empty((b - a, *shape[1:]), DTYPES[dtype])
@@ -332,16 +322,11 @@ class Store:
             sink(data)
             return len(data)
         digest, want = entry["digest"], nbytes(entry["dtype"], entry["shape"])
-        path, start, obj = self._span(entry)
+        f, start, obj = self._open(entry)
         extra = 1 if start == 0 else 0  # an object of its own must end with the tensor
         h = keys.tensor_hasher(entry["dtype"], entry["shape"])
         view, done = memoryview(buf), 0
-        try:
-            f = open(path, "rb", buffering=0)
-        except FileNotFoundError:
-            raise self._missing(obj) from None
         with f:
-            f.seek(start)
             while n := f.readinto(view[: min(len(buf), want - done + extra)]):
                 h.update(view[:n])
                 sink(view[:n])
@@ -670,6 +655,29 @@ class Store:
                 self._quarantine(p, "content does not match its digest")
                 bad.append(f"object {keys.short(d)}: content does not match its digest")
         return bad
+
+
+def row_blocks(rows: int, blocks, stream: str, put_stream, put_whole) -> dict[str, dict]:
+    """Tensors made together block by block along their first axis (``rows`` rows in all),
+    each block a dict name -> (array, dtype): tensor ``stream`` goes to ``put_stream(name,
+    dtype, shape, chunks)`` as its blocks come, the others (small: a quantized weight's scales
+    and biases) are joined at the end for ``put_whole(name, dtype, array)``."""
+    blocks = iter(blocks)
+    first = next(blocks)  # dtypes and trailing dims are known once one block is made
+    rest: dict[str, list] = {k: [] for k in first if k != stream}
+
+    def streamed():
+        for block in itertools.chain([first], blocks):
+            for k, (arr, _) in block.items():
+                if k != stream:
+                    rest[k].append(arr)
+            yield block[stream][0]
+
+    arr, dtype = first[stream]
+    out = {stream: put_stream(stream, dtype, [rows, *arr.shape[1:]], streamed())}
+    for k, parts in rest.items():
+        out[k] = put_whole(k, first[k][1], np.concatenate(parts))
+    return out
 
 
 def _hash_file(path: Path, h) -> str:
