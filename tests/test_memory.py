@@ -146,12 +146,13 @@ def test_peak_rss_does_not_grow_with_the_model(tmp_path):
         f"({peaks['small'] / MB:.0f} -> {peaks['large'] / MB:.0f} MB): something holds the model"
     )
     # Generous absolute bound (DESIGN: "a small multiple of the largest tensor"): three
-    # tensors in flight, plus 600 MB for the interpreter, numpy, mlx and mlx_lm (about
-    # 100 MB imported) and mlx's buffer cache.
-    bound = 3 * largest + 600 * MB
+    # tensors in flight, plus 750 MB for the interpreter, numpy, mlx and mlx_lm (about
+    # 100 MB imported), numba and its LLVM (~130 MB once the compiled loops are loaded: the
+    # search's and quantize's rel-L1) and mlx's buffer cache.
+    bound = 3 * largest + 750 * MB
     assert peaks["large"] < bound, (
         f"peak RSS {peaks['large'] / MB:.0f} MB for a {large_bytes / MB:.0f} MB model exceeds "
-        f"3 x largest tensor ({largest / MB:.1f} MB) + 600 MB = {bound / MB:.0f} MB"
+        f"3 x largest tensor ({largest / MB:.1f} MB) + 750 MB = {bound / MB:.0f} MB"
     )
 
     # With the client checks and eval (which holds embeddings and heads), the extra memory is

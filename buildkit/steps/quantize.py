@@ -12,6 +12,7 @@ writing overlap.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 
 from pydantic import Field, model_validator
@@ -280,8 +281,9 @@ def quantize_artifact(
                         f"tensor {name!r}: made {sorted(entries)}, planned {sorted(outputs[name])}"
                     )
                 for k, e in entries.items():
-                    if REL_L1 in e:
-                        rel_l1[k] = round(e.pop(REL_L1), 7)
+                    err = e.pop(REL_L1, None)
+                    if err is not None and math.isfinite(err):  # a NaN source: verify names it
+                        rel_l1[k] = round(err, 7)
                 written.update(entries)
                 for i in packset.written(entries):
                     packset.finish(i)
