@@ -3,7 +3,7 @@
 No tensor data is read. The plan is the build's own: each HF tensor becomes the MLX tensors
 sanitize (or graft, for the MTP head) would make (``convert.mlx_pieces``), every quantize and
 requantize node of the manifest assigns their roles with ``quantize.assign_roles``, and a
-quantized role stores what ``mx.quantize`` stores (``quantize.quantized_shapes``). The sum is
+quantized role stores what ``mx.quantize`` stores (``quantize.output_shapes``). The sum is
 the published model's tensor bytes (the safetensors payloads, headers not counted).
 
 Bits per weight are counted the way the clients count them: bytes x 8 over source parameters,
@@ -21,7 +21,7 @@ from . import checkpoint as ckpt
 from .convert import mlx_pieces
 from .errors import SourceError, UsageError
 from .steps.fetch import HF_RE, parse_fixture, source_kind
-from .steps.quantize import assign_roles, check_quantizable, quantized_shapes
+from .steps.quantize import assign_roles, output_shapes
 from .steps.sanitize import check_layout
 from .tensors import TensorInfo, nbytes, read_header
 
@@ -144,13 +144,8 @@ def estimate(m) -> dict:
             n = 1
             for d in t["shape"]:
                 n *= d
-            if role.passthrough:
-                size = nbytes(t["dtype"], t["shape"])
-            else:  # refused as quantize refuses it
-                check_quantizable(name, t["shape"], role)
-                size = sum(
-                    nbytes(d, s) for d, s in quantized_shapes(t["shape"], role, t["dtype"]).values()
-                )
+            # what quantize stores for it (a shape it cannot quantize refused as quantize does)
+            size = sum(nbytes(d, s) for d, s in output_shapes(name, t, role).values())
             row = rows.setdefault(
                 role_name,
                 {

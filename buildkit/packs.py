@@ -24,13 +24,12 @@ from .checkpoint import model_part
 from .errors import StoreError
 from .fsio import file_ident, settle
 from .lazy import lazy
-from .store import row_blocks
+from .store import hash_file, row_blocks
 from .tensors import DTYPES, header_bytes, nbytes
 
 np = lazy("numpy", __name__)
 
 SHARD_BYTES = 5 << 30  # publish's default max_shard_bytes: a pack is one of its shards
-HASH_CHUNK = 8 << 20
 SYNC_WRITES = False  # set on Dask workers: the client reads the packs after the task returns
 FORMAT = {"format": "mlx"}  # the metadata mlx_lm and mlx_vlm write and publish checks
 
@@ -100,13 +99,7 @@ class PackSet:
     def finish(self, i: int) -> str:
         """Hash a complete pack (it was just written: read back from the page cache) and move
         it into the store under its blob digest."""
-        h = keys.blob_hasher()
-        buf = bytearray(HASH_CHUNK)
-        view = memoryview(buf)
-        with open(self.paths[i], "rb", buffering=0) as f:
-            while k := f.readinto(buf):
-                h.update(view[:k])
-        digest = keys.finish(h)
+        digest = hash_file(self.paths[i], keys.blob_hasher())
         dest = self.store.object_path(digest)
         size = self.paths[i].stat().st_size
         if dest.exists():

@@ -645,9 +645,9 @@ class Store:
                         tensor_shapes[d] = shape
         for p in sorted(self.layout.objects.glob("*/*")):
             d = keys.PREFIX + p.parent.name + p.name
-            ok = _hash_file(p, keys.blob_hasher()) == d
+            ok = hash_file(p, keys.blob_hasher()) == d
             if not ok and d in tensor_shapes:
-                ok = _hash_file(p, keys.tensor_hasher(*tensor_shapes[d])) == d
+                ok = hash_file(p, keys.tensor_hasher(*tensor_shapes[d])) == d
             elif not ok and d not in blobs:
                 # a tensor no listing names (its build was interrupted): unread, gc frees it
                 continue
@@ -680,8 +680,9 @@ def row_blocks(rows: int, blocks, stream: str, put_stream, put_whole) -> dict[st
     return out
 
 
-def _hash_file(path: Path, h) -> str:
-    """A file's digest through ``h``, read in chunks (a pack is gigabytes)."""
+def hash_file(path: Path, h) -> str:
+    """A file's digest through ``h`` (``keys.blob_hasher()``, or a tensor's), read in chunks:
+    a pack is gigabytes."""
     buf = bytearray(HASH_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
