@@ -91,20 +91,23 @@ def peak_rss_of_build(project: Project, source, variant: str = "xl-stream") -> i
 # of the suite: the command runs as the grandchild of a fresh, small Python, which reports it.
 LAUNCH = """
 import os, subprocess, sys
-child = subprocess.Popen(sys.argv[1:])
+child = subprocess.Popen(sys.argv[2:])
 _, status, usage = os.wait4(child.pid, 0)
-print(os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024, file=sys.stderr)
+open(sys.argv[1], "w").write(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss * 1024}")
 """
 
 
 def child_peak_rss(argv: list[str], cwd: Path, out) -> tuple[int, int]:
     """Run ``argv`` with its output to ``out``; (exit code, its own peak RSS in bytes)."""
-    r = subprocess.run(
-        [sys.executable, "-c", LAUNCH, *argv], cwd=cwd, stdout=out, stderr=subprocess.PIPE
-    )
-    *_, last = r.stderr.decode().strip().splitlines() or [""]
-    code, peak = map(int, last.split())
-    out.write(r.stderr[: -len(last) - 1] if len(r.stderr) > len(last) else b"")
+    with tempfile.TemporaryDirectory() as d:
+        result = Path(d) / "result"
+        subprocess.run(
+            [sys.executable, "-c", LAUNCH, str(result), *argv],
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        code, peak = map(int, result.read_text().split())
     return code, peak
 
 
