@@ -86,6 +86,28 @@ def seed(tmp_path_factory) -> Project:
 # xl's steps in plan order (topological, ties by name), and each one's dependency wave: verify
 # and eval both need only quantize, so with -j 2 they run, and are reported, in either order.
 XL = ["fetch", "sanitize", "quantize", "eval", "verify", "publish"]
+XL_MTP = [
+    "fetch",
+    "sanitize",
+    "graft",
+    "quantize",
+    "eval",
+    "requantize",
+    "eval_head",
+    "verify",
+    "verify_head",
+    "publish",
+]
+# The MTP head's norms, under its own names (language_model.mtp.<name>.weight)
+HEAD_NORMS = (
+    "pre_fc_norm_embedding",
+    "pre_fc_norm_hidden",
+    "norm",
+    "layers.0.input_layernorm",
+    "layers.0.post_attention_layernorm",
+    "layers.0.self_attn.q_norm",
+    "layers.0.self_attn.k_norm",
+)
 XL_WAVE = {"fetch": 0, "sanitize": 1, "quantize": 2, "eval": 3, "verify": 3, "publish": 4}
 
 

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import Project
+from conftest import HEAD_NORMS, Project
 
 from buildkit import keys
 from buildkit.fixture import SPECIAL_TOKENS, FixtureSpec
@@ -22,15 +22,6 @@ pytest.importorskip("mlx_vlm")
 
 VARIANTS = ("xl", "xl-mtp", "oq4e-mtp-xl")
 HEAD = "language_model.mtp."
-HEAD_NORMS = (
-    "pre_fc_norm_embedding",
-    "pre_fc_norm_hidden",
-    "norm",
-    "layers.0.input_layernorm",
-    "layers.0.post_attention_layernorm",
-    "layers.0.self_attn.q_norm",
-    "layers.0.self_attn.k_norm",
-)
 POSITIONS = 24
 
 

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import Project, cached, ran, shard_parts
+from conftest import HEAD_NORMS, Project, cached, ran, shard_parts
 from safetensors import safe_open
 
 from buildkit.fixture import FixtureSpec, generate
@@ -125,16 +125,7 @@ def test_mtp_head_norms_shifted_once_and_experts_split_gate_first(built):
     for f in sorted(src_dir.glob("*.safetensors")):
         h = read_header(f)
         src.update({k: read_tensor(i, f) for k, i in h.tensors.items() if k.startswith("mtp.")})
-    norms = [
-        "pre_fc_norm_embedding",
-        "pre_fc_norm_hidden",
-        "norm",
-        "layers.0.input_layernorm",
-        "layers.0.post_attention_layernorm",
-        "layers.0.self_attn.q_norm",
-        "layers.0.self_attn.k_norm",
-    ]
-    for n in norms:
+    for n in HEAD_NORMS:
         want = f32_to_bf16(bf16_to_f32(src[f"mtp.{n}.weight"]) + np.float32(1.0))
         assert out[f"language_model.mtp.{n}.weight"].tobytes() == want.tobytes(), n
     # mtp.fc is bf16 and untouched, columns in source order (embedding half first)

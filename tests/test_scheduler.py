@@ -13,25 +13,13 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-from conftest import XL, cached, ran, waves
+from conftest import XL, XL_MTP, cached, ran, waves
 
 from buildkit.plan import action_key
 from buildkit.steps import REGISTRY
 from buildkit.steps.base import library_version
 from buildkit.steps.quantize import Quantize
 
-XL_MTP = [
-    "fetch",
-    "sanitize",
-    "graft",
-    "quantize",
-    "eval",
-    "requantize",
-    "eval_head",
-    "verify",
-    "verify_head",
-    "publish",
-]
 XL4 = 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 4, group_size = 64 }\n'
 
 
