@@ -60,6 +60,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import xxhash
+from peer import convert_argv  # bench/ is the script's directory, first on sys.path
 
 import buildkit
 
@@ -505,21 +506,7 @@ def run_bench(args) -> dict:
         shutil.rmtree(work / "mlx_lm", ignore_errors=True)
         ref = measure(
             f"mlx_lm-convert{tag}",
-            [
-                sys.executable,
-                "-m",
-                "mlx_lm",
-                "convert",
-                "--hf-path",
-                src,
-                "--mlx-path",
-                work / "mlx_lm",
-                "-q",
-                "--q-bits",
-                "6",
-                "--q-group-size",
-                "64",
-            ],
+            convert_argv(src, work / "mlx_lm"),
             logs,
         )
         pairs.append((asdict(xl), asdict(ref)))

@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from peer import convert_argv  # bench/ is the script's directory, first on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "RESULTS.md"
 BEGIN, END = "<!-- bench35b: begin -->", "<!-- bench35b: end -->"
@@ -161,21 +163,7 @@ def run(args) -> dict:
         conv_out = work / "convert"
         R["convert"] = measure(
             "convert",
-            [
-                PY,
-                "-m",
-                "mlx_lm",
-                "convert",
-                "--hf-path",
-                src,
-                "--mlx-path",
-                conv_out,
-                "-q",
-                "--q-bits",
-                "6",
-                "--q-group-size",
-                "64",
-            ],
+            convert_argv(src, conv_out, PY),
             logs,
             limit=args.mem_limit,
         )
