@@ -84,11 +84,13 @@ def search(
     d = np.asarray(d, np.float32)
     if d.size != G * g:
         raise ValueError(f"importance of shape {d.shape} is not one per column of {w.shape}")
+    from .groupsearch import KC, search_groups  # imports numba: only when a search runs
+
+    if g % KC:
+        raise ValueError(f"group size {g} is not a multiple of {KC} (mx.quantize's are)")
     q = np.empty((R, G, g), np.uint8)
     s, b = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
     won = np.empty((R, G), np.bool_)
-    from .groupsearch import search_groups  # imports numba: only when a search runs
-
     search_groups(
         np.ascontiguousarray(w, np.float32),
         np.ascontiguousarray(d.reshape(G, g)),

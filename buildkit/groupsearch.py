@@ -2,8 +2,13 @@
 
 Every candidate of a group is tried in one pass over its weights, ROWS rows of one group
 column at a time with the rows on the innermost loop, so each sum runs in a fixed order and
-the loop vectorises without reordering it: the bytes do not depend on the SIMD width. Compiled
-on first use and cached on disk (numba's ``cache=True``, beside this file).
+the loop vectorises without reordering it: the bytes do not depend on the SIMD width. A pass
+takes KC columns per row into registers before it stores its sums (the compiler cannot keep
+them in registers across the columns itself: it cannot prove the arrays apart), and a block
+of rows goes through every group column before the next, so its rows' pages stay at hand.
+``error_model="numpy"`` (a division by zero is inf, not an exception) lets the per-row
+least-squares solve vectorise too. Compiled on first use and cached on disk (numba's
+``cache=True``, beside this file).
 """
 
 from __future__ import annotations
@@ -12,26 +17,37 @@ import numba
 import numpy as np
 
 ROWS = 64  # rows searched together: a block of them, every candidate, stays in L1
+KC = 8  # columns per register pass: divides every group size mx.quantize supports
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def store_round(x, m, storage):
-    # (scale, bias) as they will be stored: bf16/f16 round-to-nearest-even, read back
-    u = x[:m].view(np.uint32)
-    for j in range(m):
-        a = u[j] & np.uint32(0x7FFFFFFF)
-        sign = u[j] & np.uint32(0x80000000)
-        if storage == 1 and a < np.uint32(0x7F800000):
-            u[j] = (u[j] + np.uint32(0x7FFF) + ((u[j] >> 16) & 1)) & np.uint32(0xFFFF0000)
-        elif storage == 2 and a < np.uint32(0x7F800000):
-            if a >= np.uint32(0x38800000):  # f16 normal: 10 mantissa bits
-                a = (a + np.uint32(0xFFF) + ((a >> 13) & 1)) & np.uint32(0xFFFFE000)
-                u[j] = sign | (a if a <= np.uint32(0x477FE000) else np.uint32(0x7F800000))
-            else:  # f16 subnormal: multiples of 2^-24
-                x[j] = np.float32(np.rint(x[j] * np.float32(2.0**24)) * np.float32(2.0**-24))
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def stored(v, storage):
+    # v as it will be stored (storage 1: bf16, 2: f16, else float32), round-to-nearest-even,
+    # read back; selects, not branches, so a loop over rows of it vectorises
+    u = np.float32(v).view(np.uint32)
+    a = u & np.uint32(0x7FFFFFFF)
+    finite = a < np.uint32(0x7F800000)
+    if storage == 1:
+        r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        return np.uint32(r if finite else u).view(np.float32)
+    if storage == 2:
+        # f16 normal: 10 mantissa bits, overflowing to inf; subnormal: multiples of 2^-24
+        h = (a + np.uint32(0xFFF) + ((a >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+        h = h if h <= np.uint32(0x477FE000) else np.uint32(0x7F800000)
+        normal = np.uint32((u & np.uint32(0x80000000)) | h).view(np.float32)
+        sub = np.float32(np.rint(v * np.float32(2.0**24)) * np.float32(2.0**-24))
+        return v if not finite else (normal if a >= np.uint32(0x38800000) else sub)
+    return v
 
 
 @numba.njit(cache=True, nogil=True)
+def store_round(x, m, storage):
+    # x[:m] in place as stored (``stored``)
+    for j in range(m):
+        x[j] = stored(x[j], storage)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def search_groups(w, d, grid, n, refine, storage, bq, bs, bb, q_out, s_out, b_out, won):
     # w [R, G, g] float32, d [G, g], base codes bq [R, G, g] uint8, scales/biases [R, G];
     # ROWS rows of one group column at a time, copied to x [g, ROWS]: rows innermost
@@ -45,13 +61,15 @@ def search_groups(w, d, grid, n, refine, storage, bq, bs, bb, q_out, s_out, b_ou
     sq, sqq, sqx = np.empty(m, f), np.empty(m, f), np.empty(m, f)
     s, b, inv = np.empty(m, f), np.empty(m, f), np.empty(m, f)
     bs_, bb_, be = np.empty(m, f), np.empty(m, f), np.empty(m, np.float64)
+    sws = np.empty(G, f)
     for c in range(G):
-        dc = d[c]
-        sw = f(0.0)
+        sws[c] = 0.0
         for k in range(g):
-            sw += dc[k]
-        for r0 in range(0, R, m):
-            rows = min(m, R - r0)
+            sws[c] += d[c, k]
+    for r0 in range(0, R, m):  # a block of rows across every group column: few pages at a time
+        rows = min(m, R - r0)
+        for c in range(G):
+            dc, sw = d[c], sws[c]
             for j in range(rows):  # the block, rows innermost
                 wr, qr = w[r0 + j, c], bq[r0 + j, c]
                 for k in range(g):
@@ -86,23 +104,24 @@ def search_groups(w, d, grid, n, refine, storage, bq, bs, bb, q_out, s_out, b_ou
                     # them, rounded as stored
                     for j in range(m):
                         sq[j], sqq[j], sqx[j] = 0.0, 0.0, 0.0
-                    for k in range(g):
-                        dk, xk = dc[k], x[k]
-                        for j in range(m):
-                            q = min(max(np.rint((xk[j] - b[j]) * inv[j]), f(0.0)), n)
-                            dq = dk * q
-                            sq[j] += dq
-                            sqq[j] += dq * q
-                            sqx[j] += dq * xk[j]
+                    for k0 in range(0, g, KC):
+                        for j in range(m):  # KC columns into registers, then stored
+                            a0, a1, a2, bj, ij = sq[j], sqq[j], sqx[j], b[j], inv[j]
+                            for kk in range(KC):
+                                xk = x[k0 + kk, j]
+                                q = min(max(np.rint((xk - bj) * ij), f(0.0)), n)
+                                dq = dc[k0 + kk] * q
+                                a0 += dq
+                                a1 += dq * q
+                                a2 += dq * xk
+                            sq[j], sqq[j], sqx[j] = a0, a1, a2
                     for j in range(m):
                         det = sw * sqq[j] - sq[j] * sq[j]
                         ok = det > f(1e-9) * sw * max(sqq[j], f(1e-30))
                         safe = det if ok else f(1.0)
-                        s[j] = (sw * sqx[j] - sq[j] * sx[j]) / safe if ok else f(0.0)
-                        b[j] = (sqq[j] * sx[j] - sq[j] * sqx[j]) / safe if ok else sx[j] / sw
-                    store_round(s, m, storage)
-                    store_round(b, m, storage)
-                    for j in range(m):
+                        sj = (sw * sqx[j] - sq[j] * sx[j]) / safe if ok else f(0.0)
+                        bj = (sqq[j] * sx[j] - sq[j] * sqx[j]) / safe if ok else sx[j] / sw
+                        s[j], b[j] = stored(sj, storage), stored(bj, storage)
                         inv[j] = f(1.0) / s[j] if s[j] > 0 else f(0.0)
                 for j in range(m):
                     # the weighted error of the last codes under the final (s, b), from the
@@ -117,8 +136,10 @@ def search_groups(w, d, grid, n, refine, storage, bq, bs, bb, q_out, s_out, b_ou
                         - 2.0 * b64 * sx[j]
                         + sxx[j]
                     )
-                    if est < be[j]:  # the first of equal estimates
-                        be[j], bs_[j], bb_[j] = est, s[j], b[j]
+                    better = est < be[j]  # the first of equal estimates
+                    be[j] = est if better else be[j]
+                    bs_[j] = s[j] if better else bs_[j]
+                    bb_[j] = b[j] if better else bb_[j]
             for j in range(m):
                 e[j] = 0.0
                 inv[j] = f(1.0) / bs_[j] if bs_[j] > 0 else f(0.0)
