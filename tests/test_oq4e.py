@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import Project, cached, ran
+from conftest import REPO, Project, cached, ran
 
 from buildkit import calibration as cal
 from buildkit import dataaware
@@ -226,6 +229,67 @@ def test_search_is_never_worse_than_data_agnostic_on_its_objective():
     err = (d * np.square(s2[..., None] * q + b2[..., None] - w32)).sum(-1)
     err0 = (d * np.square(base[1][..., None] * base[0] + base[2][..., None] - w32)).sum(-1)
     assert (err <= err0).all() and won.mean() > 0.5 and err.sum() < 0.9 * err0.sum()
+
+
+SEARCH_UNDER_THE_INTERPRETER = """
+import sys
+import numpy as np
+from buildkit import dataaware
+z = np.load(sys.argv[1])
+out = {}
+for i in range(int(z["cases"])):
+    dataaware.TOP, dataaware.REFINE = (int(v) for v in z[f"{i}.top_refine"])
+    base = (z[f"{i}.codes"], z[f"{i}.s"], z[f"{i}.b"])
+    bits, dtype = int(z[f"{i}.bits"]), str(z[f"{i}.dtype"])
+    got = dataaware.search(z[f"{i}.w"], z[f"{i}.d"], bits, dtype, base)
+    out.update({f"{i}.{k}": v for k, v in enumerate(got)})
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_compiled_search_gives_the_bytes_of_its_python(tmp_path, monkeypatch):
+    """The search compiled (numba, its loops vectorised by LLVM) gives the bytes its Python gives
+    under the interpreter: LLVM 22 once vectorised a select-and-store in it wrongly, and no other
+    test would see a miscompile that keeps the error low. Rows past a block of 64, group sizes,
+    bits, storage dtypes and the number of candidates refit all vary."""
+    rng = np.random.default_rng(5)
+    cases = [(70, 128, 64, 4, "BF16", 3, 1), (64, 128, 64, 4, "BF16", 1, 0)]
+    cases += [(64, 64, 32, 3, "F16", 2, 2), (20, 128, 128, 8, "BF16", 7, 1)]
+    cases += [(64, 128, 64, 2, "BF16", 0, 0)]
+    arrays = {"cases": len(cases)}
+    for i, (rows, cols, g, bits, dtype, top, refine) in enumerate(cases):
+        w = mx.array(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1)
+        w = w.astype(mx.bfloat16 if dtype == "BF16" else mx.float16)
+        wq, s, b = mx.quantize(w, group_size=g, bits=bits)
+        arrays |= {
+            f"{i}.w": np.array(w.astype(mx.float32)).reshape(rows, cols // g, g),
+            f"{i}.d": np.exp(rng.standard_normal(cols)).astype(np.float32).reshape(1, -1, g),
+            f"{i}.codes": dataaware.unpack(np.array(wq), bits).reshape(rows, cols // g, g),
+            f"{i}.s": to_float32(*from_mlx(s)),
+            f"{i}.b": to_float32(*from_mlx(b)),
+            f"{i}.bits": bits,
+            f"{i}.dtype": dtype,
+            f"{i}.top_refine": (top, refine),
+        }
+    np.savez(tmp_path / "in.npz", **arrays)
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1", "PYTHONPATH": path}  # this checkout's buildkit
+    argv = [
+        sys.executable,
+        "-c",
+        SEARCH_UNDER_THE_INTERPRETER,
+        tmp_path / "in.npz",
+        tmp_path / "out.npz",
+    ]
+    subprocess.run(argv, env=env, check=True, timeout=600)
+    python = np.load(tmp_path / "out.npz")
+    for i, (*_, top, refine) in enumerate(cases):
+        monkeypatch.setattr(dataaware, "TOP", top)
+        monkeypatch.setattr(dataaware, "REFINE", refine)
+        base = (arrays[f"{i}.codes"], arrays[f"{i}.s"], arrays[f"{i}.b"])
+        w, d, bits, dtype = (arrays[f"{i}.{k}"] for k in ("w", "d", "bits", "dtype"))
+        for k, a in enumerate(dataaware.search(w, d, bits, dtype, base)):
+            assert np.array_equal(a.view(np.uint8), python[f"{i}.{k}"].view(np.uint8)), (i, k)
 
 
 @pytest.mark.parametrize("storage", ["BF16", "F16"])
