@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from pydantic import Field, model_validator
 
-from .. import affine, budget, dataaware, gptq
+from .. import budget, dataaware, gptq
 from ..artifact import Artifact
 from ..errors import StepError
 from ..lazy import lazy
@@ -77,6 +77,8 @@ def quantize_entry(
     check_quantizable(name, shape, role)
     base = module_path(name)
     err = []  # per block: sum |dequantized - source|, sum |source| (float32)
+
+    from .. import affine  # numba: imported by the first quantizing task, not by every command
 
     fused = entry["dtype"] == "BF16" and role.mode == "affine" and role.bits in affine.BITS
 
