@@ -193,8 +193,16 @@ def test_the_streamed_pass_computes_what_the_clients_compute(seed: Project):
     streamed = loadcheck.check_vlm_loads(path, block=block)["logits"]
     assert streamed.shape == whole.shape and bool(mx.array_equal(streamed, whole).item())
 
+    from mlx_vlm.speculative.drafters import load_drafter
+    from mlx_vlm.utils import load_model as vlm_load_model
+
+    drafter, _ = load_drafter(str(seed.out / "xl-mtp" / "mtp"), kind="mtp")  # whole, as a user
+    drafter.reset(vlm_load_model(seed.out / "xl-mtp"))
+    hidden = mx.ones((1, 1, drafter.fc.weight.shape[0]), dtype=mx.float32)
+    whole = drafter._lm_head_fn(drafter._forward_tokens(mx.array([[1]]), hidden, mx.int32))
     drafted = loadcheck.check_drafter_loads(seed.out / "xl-mtp", block=block)
     assert "drafted a token" in drafted["summary"]
+    assert bool(mx.array_equal(drafted["logits"], whole).item())
 
 
 def _bytes_read() -> int:
