@@ -192,6 +192,89 @@ class DirectFile:
                 self.buf = None
 
 
+class DirectRange:
+    """Bytes ``[start, start + length)`` of an existing file, written in order past the page
+    cache where the OS allows it: the whole blocks inside the range with ``O_DIRECT``, the
+    partial blocks at its two ends (shared with whatever lies beside it in the file) through
+    the page cache. So tasks may fill neighbouring ranges of one file at once (a pack's
+    tensors) and no block is ever written both ways. On a 2-core VM, 30 GB of packs written
+    through the page cache went at ~0.25 GB/s (dirty-page throttling), direct at ~1.2 GB/s.
+    Direct I/O refused: the rest through the page cache, as ``DirectFile``. ``sync``: fsync
+    the file once the range is written."""
+
+    BLOCK = DirectFile.BLOCK
+
+    def __init__(
+        self, path: str | Path, start: int, length: int, size: int = 8 << 20, sync: bool = False
+    ):
+        self.pos, self.end, self.sync = start, start + length, sync
+        self.lo = min(self.end, start + (-start % self.BLOCK))  # first whole block
+        self.hi = max(self.lo, self.end - self.end % self.BLOCK)  # past the last whole one
+        self.fd = os.open(path, os.O_WRONLY)
+        self.dfd = -1
+        if self.hi > self.lo and hasattr(os, "O_DIRECT"):
+            with contextlib.suppress(OSError):
+                self.dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        self.buf = _buffers.take(size) if self.dfd >= 0 else None
+        self.fill, self.at = 0, self.lo  # bytes gathered; where they go
+
+    def __enter__(self) -> DirectRange:
+        return self
+
+    def write(self, data) -> None:
+        data = memoryview(data).cast("B")
+        while data:
+            if self.buf is not None and self.lo <= self.pos < self.hi:
+                n = min(len(data), self.hi - self.pos, len(self.buf) - self.fill)
+                self.buf[self.fill : self.fill + n] = data[:n]
+                self.fill += n
+                if self.fill == len(self.buf) or self.pos + n == self.hi:
+                    self._flush()
+            else:
+                n = len(data) if self.pos >= self.hi else min(len(data), self.lo - self.pos)
+                if self.buf is None:
+                    n = len(data)
+                _pwrite_all(self.fd, data[:n], self.pos)
+            self.pos += n
+            data = data[n:]
+
+    def _flush(self) -> None:
+        chunk = memoryview(self.buf)[: self.fill]  # whole blocks: the interior is
+        try:
+            _pwrite_all(self.dfd, chunk, self.at)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            _pwrite_all(self.fd, chunk, self.at)  # refused: this and the rest buffered
+            self._close_direct()
+        self.at += self.fill
+        self.fill = 0
+
+    def _close_direct(self) -> None:
+        if self.dfd >= 0:
+            os.close(self.dfd)
+            self.dfd = -1
+        if self.buf is not None:
+            _buffers.release(self.buf)
+            self.buf = None
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None and self.fill:
+                self._flush()
+            if exc_type is None and self.sync:
+                os.fsync(self.fd)  # the file's, whichever descriptor wrote them
+        finally:
+            self._close_direct()
+            os.close(self.fd)
+
+
+def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
+    while data:
+        k = os.pwrite(fd, data, at)
+        data, at = data[k:], at + k
+
+
 def write_temp(
     data: bytes | Iterable[bytes | memoryview],
     tmp_dir: Path,

@@ -252,6 +252,80 @@ class _Streamed:
         return out
 
 
+def _load_rows(module, infos: dict, rows) -> None:
+    """Give ``module`` the published rows ``rows`` (sorted numbers along the first axis) of each
+    parameter in ``infos`` (name -> (file, TensorInfo)), in the dtype the parameter has now."""
+    import mlx.core as mx
+    import numpy as np
+
+    params = {}
+    runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)  # consecutive rows, one read
+    for k, (file, info) in infos.items():
+        parts = [tensors.read_slice(info, file, 0, int(r[0]), int(r[-1]) + 1) for r in runs]
+        params[k] = tensors.to_mlx(np.concatenate(parts), info.dtype).astype(module[k].dtype)
+    module.update(params)
+    mx.eval(module.parameters())
+
+
+class _Experts:
+    """A mixture of experts' stacked projections (mlx's SwitchGLU: gate, up and down, each
+    [experts, ...]) run with only the experts its tokens are routed to, read from the published
+    file. The indices are renumbered over those experts, so each token meets the same expert
+    weights on whatever path the module's own code takes, and the output is the whole module's
+    bit for bit; the other experts are never read (a token reads 8 of the real model's 256,
+    where a whole projection is ~0.2 GB)."""
+
+    def __init__(self, module, name: str, projs: dict[str, dict]):
+        unread = {key: {k: module[key][k] for k in infos} for key, infos in projs.items()}
+        self.__dict__.update(module=module, name=name, projs=projs, unread=unread)
+
+    def __getattr__(self, attr):
+        return getattr(self.__dict__["module"], attr)
+
+    def __call__(self, x, indices, *args, **kwargs):
+        import mlx.core as mx
+        import numpy as np
+
+        d = self.__dict__
+        ids = np.array(indices)
+        experts, inverse = np.unique(ids, return_inverse=True)
+        try:
+            for key, infos in d["projs"].items():
+                _load_rows(d["module"][key], infos, experts)
+            renumbered = mx.array(inverse.reshape(ids.shape).astype(ids.dtype))
+            out = d["module"](x, renumbered, *args, **kwargs)
+            mx.eval(out)
+        finally:  # the experts go; the projections' shapes are the published ones again
+            for key, params in d["unread"].items():
+                d["module"][key].update(params)
+        return out
+
+
+def _expert_projections(module, name: str, published: dict) -> dict[str, dict] | None:
+    """A SwitchGLU-like module's stacked projections (child key -> its parameters' published
+    file and place), if each is published under its name and shape; else None."""
+    import mlx.core as mx
+
+    projs = {
+        key: child
+        for key, child in module.children().items()
+        if type(child).__name__.endswith("SwitchLinear")
+    }
+    if not projs:
+        return None
+    out = {}
+    for key, child in projs.items():
+        params = {k: v for k, v in child.items() if isinstance(v, mx.array)}
+        infos = {k: published.get(f"{name}.{key}.{k}") for k in params}
+        if not all(
+            info is not None and info[1].shape == tuple(params[k].shape)
+            for k, info in infos.items()
+        ):
+            return None
+        out[key] = infos
+    return out
+
+
 class _Rows:
     """An embedding or linear layer run from the published file in blocks of rows: an embedding
     reads only the rows of its tokens, a linear layer (or ``as_linear``) one block at a time.
@@ -270,19 +344,7 @@ class _Rows:
         return getattr(self.__dict__["module"], attr)
 
     def _load(self, rows) -> None:
-        """Give the module the published rows ``rows`` (sorted row numbers) of each parameter."""
-        import mlx.core as mx
-        import numpy as np
-
-        d = self.__dict__
-        params = {}
-        for k, (file, info) in d["infos"].items():
-            runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)  # consecutive rows
-            parts = [tensors.read_slice(info, file, 0, int(r[0]), int(r[-1]) + 1) for r in runs]
-            arr = tensors.to_mlx(np.concatenate(parts), info.dtype)
-            params[k] = arr.astype(d["module"][k].dtype)
-        d["module"].update(params)
-        mx.eval(d["module"].parameters())
+        _load_rows(self.__dict__["module"], self.__dict__["infos"], rows)
 
     def __call__(self, x):
         import mlx.core as mx
@@ -334,11 +396,20 @@ def _stream(model, path: Path, block: int) -> None:
     ~0.2 GB), runs once, is evaluated and lets its weights go. Such a module that is an
     embedding or linear layer published under its name and shape (embed_tokens and lm_head,
     ~0.5 and 1 GB, 2 GB in float32; the larger projections) is run from the file in blocks of
-    ``block`` bytes instead, and may run more than once."""
+    ``block`` bytes instead, and may run more than once. A mixture of experts published
+    under its names and shapes reads only the experts its tokens are routed to (``_Experts``):
+    the routed experts are ~80% of the real model, and a check's few tokens reach a few."""
     import mlx.core as mx
     import mlx.nn as nn
 
     published = _published(path)
+    for prefix, parent in model.named_modules():  # mixtures of experts: the routed ones only
+        for key, child in list(parent.items()):
+            if isinstance(child, nn.Module):
+                name = f"{prefix}.{key}" if prefix else key
+                projs = _expert_projections(child, name, published)
+                if projs is not None:
+                    parent[key] = _Experts(child, name, projs)
     for prefix, parent in model.named_modules():
         for key, child in list(parent.items()):
             for i, m in enumerate(child) if isinstance(child, list) else [(None, child)]:
@@ -458,7 +529,8 @@ def _test_image():
 def check_vlm_loads(path: Path, image: bool = True, block: int = BLOCK) -> dict:
     """Load with mlx_vlm and run an image prompt: the chat template must place the image, the
     processor make pixels of it, the tokenizer's image token match ``image_token_id``, and the
-    vision tower and the language model give finite logits (``image=False``: a text prompt).
+    vision tower and the language model give finite logits on the prompt's image span
+    (``_image_span``; ``image=False``: a text prompt).
     Streamed, vision tower included, in float32 on the CPU, as ``check_loads``. Returns a
     summary and the logits."""
     import mlx.core as mx
@@ -479,6 +551,7 @@ def check_vlm_loads(path: Path, image: bool = True, block: int = BLOCK) -> dict:
         else:
             inputs = prepare_inputs(processor, prompts="Hello")
         ids = inputs["input_ids"]
+        n_prompt = ids.shape[-1]
         n_image = int((ids == image_token).sum().item()) if image_token is not None else 0
         if image and n_image == 0:
             raise StepError(
@@ -486,6 +559,9 @@ def check_vlm_loads(path: Path, image: bool = True, block: int = BLOCK) -> dict:
                 "template, preprocessor_config.json and the tokenizer's <|image_pad|> against "
                 "config.json"
             )
+        if image:  # the forward runs the image's span: on a CPU each text token costs seconds
+            inputs = _image_span(inputs, image_token)
+            ids = inputs["input_ids"]
         if mx.default_device() == mx.cpu:
             model.set_dtype(mx.float32)
         _stream(model, path, block)
@@ -517,22 +593,41 @@ def check_vlm_loads(path: Path, image: bool = True, block: int = BLOCK) -> dict:
     grid = inputs["image_grid_thw"].tolist()[0]
     return {
         "summary": f"{IMAGE_SIDE}x{IMAGE_SIDE} image as a {grid} patch grid, "
-        f"{n_image} image tokens, {list(logits.shape)} logits, finite",
+        f"{n_image} image tokens in a {n_prompt}-token templated prompt; its image span run: "
+        f"{list(logits.shape)} logits, finite",
         "logits": logits,
     }
+
+
+def _image_span(inputs: dict, image_token: int) -> dict:
+    """The templated prompt cut to its image: the image tokens and the token on each side of
+    them (the vision start and end markers), with the same pixels. The vision tower's features
+    and the language model's image positions are the whole prompt's; the template's text (28
+    tokens of the 32 here, ~2.5 s of CPU each through the real model's 40 layers) is not run."""
+    import mlx.core as mx
+    import numpy as np
+
+    where = np.flatnonzero(np.array(inputs["input_ids"][0]) == image_token)
+    lo, hi = max(int(where[0]) - 1, 0), int(where[-1]) + 2
+    out = dict(inputs)
+    for k in ("input_ids", "attention_mask"):
+        if out.get(k) is not None:
+            out[k] = mx.array(inputs[k][:, lo:hi])
+    return out
 
 
 def check_drafter_loads(path: Path, block: int = BLOCK) -> dict:
     """Load the MTP head from ``path/mtp`` with mlx_vlm's drafter loader, check that its norms are
     the published ones (mlx_vlm did not shift them again), bind it to the model and draft a
-    token."""
+    token. Lazily and streamed, as ``check_loads``: the head's experts are 0.7 GB in the real
+    model and a token reads 8 of its 256."""
     import mlx.core as mx
     from mlx_vlm.speculative.drafters import load_drafter
     from mlx_vlm.utils import load_model
 
     where = path / DRAFTER_DIR
     try:
-        drafter, kind = load_drafter(str(where), kind="mtp")
+        drafter, kind = load_drafter(str(where), kind="mtp", lazy=True)
         if kind != "mtp":
             raise StepError(f"mlx_vlm takes {where} for a {kind!r} drafter, not 'mtp'")
         # the file's norms under the names the drafter's loader maps them to (it strips a
@@ -552,6 +647,7 @@ def check_drafter_loads(path: Path, block: int = BLOCK) -> dict:
                 f"({', '.join(sorted(moved))}): "
                 "it takes them for Hugging Face offsets and shifts them again"
             )
+        _stream(drafter, where, block)  # its routed experts: the ones its token goes to
         target = load_model(path, lazy=True)
         _stream(target, path, block)  # the drafter runs the target's embeddings and lm_head
         drafter.reset(target)
@@ -568,7 +664,8 @@ def check_drafter_loads(path: Path, block: int = BLOCK) -> dict:
         raise StepError(f"mlx_vlm's MTP drafter from {where} drafts non-finite logits")
     return {
         "summary": f"loaded as kind 'mtp', {len(norms)} norms as published, drafted a token: "
-        f"{list(logits.shape)} logits, finite"
+        f"{list(logits.shape)} logits, finite",
+        "logits": logits,
     }
 
 

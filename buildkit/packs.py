@@ -22,7 +22,7 @@ from pathlib import Path
 from . import keys
 from .checkpoint import model_part
 from .errors import StoreError
-from .fsio import file_ident, settle
+from .fsio import DirectRange, file_ident, settle
 from .lazy import lazy
 from .store import hash_file, row_blocks
 from .tensors import DTYPES, header_bytes, nbytes
@@ -141,21 +141,14 @@ class PackWriter:
         want = nbytes(dtype, shape)
         h = keys.tensor_hasher(dtype, shape)
         done = 0
-        fd = os.open(path, os.O_WRONLY)
-        try:
+        with DirectRange(path, off, want, sync=SYNC_WRITES) as out:
             for c in chunks:
                 data = memoryview(np.ascontiguousarray(c, dtype=DTYPES[dtype])).cast("B")
                 if done + len(data) > want:
                     break
                 h.update(data)
-                while len(data):
-                    k = os.pwrite(fd, data, off + done)
-                    data = data[k:]
-                    done += k
-            if SYNC_WRITES:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+                out.write(data)
+                done += len(data)
         if done != want:
             raise StoreError(
                 f"tensor {name!r}: blocks add up to {done} bytes or more, expected {want} "

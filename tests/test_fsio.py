@@ -13,6 +13,7 @@ import pytest
 from buildkit.fsio import (
     RACY_TICK_NS,
     DirectFile,
+    DirectRange,
     _Buffers,
     atomic_write,
     drop_idle_write_buffers,
@@ -175,6 +176,69 @@ def test_direct_file_goes_on_through_the_page_cache_if_direct_writes_are_refused
         assert not f.direct
     monkeypatch.undo()
     assert len(calls) >= 3 and (tmp_path / "shard").read_bytes() == data
+
+
+def _ranges_file(tmp_path, seed: int):
+    """A file like a pack: a header, then ranges of many sizes, unaligned, some inside one
+    block; and each range's bytes, cut into chunks of any size."""
+    rng = np.random.default_rng(seed)
+    sizes = [1, 100, 4096, 5000, 9000, 3 << 20, 12345, (8 << 20) + 7, 300, 8192]
+    header = rng.integers(0, 256, 77, dtype=np.uint8).tobytes()
+    path = tmp_path / "pack"
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + sum(sizes))
+    datas = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    offs = np.cumsum([len(header), *sizes[:-1]]).tolist()
+    chunks = [[0, *sorted(rng.integers(0, n + 1, 3).tolist()), n] for n in sizes]
+    return path, header, datas, offs, chunks
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_direct_ranges_fill_neighbouring_parts_of_one_file_at_once(tmp_path, seed):
+    """A pack's tensors: neighbouring ranges of one file written by threads at once, in chunks
+    of any size; the whole blocks inside a range go direct, the ends shared with a neighbour
+    through the page cache, and the file ends up holding every range's bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, header, datas, offs, chunks = _ranges_file(tmp_path, seed)
+    direct = {}
+
+    def fill(i):
+        data = memoryview(datas[i])
+        with DirectRange(path, offs[i], len(data)) as out:
+            direct[i] = out.dfd >= 0
+            for a, b in zip(chunks[i], chunks[i][1:]):
+                out.write(data[a:b])
+
+    order = np.random.default_rng(seed).permutation(len(datas)).tolist()
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(fill, order))
+    assert path.read_bytes() == header + b"".join(datas)
+    if hasattr(os, "O_DIRECT"):  # ext4 and xfs take direct I/O: the big ranges used it
+        assert direct[5] and direct[7] and not direct[0] and not direct[1]
+
+
+def test_a_direct_range_goes_on_through_the_page_cache_if_direct_writes_are_refused(
+    tmp_path, monkeypatch
+):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT here")
+    path, header, datas, offs, _ = _ranges_file(tmp_path, 0)
+    real_pwrite, refused = os.pwrite, []
+
+    def pwrite(fd, data, at):  # the first direct write is refused, as by a file system
+        if fd == out.dfd and not refused:
+            refused.append(at)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, at)
+
+    for i, data in enumerate(datas):
+        with DirectRange(path, offs[i], len(data), size=1 << 20) as out:
+            monkeypatch.setattr(os, "pwrite", pwrite)
+            out.write(data)
+            monkeypatch.undo()
+    assert refused and path.read_bytes() == header + b"".join(datas)
 
 
 @pytest.mark.skipif(

@@ -183,6 +183,7 @@ def test_the_streamed_pass_computes_what_the_clients_compute(seed: Project):
         prompts=prompt,
         image_token_index=model.config.image_token_id,
     )
+    inputs = loadcheck._image_span(inputs, model.config.image_token_id)  # what the check runs
     whole = model(
         inputs["input_ids"],
         inputs["pixel_values"],
@@ -192,5 +193,42 @@ def test_the_streamed_pass_computes_what_the_clients_compute(seed: Project):
     streamed = loadcheck.check_vlm_loads(path, block=block)["logits"]
     assert streamed.shape == whole.shape and bool(mx.array_equal(streamed, whole).item())
 
+    from mlx_vlm.speculative.drafters import load_drafter
+    from mlx_vlm.utils import load_model as vlm_load_model
+
+    drafter, _ = load_drafter(str(seed.out / "xl-mtp" / "mtp"), kind="mtp")  # whole, as a user
+    drafter.reset(vlm_load_model(seed.out / "xl-mtp"))
+    hidden = mx.ones((1, 1, drafter.fc.weight.shape[0]), dtype=mx.float32)
+    whole = drafter._lm_head_fn(drafter._forward_tokens(mx.array([[1]]), hidden, mx.int32))
     drafted = loadcheck.check_drafter_loads(seed.out / "xl-mtp", block=block)
     assert "drafted a token" in drafted["summary"]
+    assert bool(mx.array_equal(drafted["logits"], whole).item())
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read through read()/pread() so far (Linux /proc/self/io)."""
+    io = dict(ln.split(": ") for ln in open("/proc/self/io").read().splitlines())
+    return int(io["rchar"])
+
+
+def test_the_check_reads_only_the_experts_its_token_is_routed_to(seed: Project):
+    """mlx_lm's one token goes to 2 of the seed model's 8 experts in each layer: of each stacked
+    expert projection the check reads those experts' rows and not the other 6 (the real model:
+    8 of 256, ~80% of its bytes left unread). Measured as the bytes this process reads, after a
+    first check has paid for the imports."""
+    path = seed.out / "xl"
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    unused = 1 - text["num_experts_per_tok"] / text["num_experts"]
+    infos = {n: i for n, (_, i) in loadcheck._published(path).items()}
+    lm = sum(i.nbytes for n, i in infos.items() if not n.startswith("vision_tower."))
+    experts = sum(i.nbytes for n, i in infos.items() if ".switch_mlp." in n)
+    loadcheck.check_loads(path)
+    before = _bytes_read()
+    loadcheck.check_loads(path)
+    read = _bytes_read() - before
+    # mlx_lm's tensors (it drops the vision tower) but the unrouted experts, and the files'
+    # headers and config.json (tens of KB)
+    bound = lm - experts * unused + (64 << 10)
+    assert experts * unused > 64 << 10  # else the bound could not tell the two apart
+    assert read <= bound, f"read {read:,} bytes, more than {bound:,}"

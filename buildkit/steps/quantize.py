@@ -78,19 +78,29 @@ def quantize_entry(
     base = module_path(name)
     err = []  # per block: sum |dequantized - source|, sum |source| (float32)
 
+    from .. import affine  # numba: imported by the first quantizing task, not by every command
+
+    fused = entry["dtype"] == "BF16" and role.mode == "affine" and role.bits in affine.BITS
+
     def blocks():
         for block in store.iter_rows(entry, block_bytes):
-            q = mx.quantize(
-                to_mlx(block, entry["dtype"]),
-                group_size=role.group_size,
-                bits=role.bits,
-                mode=role.mode,
+            # bf16 (every weight of the real model): mx.quantize's bytes and verify's figure
+            # in one compiled pass; else, or for a non-finite block, mx.quantize then measure
+            done = affine.quantize(block, role.bits, role.group_size) if fused else None
+            if done is None:
+                q = mx.quantize(
+                    to_mlx(block, entry["dtype"]),
+                    group_size=role.group_size,
+                    bits=role.bits,
+                    mode=role.mode,
+                )
+                parts = [from_mlx(arr) for arr in q]
+            else:
+                parts, sums = done
+            out = dict(zip((f"{base}.{k}" for k in QUANT_PARTS), parts, strict=True))
+            err.append(
+                block_error(block, entry["dtype"], out, base, role) if done is None else sums
             )
-            out = {
-                f"{base}.{suffix}": from_mlx(arr)
-                for suffix, arr in zip(("weight", "scales", "biases"), q, strict=False)
-            }
-            err.append(block_error(block, entry["dtype"], out, base, role))
             yield out
 
     out = store.put_row_blocks(shape[0], blocks(), f"{base}.weight")
