@@ -70,6 +70,31 @@ def time_v(text: str) -> dict:
     }
 
 
+def disk_busy_ms() -> int:
+    """Milliseconds the block devices have spent doing I/O since boot (/proc/diskstats)."""
+    try:
+        return sum(int(ln.split()[12]) for ln in Path("/proc/diskstats").read_text().splitlines())
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def settle_disk(quiet: float = 2.0, limit: float = 180.0) -> float:
+    """Sync, then wait until the disks have done no I/O for ``quiet`` seconds (at most
+    ``limit``): deleting tens of GB on a file system mounted with ``discard`` keeps the disk
+    trimming for a while, and the next run measured would pay for the last one's files."""
+    t0 = time.perf_counter()
+    os.sync()
+    last, since = disk_busy_ms(), time.perf_counter()
+    while time.perf_counter() - t0 < limit:
+        time.sleep(0.25)
+        now = disk_busy_ms()
+        if now != last:
+            last, since = now, time.perf_counter()
+        elif time.perf_counter() - since >= quiet:
+            break
+    return time.perf_counter() - t0
+
+
 def measure(name: str, argv: list, logs: Path, limit: str | None = None) -> dict:
     """Run argv under /usr/bin/time -v (and prlimit --as if ``limit``) and return its figures."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -82,7 +107,7 @@ def measure(name: str, argv: list, logs: Path, limit: str | None = None) -> dict
             else int(limit)
         )
         cmd = ["prlimit", f"--as={n}", *cmd]
-    os.sync()  # not billed for the previous run's write-back
+    settled = settle_disk()  # not billed for the previous run's write-back or deletions
     print(f"bench35b: {name}: {' '.join(map(str, argv))}", flush=True)
     with open(log, "w") as out:
         t0 = time.perf_counter()
@@ -95,6 +120,7 @@ def measure(name: str, argv: list, logs: Path, limit: str | None = None) -> dict
     r = {
         "name": name,
         "exit": code,
+        "settle_s": settled,
         "outer_wall": outer_wall,
         "rchar": io.get("rchar", 0),
         "wchar": io.get("wchar", 0),
@@ -257,6 +283,15 @@ def report(R: dict) -> str:
         f"buildkit store after both: {mtp['store_disk'] / GB:.2f} GB on disk; "
         "the whole bench directory "
         f"{R['disk_total'] / GB:.2f} GB (convert's output already deleted).",
+        "",
+        "Before each run the disks settled (sync, then no I/O for 2 s; deleting an output on "
+        "a file system mounted with `discard` keeps them trimming): waited "
+        + ", ".join(
+            f"{R[k]['settle_s']:.1f} s before {k}"
+            for k in ("convert", "xl", "xl-mtp")
+            if k in R and "settle_s" in R[k]
+        )
+        + ".",
         "",
         "Per-step times (s): "
         + "; ".join(
