@@ -318,23 +318,26 @@ HELDOUT_ROWS = 64  # per expert: the real model's 1024 held-out tokens give each
 
 
 def expert_errors(
-    x: np.ndarray, experts: np.ndarray, n_experts: int, weights, variants: list[str]
+    x: np.ndarray, experts: np.ndarray, blocks, variants: list[str], skip=frozenset()
 ) -> dict[str, np.ndarray]:
     """Relative output error ||y_v - y_ref|| / ||y_ref|| of every expert per variant over (the
-    first ``HELDOUT_ROWS`` of) its held-out rows (NaN where none reaches it). ``weights(variant,
-    e)`` gives expert e's float32 gate/up/down [out, in] for a variant or for ``"ref"``, one
-    expert at a time, so memory stays small."""
-    out = {v: np.full(n_experts, np.nan) for v in variants}
+    first ``HELDOUT_ROWS`` of) its held-out rows (NaN where none reaches it, or it is in
+    ``skip``). ``blocks`` yields, for expert 0, 1, ... in turn, a function ``weights(variant)``
+    giving that expert's float32 gate/up/down [out, in] for a variant or for ``"ref"``, so
+    memory holds one expert and nothing is made for an expert no row reaches."""
     x = x.astype(np.float32)
-    for e in range(n_experts):
+    out: dict[str, list[float]] = {v: [] for v in variants}
+    for e, weights in enumerate(blocks):
         rows = x[(experts == e).any(axis=-1)][:HELDOUT_ROWS]
-        if not len(rows):
+        if not len(rows) or e in skip:
+            for v in variants:
+                out[v].append(np.nan)
             continue
-        ref = weights("ref", e)
+        ref = weights("ref")
         y = expert_outputs(rows, *(ref[p] for p in PROJS)).astype(np.float64)
         den = max(float(np.sqrt(np.square(y).sum())), 1e-30)
         for v in variants:
-            w = weights(v, e)
+            w = weights(v)
             diff = expert_outputs(rows, *(w[p] for p in PROJS)) - y
-            out[v][e] = float(np.sqrt(np.square(diff).sum())) / den
-    return out
+            out[v].append(float(np.sqrt(np.square(diff).sum())) / den)
+    return {v: np.array(errs) for v, errs in out.items()}

@@ -78,6 +78,12 @@ def test_data_aware_error_is_below_data_agnostic_and_in_the_card(built):
         and f'"data_agnostic": {fig["data_agnostic"]}' in row
     )
     assert "routed_expert (calibrated) | 4 | 64" in card
+    # quantize measured the data-aware weights' rel-L1 on every row, as xl's: verify checks that
+    # figure and measures their first rows itself (4 layers x gate, up, down)
+    checks = json.loads((out / "verify.json").read_text())["checks"]
+    assert checks["dequant_rel_l1_first_rows"]["figure"]["4-bit"]["tensors"] == 4 * 3
+    _, quant = artifact(project, VARIANT, "quantize")
+    assert f"{LAYER0}.down_proj.weight" in quant.meta["rel_l1"]
 
 
 def test_head_comes_from_the_donor(built):
@@ -182,7 +188,10 @@ def test_unreached_experts_fall_back_and_are_counted(built):
             dataaware.Tally(),
             block,
         )
-        # the same tensor digests (the build's are in packs; these stand alone)
+        # the same tensor digests (the build's are in packs; these stand alone), and the same
+        # rel-L1 over every row, measured block by block, as the build recorded for verify
+        name = f"{layer}.mlp.switch_mlp.up_proj.weight"
+        assert abs(entries[name].pop("rel_l1") - quant.meta["rel_l1"][name]) < 1e-7, block
         assert entries == {k: without_pack(quant.tensors[k]) for k in entries}, block
 
 
