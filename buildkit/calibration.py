@@ -75,13 +75,21 @@ def tokenize(tokenizer_json: bytes, lines: list[str], limit: int) -> list[int]:
     return tok.encode("\n".join(lines), add_special_tokens=False).ids[:limit]
 
 
-def batches(ids: list[int], seq_len: int) -> list[np.ndarray]:
-    """Sequences of ``seq_len`` tokens as one [B, seq_len] batch, plus the remainder."""
+def batches(ids: list[int], seq_len: int, per_batch: int | None = None) -> list[np.ndarray]:
+    """Sequences of ``seq_len`` tokens as one [B, seq_len] batch (or batches of ``per_batch``
+    sequences), plus the remainder."""
     n = len(ids) // seq_len * seq_len
-    out = [np.array(ids[:n], dtype=np.int32).reshape(-1, seq_len)] if n else []
+    seqs = np.array(ids[:n], dtype=np.int32).reshape(-1, seq_len)
+    step = per_batch or max(len(seqs), 1)
+    out = [seqs[i : i + step] for i in range(0, len(seqs), step)]
     if len(ids) > n:
         out.append(np.array([ids[n:]], dtype=np.int32))
     return out
+
+
+# A stream that may stop early runs in batches of this many sequences (512 tokens at calibrate's
+# seq_len): where it can stop. Smaller batches give each expert's matmuls fewer rows.
+STOP_BATCH = 4
 
 
 # ---- running the trunk -------------------------------------------------------------
@@ -226,10 +234,20 @@ def _linears_to_numpy(layer, NpLinear) -> None:
 
 
 def moe_activations(
-    store, art, streams: dict[str, list[int]], seq_len: int, progress=None
+    store,
+    art,
+    streams: dict[str, list[int]],
+    seq_len: int,
+    progress=None,
+    enough: dict[str, int] | None = None,
 ) -> Iterator[tuple[str, dict[str, Routed]]]:
     """Run the trunk over each stream of token ids, layer by layer; yield, per decoder layer,
-    its name (``language_model.model.layers.N``) and what its routed experts saw per stream."""
+    its name (``language_model.model.layers.N``) and what its routed experts saw per stream.
+
+    ``enough[stream]``: a layer's pass over that stream stops after the first batch (of
+    ``STOP_BATCH`` sequences) at which every expert of the layer has been routed at least that
+    many rows; the rest of the stream is run through neither this layer nor any later one (so a
+    stream is a prefix of the one before it, never longer)."""
     import mlx.core as mx
     from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
@@ -237,8 +255,12 @@ def moe_activations(
     model = build_model(art.meta["config"])
     text = model.language_model.model
     _load(text.embed_tokens, store, art.tensors, "language_model.model.embed_tokens.")
+    enough = {s: k for s, k in (enough or {}).items() if k}
     hidden = {
-        s: [text.embed_tokens(mx.array(b)) for b in batches(ids, seq_len)]
+        s: [
+            text.embed_tokens(mx.array(b))
+            for b in batches(ids, seq_len, STOP_BATCH if s in enough else None)
+        ]
         for s, ids in streams.items()
     }
     mx.eval([h for hs in hidden.values() for h in hs])
@@ -255,13 +277,16 @@ def moe_activations(
         _linears_to_numpy(layer, NpLinear)
         seen: dict[str, Routed] = {}
         for stream, hs in hidden.items():
-            switch.routed = seen.setdefault(stream, Routed())
+            r = switch.routed = seen.setdefault(stream, Routed())
             for j, h in enumerate(hs):
                 mask = (
                     create_ssm_mask(h, None) if layer.is_linear else create_attention_mask(h, None)
                 )
                 hs[j] = layer(h, mask=mask, cache=None)
                 mx.eval(hs[j])
+                if stream in enough and r.tokens is not None and r.tokens.min() >= enough[stream]:
+                    del hs[j + 1 :]  # the statistics have enough rows: the rest stops here
+                    break
         layers[i] = None  # free this layer's weights before loading the next
         yield prefix, seen
         if progress:
