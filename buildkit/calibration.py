@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import workers
 from .errors import SourceError, UsageError
 from .lazy import lazy
 from .tensors import to_float32, to_mlx
@@ -110,11 +111,13 @@ class Routed:
     def cat(self) -> tuple[np.ndarray, np.ndarray]:
         return np.concatenate(self.x), np.concatenate(self.experts)
 
-    def add(self, e: int, rows: np.ndarray, mid: np.ndarray, n_experts: int) -> None:
+    def start(self, n_experts: int, hidden: int, inter: int) -> None:
         if self.tokens is None:
             self.tokens = np.zeros(n_experts, np.int64)
-            self.in_sq = np.zeros((n_experts, rows.shape[-1]), np.float64)
-            self.mid_sq = np.zeros((n_experts, mid.shape[-1]), np.float64)
+            self.in_sq = np.zeros((n_experts, hidden), np.float64)
+            self.mid_sq = np.zeros((n_experts, inter), np.float64)
+
+    def add(self, e: int, rows: np.ndarray, mid: np.ndarray) -> None:
         self.tokens[e] += len(rows)
         self.in_sq[e] += np.square(rows).sum(0, dtype=np.float64)
         self.mid_sq[e] += np.square(mid).sum(0, dtype=np.float64)
@@ -162,18 +165,27 @@ def _numpy_modules():
             flat = idx.reshape(-1)[order]
             counts = np.bincount(flat, minlength=self.down.shape[0])
             inter = self.down.shape[-1]
+            starts = np.concatenate([[0], np.cumsum(counts)])
             y = np.empty((len(flat), xs.shape[-1]), np.float32)
             r = self.routed
-            start = 0
-            for e in np.flatnonzero(counts):
-                rows = order[start : start + counts[e]]
-                xe = xs[rows // k]
-                gu = xe @ self.gate_up[e].T
-                mid = _silu(gu[:, :inter]) * gu[:, inter:]
-                y[rows] = mid @ self.down[e].T
-                if r is not None:
-                    r.add(e, xe, mid, len(counts))
-                start += counts[e]
+            if r is not None:
+                r.start(len(counts), xs.shape[-1], inter)
+
+            def run(experts):
+                for e in experts:
+                    rows = order[starts[e] : starts[e + 1]]
+                    xe = xs[rows // k]
+                    gu = xe @ self.gate_up[e].T
+                    mid = _silu(gu[:, :inter]) * gu[:, inter:]
+                    y[rows] = mid @ self.down[e].T
+                    if r is not None:
+                        r.add(e, xe, mid)
+
+            # on two threads (numpy's matmuls release the GIL), experts alternating: each
+            # expert's rows of y and of the sums are its own, so the bytes are one thread's
+            active = np.flatnonzero(counts)
+            for _ in workers.imap("calibrate", run, [active[0::2], active[1::2]]):
+                pass
             if r is not None:
                 r.x.append(xs.copy())
                 r.experts.append(idx.copy())
