@@ -76,21 +76,13 @@ def tokenize(tokenizer_json: bytes, lines: list[str], limit: int) -> list[int]:
     return tok.encode("\n".join(lines), add_special_tokens=False).ids[:limit]
 
 
-def batches(ids: list[int], seq_len: int, per_batch: int | None = None) -> list[np.ndarray]:
-    """Sequences of ``seq_len`` tokens as one [B, seq_len] batch (or batches of ``per_batch``
-    sequences), plus the remainder."""
+def batches(ids: list[int], seq_len: int) -> list[np.ndarray]:
+    """Sequences of ``seq_len`` tokens as one [B, seq_len] batch, plus the remainder."""
     n = len(ids) // seq_len * seq_len
-    seqs = np.array(ids[:n], dtype=np.int32).reshape(-1, seq_len)
-    step = per_batch or max(len(seqs), 1)
-    out = [seqs[i : i + step] for i in range(0, len(seqs), step)]
+    out = [np.array(ids[:n], dtype=np.int32).reshape(-1, seq_len)] if n else []
     if len(ids) > n:
         out.append(np.array([ids[n:]], dtype=np.int32))
     return out
-
-
-# A stream that may stop early runs in batches of this many sequences (512 tokens at calibrate's
-# seq_len): where it can stop. Smaller batches give each expert's matmuls fewer rows.
-STOP_BATCH = 4
 
 
 # ---- running the trunk -------------------------------------------------------------
@@ -107,6 +99,23 @@ class Routed:
     tokens: np.ndarray | None = None
     in_sq: np.ndarray | None = None
     mid_sq: np.ndarray | None = None
+    enough: int = 0  # stop once every expert has this many rows (0: never)
+    kept: int | None = None  # sequences of the batch in which it stopped
+
+    def cutoff(self, idx: np.ndarray, batch: int, n_experts: int) -> int:
+        """Of a batch of ``batch`` sequences routed to ``idx`` [tokens, k] (in sequence order),
+        how many to run: all, or the fewest whole sequences after which every expert has
+        ``enough`` rows (then ``kept`` records it)."""
+        if not self.enough or self.kept is not None:
+            return batch
+        seqs = idx.reshape(batch, -1)
+        per_seq = np.stack([np.bincount(q, minlength=n_experts) for q in seqs])
+        prior = self.tokens if self.tokens is not None else 0
+        reached = ((np.cumsum(per_seq, axis=0) + prior) >= self.enough).all(axis=1)
+        if not reached.any():
+            return batch
+        self.kept = int(np.argmax(reached)) + 1
+        return self.kept
 
     def cat(self) -> tuple[np.ndarray, np.ndarray]:
         return np.concatenate(self.x), np.concatenate(self.experts)
@@ -160,14 +169,19 @@ def _numpy_modules():
             a = np.asarray(x)
             xs = a.reshape(-1, a.shape[-1])
             idx = np.asarray(indices).reshape(xs.shape[0], -1)
-            k = idx.shape[-1]
+            k, n_experts = idx.shape[-1], self.down.shape[0]
+            r = self.routed
+            y = np.empty((*idx.shape, xs.shape[-1]), np.float32)
+            if r is not None and a.ndim == 3:  # only whole sequences, once the rows suffice
+                n = r.cutoff(idx, a.shape[0], n_experts) * a.shape[1]
+                xs, idx = xs[:n], idx[:n]  # the rest of the batch is dropped after this layer
+                y[n:] = 0
             order = np.argsort(idx.reshape(-1), kind="stable")
             flat = idx.reshape(-1)[order]
-            counts = np.bincount(flat, minlength=self.down.shape[0])
+            counts = np.bincount(flat, minlength=n_experts)
             inter = self.down.shape[-1]
             starts = np.concatenate([[0], np.cumsum(counts)])
-            y = np.empty((len(flat), xs.shape[-1]), np.float32)
-            r = self.routed
+            out = y.reshape(-1, xs.shape[-1])
             if r is not None:
                 r.start(len(counts), xs.shape[-1], inter)
 
@@ -177,7 +191,7 @@ def _numpy_modules():
                     xe = xs[rows // k]
                     gu = xe @ self.gate_up[e].T
                     mid = _silu(gu[:, :inter]) * gu[:, inter:]
-                    y[rows] = mid @ self.down[e].T
+                    out[rows] = mid @ self.down[e].T
                     if r is not None:
                         r.add(e, xe, mid)
 
@@ -256,10 +270,10 @@ def moe_activations(
     """Run the trunk over each stream of token ids, layer by layer; yield, per decoder layer,
     its name (``language_model.model.layers.N``) and what its routed experts saw per stream.
 
-    ``enough[stream]``: a layer's pass over that stream stops after the first batch (of
-    ``STOP_BATCH`` sequences) at which every expert of the layer has been routed at least that
-    many rows; the rest of the stream is run through neither this layer nor any later one (so a
-    stream is a prefix of the one before it, never longer)."""
+    ``enough[stream]``: a layer's experts run the fewest whole sequences of that stream after
+    which every one of them has been routed at least that many rows (decided from the router's
+    choices, before any expert runs); the rest of the stream goes through neither this layer's
+    experts nor any later layer, so each layer sees a prefix of what the one before it saw."""
     import mlx.core as mx
     from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
@@ -267,12 +281,8 @@ def moe_activations(
     model = build_model(art.meta["config"])
     text = model.language_model.model
     _load(text.embed_tokens, store, art.tensors, "language_model.model.embed_tokens.")
-    enough = {s: k for s, k in (enough or {}).items() if k}
     hidden = {
-        s: [
-            text.embed_tokens(mx.array(b))
-            for b in batches(ids, seq_len, STOP_BATCH if s in enough else None)
-        ]
+        s: [text.embed_tokens(mx.array(b)) for b in batches(ids, seq_len)]
         for s, ids in streams.items()
     }
     mx.eval([h for hs in hidden.values() for h in hs])
@@ -289,15 +299,19 @@ def moe_activations(
         _linears_to_numpy(layer, NpLinear)
         seen: dict[str, Routed] = {}
         for stream, hs in hidden.items():
-            r = switch.routed = seen.setdefault(stream, Routed())
+            r = switch.routed = seen.setdefault(
+                stream, Routed(enough=(enough or {}).get(stream, 0))
+            )
             for j, h in enumerate(hs):
                 mask = (
                     create_ssm_mask(h, None) if layer.is_linear else create_attention_mask(h, None)
                 )
                 hs[j] = layer(h, mask=mask, cache=None)
+                if r.kept is not None:  # the statistics have their rows: the rest stops here
+                    hs[j] = hs[j][: r.kept]
+                    del hs[j + 1 :]
                 mx.eval(hs[j])
-                if stream in enough and r.tokens is not None and r.tokens.min() >= enough[stream]:
-                    del hs[j + 1 :]  # the statistics have enough rows: the rest stops here
+                if r.kept is not None:
                     break
         layers[i] = None  # free this layer's weights before loading the next
         yield prefix, seen

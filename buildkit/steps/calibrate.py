@@ -36,10 +36,10 @@ class CalibrateParams(Params):
     # also keep the calibration stream's routed inputs in ``out`` (what GPTQ builds its
     # per-expert Hessians from; ~16 MB a layer on the real model)
     keep_inputs: bool = False
-    # A layer's pass over the calibration lines stops once every one of its experts has been
-    # routed this many rows (the rest of the text then skips that layer and every later one):
-    # the search's statistics have converged by then (bench/RESULTS.md, "oq4e speed"). 0: every
-    # token. Not with keep_inputs: GPTQ's per-expert Hessians want every row they can get.
+    # A layer's experts run the fewest whole sequences of the calibration lines that route this
+    # many rows to every one of them (the rest skip that layer's experts and every later
+    # layer): the search's statistics have settled by then (bench/RESULTS.md, "oq4e speed").
+    # 0: every token. Not with keep_inputs: GPTQ's per-expert Hessians want every row.
     rows_per_expert: int = Field(default=128, ge=0)
 
 
@@ -47,8 +47,9 @@ class CalibrateParams(Params):
 class Calibrate(Step):
     kind = "calibrate"
     # 2: the forward's matmuls in numpy's BLAS, statistics summed per expert as rows pass;
-    # 3: a layer stops at rows_per_expert routed rows an expert (meta.tokens_by_layer)
-    version = 3
+    # 3: a layer stops at rows_per_expert routed rows an expert (meta.tokens_by_layer);
+    # 4: decided from the router's choices on whole sequences, the stream in one batch
+    version = 4
     Params = CalibrateParams
     inputs = {"model": Slot()}
     outputs = ("out", "heldout")
