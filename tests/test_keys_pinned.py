@@ -26,8 +26,8 @@ PINNED = {  # kind: (variant, node, key)
     "publish": ("xl", "publish", "xxh3_128:2e4f3dce7df132460be12ccb6bb0c343"),
     "graft": ("xl-mtp", "graft", "xxh3_128:20d6bacd0ead79548a85fcde403ec078"),
     "requantize": ("xl-mtp", "requantize", "xxh3_128:de3a3e3ed07ef446a477175807904c2a"),
-    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:2fe4fed7d45583494d702c87cf32c9e6"),
-    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:9ff1b09130eecfbeacba0793e754418c"),
+    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:1e357acb1bf507edee382a21c19c0984"),
+    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:bf13e4104f7d0311a69fcabeec7f835c"),
 }
 
 
