@@ -5,7 +5,9 @@ Two measurements, each printed as a table (the machine is shared: read ratios wi
 1. ``--builds``: cold builds of ``xl`` and ``oq4e-mtp-xl`` from the same generated fixture,
    each in an empty store, one after the other, with their eval steps and without them (what
    the build costs, not its grading); step times from the ``[done]`` lines, and the oq4e/xl
-   ratios of wall and CPU time (target: at most 3), with each build's peak RSS.
+   ratios of wall and CPU time (target: at most 3), with each build's peak RSS. ``--gptq``
+   adds oq4e-mtp-xl with GPTQ experts (``method = "gptq"``), without eval steps; its verify
+   may fail (the figures are then up to the failure, and the error is printed).
 2. per-tensor microbenchmark (always): one routed-expert tensor [E, out, in] bf16, time per
    weight of ``mx.quantize`` against ``dataaware.search`` on the same tensor (target: search
    at most 2x), and the search's weighted error against data-agnostic.
@@ -16,6 +18,7 @@ Usage::
     python bench/oq4e_bench.py --builds                 # + cold builds on a 4-layer fixture
     python bench/oq4e_bench.py --builds --spec layers=31 # the 2 GB bench fixture's layer count
     python bench/oq4e_bench.py --builds --skip-eval     # only the builds without eval steps
+    python bench/oq4e_bench.py --builds --gptq          # + oq4e with GPTQ experts (no eval)
 """
 
 from __future__ import annotations
@@ -45,9 +48,12 @@ BASE_SPEC = {
 TIME = "/usr/bin/time"  # GNU time: the build's own CPU seconds and peak RSS, not the bench's
 
 
-def build(variant: str, source: Path, work: Path) -> tuple[float, float, int, dict[str, float]]:
+def build(
+    variant: str, source: Path, work: Path, may_fail: bool = False
+) -> tuple[float, float, int, dict[str, float]]:
     """(wall s, CPU s, peak RSS KiB, {step: wall s}) of one cold build in an empty store; a
-    ``-noeval`` variant builds only what publish needs."""
+    ``-noeval`` variant builds only what publish needs. With ``may_fail``, a failed build's
+    figures up to its failure, its error under step ``"failed"``."""
     store = work / f"store-{variant}"
     shutil.rmtree(store, ignore_errors=True)
     argv = [
@@ -72,16 +78,32 @@ def build(variant: str, source: Path, work: Path) -> tuple[float, float, int, di
     t = time.perf_counter()
     p = subprocess.run(argv, capture_output=True, text=True, cwd=BUILDKIT_ROOT)
     wall = time.perf_counter() - t
-    if p.returncode:
+    if p.returncode and not may_fail:
         raise SystemExit(f"{variant} failed:\n{p.stderr}")
     steps = {
         m[1]: float(m[2]) for m in re.finditer(r"^\[done\]\s+(\S+) .* in ([\d.]+)s", p.stderr, re.M)
     }
+    if p.returncode:
+        steps["failed"] = next(
+            (ln for ln in p.stderr.splitlines() if ln.startswith("buildkit: error")), "?"
+        )
     user, sys_, rss = re.search(r"^BENCH-TIME (\S+) (\S+) (\d+)", p.stderr, re.M).groups()
     return wall, float(user) + float(sys_), int(rss), steps
 
 
-def builds(spec: dict, work: Path, with_eval: bool = True) -> None:
+GPTQ = """extends = "bench-oq4e-noeval"
+[recipe.roles]
+routed_expert = { bits = 4, group_size = 64, calibrated = true, method = "gptq" }
+[steps.calibrate]
+params.keep_inputs = true
+[steps.verify]
+params.max_rel_l1 = { "4" = 0.3, "6" = 0.045, "8" = 0.012 }
+[steps.quantize_baseline.params.recipe.roles.routed_expert]
+method = "search"  # the data-agnostic baseline's role (merged with oq4e's, calibrated = false)
+"""
+
+
+def builds(spec: dict, work: Path, with_eval: bool = True, gptq: bool = False) -> None:
     src = work / "fixture"
     argv = [sys.executable, "-m", "buildkit.cli", "fixture", str(src)]
     for k, v in spec.items():
@@ -100,12 +122,17 @@ def builds(spec: dict, work: Path, with_eval: bool = True) -> None:
         (work / "manifests" / f"{name}.toml").write_text(
             f'extends = "{parent}"\n[steps.publish]\ninputs = {{ eval = [] }}\n'
         )
+    # oq4e with GPTQ experts instead of the search (the rel-L1 line raised: GPTQ trades each
+    # weight's error for the output's), without eval steps
+    (work / "manifests" / "bench-gptq-noeval.toml").write_text(GPTQ)
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
     pairs = {"without eval steps": ("bench-xl-noeval", "bench-oq4e-noeval")}
     if with_eval:
         pairs = {"with eval steps": ("xl", "bench-oq4e"), **pairs}
     runs = {v: build(v, src, work) for pair in pairs.values() for v in pair}
+    if gptq:
+        runs["bench-gptq-noeval"] = build("bench-gptq-noeval", src, work, may_fail=True)
     print(f"\nfixture {spec} ({size:.0f} MB); load average before: {' '.join(load)}")
     for label, (a, b) in pairs.items():
         print(f"\n{label}, wall s by step\n\n| step | xl | oq4e-mtp-xl |\n|---|---|---|")
@@ -117,6 +144,19 @@ def builds(spec: dict, work: Path, with_eval: bool = True) -> None:
         print(f"| {label}, wall s | {a[0]:.1f} | {b[0]:.1f} | {b[0] / a[0]:.2f} |")
         print(f"| {label}, CPU s | {a[1]:.1f} | {b[1]:.1f} | {b[1] / a[1]:.2f} |")
         print(f"| {label}, peak RSS MB | {a[2] / 1024:.0f} | {b[2] / 1024:.0f} | |")
+    if gptq:
+        x, g = runs["bench-xl-noeval"], runs["bench-gptq-noeval"]
+        print('\noq4e with GPTQ experts (`method = "gptq"`), without eval steps, wall s by step\n')
+        print("| step | xl | GPTQ |\n|---|---|---|")
+        for step in dict.fromkeys([*x[3], *g[3]]):
+            if step != "failed":
+                print(f"| {step} | {x[3].get(step, '')} | {g[3].get(step, '')} |")
+        print(
+            f"\n| GPTQ cold build | wall {g[0]:.1f} s ({g[0] / x[0]:.2f} x xl) | CPU {g[1]:.1f} s "
+            f"({g[1] / x[1]:.2f} x xl) | peak RSS {g[2] / 1024:.0f} MB |"
+        )
+        if "failed" in g[3]:
+            print(f"\nGPTQ build failed: {g[3]['failed']}")
 
 
 def micro(experts: int, out: int, inp: int, bits: int, repeat: int) -> None:
@@ -195,6 +235,9 @@ def main(argv=None) -> int:
         "--skip-eval", action="store_true", help="with --builds: only the builds without eval steps"
     )
     p.add_argument(
+        "--gptq", action="store_true", help="with --builds: also oq4e with GPTQ experts (slow)"
+    )
+    p.add_argument(
         "--spec", action="append", default=[], help="fixture dimension, e.g. layers=31 (repeatable)"
     )
     p.add_argument(
@@ -236,10 +279,10 @@ def main(argv=None) -> int:
         spec = BASE_SPEC | {k: int(v) for k, v in (s.split("=", 1) for s in args.spec)}
         if args.work:
             args.work.mkdir(parents=True, exist_ok=True)
-            builds(spec, args.work, not args.skip_eval)
+            builds(spec, args.work, not args.skip_eval, args.gptq)
         else:
             with tempfile.TemporaryDirectory(prefix="oq4e-bench-") as tmp:
-                builds(spec, Path(tmp), not args.skip_eval)
+                builds(spec, Path(tmp), not args.skip_eval, args.gptq)
     return 0
 
 

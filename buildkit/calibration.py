@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import workers
 from .errors import SourceError, UsageError
 from .lazy import lazy
 from .tensors import to_float32, to_mlx
@@ -98,15 +99,34 @@ class Routed:
     tokens: np.ndarray | None = None
     in_sq: np.ndarray | None = None
     mid_sq: np.ndarray | None = None
+    enough: int = 0  # stop once every expert has this many rows (0: never)
+    kept: int | None = None  # sequences of the batch in which it stopped
+
+    def cutoff(self, idx: np.ndarray, batch: int, n_experts: int) -> int:
+        """Of a batch of ``batch`` sequences routed to ``idx`` [tokens, k] (in sequence order),
+        how many to run: all, or the fewest whole sequences after which every expert has
+        ``enough`` rows (then ``kept`` records it)."""
+        if not self.enough or self.kept is not None:
+            return batch
+        seqs = idx.reshape(batch, -1)
+        per_seq = np.stack([np.bincount(q, minlength=n_experts) for q in seqs])
+        prior = self.tokens if self.tokens is not None else 0
+        reached = ((np.cumsum(per_seq, axis=0) + prior) >= self.enough).all(axis=1)
+        if not reached.any():
+            return batch
+        self.kept = int(np.argmax(reached)) + 1
+        return self.kept
 
     def cat(self) -> tuple[np.ndarray, np.ndarray]:
         return np.concatenate(self.x), np.concatenate(self.experts)
 
-    def add(self, e: int, rows: np.ndarray, mid: np.ndarray, n_experts: int) -> None:
+    def start(self, n_experts: int, hidden: int, inter: int) -> None:
         if self.tokens is None:
             self.tokens = np.zeros(n_experts, np.int64)
-            self.in_sq = np.zeros((n_experts, rows.shape[-1]), np.float64)
-            self.mid_sq = np.zeros((n_experts, mid.shape[-1]), np.float64)
+            self.in_sq = np.zeros((n_experts, hidden), np.float64)
+            self.mid_sq = np.zeros((n_experts, inter), np.float64)
+
+    def add(self, e: int, rows: np.ndarray, mid: np.ndarray) -> None:
         self.tokens[e] += len(rows)
         self.in_sq[e] += np.square(rows).sum(0, dtype=np.float64)
         self.mid_sq[e] += np.square(mid).sum(0, dtype=np.float64)
@@ -114,6 +134,13 @@ class Routed:
 
 def _silu(g: np.ndarray) -> np.ndarray:
     return g / (1.0 + np.exp(-g))
+
+
+def _mm(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``x @ w.T`` for a weight w [out, in] and a few rows x [n, in], computed as ``(w @ x.T).T``:
+    OpenBLAS's sgemm runs that shape 35% faster at 64 rows (60% at 32, 8% at 256), with the same
+    bytes here (bench/RESULTS.md, "oq4e speed")."""
+    return (w @ x.T).T
 
 
 def _numpy_modules():
@@ -149,23 +176,37 @@ def _numpy_modules():
             a = np.asarray(x)
             xs = a.reshape(-1, a.shape[-1])
             idx = np.asarray(indices).reshape(xs.shape[0], -1)
-            k = idx.shape[-1]
+            k, n_experts = idx.shape[-1], self.down.shape[0]
+            r = self.routed
+            y = np.empty((*idx.shape, xs.shape[-1]), np.float32)
+            if r is not None and a.ndim == 3:  # only whole sequences, once the rows suffice
+                n = r.cutoff(idx, a.shape[0], n_experts) * a.shape[1]
+                xs, idx = xs[:n], idx[:n]  # the rest of the batch is dropped after this layer
+                y[n:] = 0
             order = np.argsort(idx.reshape(-1), kind="stable")
             flat = idx.reshape(-1)[order]
-            counts = np.bincount(flat, minlength=self.down.shape[0])
+            counts = np.bincount(flat, minlength=n_experts)
             inter = self.down.shape[-1]
-            y = np.empty((len(flat), xs.shape[-1]), np.float32)
-            r = self.routed
-            start = 0
-            for e in np.flatnonzero(counts):
-                rows = order[start : start + counts[e]]
-                xe = xs[rows // k]
-                gu = xe @ self.gate_up[e].T
-                mid = _silu(gu[:, :inter]) * gu[:, inter:]
-                y[rows] = mid @ self.down[e].T
-                if r is not None:
-                    r.add(e, xe, mid, len(counts))
-                start += counts[e]
+            starts = np.concatenate([[0], np.cumsum(counts)])
+            out = y.reshape(-1, xs.shape[-1])
+            if r is not None:
+                r.start(len(counts), xs.shape[-1], inter)
+
+            def run(experts):
+                for e in experts:
+                    rows = order[starts[e] : starts[e + 1]]
+                    xe = xs[rows // k]
+                    gu = _mm(self.gate_up[e], xe)
+                    mid = _silu(gu[:, :inter]) * gu[:, inter:]
+                    out[rows] = _mm(self.down[e], mid)
+                    if r is not None:
+                        r.add(e, xe, mid)
+
+            # on two threads (numpy's matmuls release the GIL), experts alternating: each
+            # expert's rows of y and of the sums are its own, so the bytes are one thread's
+            active = np.flatnonzero(counts)
+            for _ in workers.imap("calibrate", run, [active[0::2], active[1::2]]):
+                pass
             if r is not None:
                 r.x.append(xs.copy())
                 r.experts.append(idx.copy())
@@ -226,10 +267,20 @@ def _linears_to_numpy(layer, NpLinear) -> None:
 
 
 def moe_activations(
-    store, art, streams: dict[str, list[int]], seq_len: int, progress=None
+    store,
+    art,
+    streams: dict[str, list[int]],
+    seq_len: int,
+    progress=None,
+    enough: dict[str, int] | None = None,
 ) -> Iterator[tuple[str, dict[str, Routed]]]:
     """Run the trunk over each stream of token ids, layer by layer; yield, per decoder layer,
-    its name (``language_model.model.layers.N``) and what its routed experts saw per stream."""
+    its name (``language_model.model.layers.N``) and what its routed experts saw per stream.
+
+    ``enough[stream]``: a layer's experts run the fewest whole sequences of that stream after
+    which every one of them has been routed at least that many rows (decided from the router's
+    choices, before any expert runs); the rest of the stream goes through neither this layer's
+    experts nor any later layer, so each layer sees a prefix of what the one before it saw."""
     import mlx.core as mx
     from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
@@ -255,13 +306,20 @@ def moe_activations(
         _linears_to_numpy(layer, NpLinear)
         seen: dict[str, Routed] = {}
         for stream, hs in hidden.items():
-            switch.routed = seen.setdefault(stream, Routed())
+            r = switch.routed = seen.setdefault(
+                stream, Routed(enough=(enough or {}).get(stream, 0))
+            )
             for j, h in enumerate(hs):
                 mask = (
                     create_ssm_mask(h, None) if layer.is_linear else create_attention_mask(h, None)
                 )
                 hs[j] = layer(h, mask=mask, cache=None)
+                if r.kept is not None:  # the statistics have their rows: the rest stops here
+                    hs[j] = hs[j][: r.kept]
+                    del hs[j + 1 :]
                 mx.eval(hs[j])
+                if r.kept is not None:
+                    break
         layers[i] = None  # free this layer's weights before loading the next
         yield prefix, seen
         if progress:
@@ -310,31 +368,34 @@ def stats_for(store, art, module: str) -> tuple[np.ndarray, np.ndarray] | None:
 
 def expert_outputs(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """One expert's SwiGLU output for rows x: down(silu(gate x) * up x), as mlx_lm computes it."""
-    g, u = x @ gate.T, x @ up.T
-    return ((g / (1.0 + np.exp(-g))) * u) @ down.T
+    g, u = _mm(gate, x), _mm(up, x)
+    return _mm(down, (g / (1.0 + np.exp(-g))) * u)
 
 
 HELDOUT_ROWS = 64  # per expert: the real model's 1024 held-out tokens give each of its 256 ~32
 
 
 def expert_errors(
-    x: np.ndarray, experts: np.ndarray, n_experts: int, weights, variants: list[str]
+    x: np.ndarray, experts: np.ndarray, blocks, variants: list[str], skip=frozenset()
 ) -> dict[str, np.ndarray]:
     """Relative output error ||y_v - y_ref|| / ||y_ref|| of every expert per variant over (the
-    first ``HELDOUT_ROWS`` of) its held-out rows (NaN where none reaches it). ``weights(variant,
-    e)`` gives expert e's float32 gate/up/down [out, in] for a variant or for ``"ref"``, one
-    expert at a time, so memory stays small."""
-    out = {v: np.full(n_experts, np.nan) for v in variants}
+    first ``HELDOUT_ROWS`` of) its held-out rows (NaN where none reaches it, or it is in
+    ``skip``). ``blocks`` yields, for expert 0, 1, ... in turn, a function ``weights(variant)``
+    giving that expert's float32 gate/up/down [out, in] for a variant or for ``"ref"``, so
+    memory holds one expert and nothing is made for an expert no row reaches."""
     x = x.astype(np.float32)
-    for e in range(n_experts):
+    out: dict[str, list[float]] = {v: [] for v in variants}
+    for e, weights in enumerate(blocks):
         rows = x[(experts == e).any(axis=-1)][:HELDOUT_ROWS]
-        if not len(rows):
+        if not len(rows) or e in skip:
+            for v in variants:
+                out[v].append(np.nan)
             continue
-        ref = weights("ref", e)
+        ref = weights("ref")
         y = expert_outputs(rows, *(ref[p] for p in PROJS)).astype(np.float64)
         den = max(float(np.sqrt(np.square(y).sum())), 1e-30)
         for v in variants:
-            w = weights(v, e)
+            w = weights(v)
             diff = expert_outputs(rows, *(w[p] for p in PROJS)) - y
-            out[v][e] = float(np.sqrt(np.square(diff).sum())) / den
-    return out
+            out[v].append(float(np.sqrt(np.square(diff).sum())) / den)
+    return {v: np.array(errs) for v, errs in out.items()}

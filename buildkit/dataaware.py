@@ -43,14 +43,15 @@ from .tensors import f32_to_bf16, from_mlx, to_float32, to_mlx, unpack
 
 np = lazy("numpy", __name__)
 
-METHOD = "diag-weighted-affine-search/4"  # bump when the search changes its output bytes
+METHOD = "diag-weighted-affine-search/5"  # bump when the search changes its output or meta
 # 3: one fused numba loop (groupsearch.py); grids ranked by their error estimated from the
 # least-squares sums, the best one's exact error against data-agnostic; the 7 grids that did
 # best on the bench's tensor (was 9 evenly spaced): ~20x faster for the same weighted error
 # (bench/RESULTS.md "oq4e speed")
-# 4: only the 3 best grids after one fit fit again, then the best once more (11 fits, was 14:
-# 2 per grid), and the first fits count as candidates; lower weighted error on the bench's
-# tensor (0.7031 vs 0.7047) in 0.6x the time with the loop's other changes
+# 4 (two branches, each its own 4): only the 3 best grids after one fit fit again, then the
+# best once more (11 fits, was 14), lower weighted error on the bench's tensor (0.7031 vs
+# 0.7047) in 0.6x the time; and the weights' rel-L1 over every row in quantize's meta
+# 5: both of those together
 # extra quantization steps over the min-max range
 GRID = [-1.0, -0.5, -0.25, 0.25, 0.5, 1.0, 1.75]
 TOP = 3  # the grids with the smallest estimates after one fit: fit once more
@@ -189,6 +190,8 @@ def quantize_entry(
     at a time (``block_bytes``), so memory is a block, not the tensor."""
     import mlx.core as mx
 
+    from . import qerror
+
     module, shape, g = name.removesuffix(".weight"), entry["shape"], role.group_size
     if cal.SWITCH not in module or len(shape) != 3 or not name.endswith(".weight"):
         raise StepError(
@@ -238,13 +241,16 @@ def quantize_entry(
                     won += int(better.sum())
                 packed, s_np, b_np = repack(codes, s32, b32, role.bits, s_dtype, s_np.dtype)
             e0 += len(raw)
-            yield {
-                f"{module}.weight": (packed, "U32"),
-                f"{module}.scales": (s_np, s_dtype),
-                f"{module}.biases": (b_np, s_dtype),
-            }
+            yield (
+                raw,
+                {
+                    f"{module}.weight": (packed, "U32"),
+                    f"{module}.scales": (s_np, s_dtype),
+                    f"{module}.biases": (b_np, s_dtype),
+                },
+            )
 
-    out = store.put_row_blocks(E, blocks(), f"{module}.weight")
+    out = qerror.put_measured(store, E, blocks(), module, dtype, role.bits, g)
     with tally.lock:
         tally.tensors += 1
         tally.expert_slices += int(reached.sum())

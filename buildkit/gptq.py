@@ -28,7 +28,8 @@ from .tensors import from_mlx, to_float32, to_mlx, unpack
 
 np = lazy("numpy", __name__)
 
-METHOD = "gptq-per-expert/1"  # bump when the output bytes change
+METHOD = "gptq-per-expert/2"  # bump when the output bytes (or meta) change
+# 2: the weights' rel-L1 over every row recorded in quantize's meta (verify checks it)
 DAMP = 0.01  # of the mean diagonal, added to H: GPTQ's (and mlx_lm's) damping
 PROJS_IN = ("gate_proj", "up_proj")  # what makes down_proj's inputs
 
@@ -119,6 +120,8 @@ def quantize_entry(
     them)."""
     import mlx.core as mx
 
+    from . import qerror
+
     module, shape, g = name.removesuffix(".weight"), entry["shape"], role.group_size
     layer, sep, proj = module.partition(cal.SWITCH + ".")
     if not sep or len(shape) != 3 or proj not in cal.PROJS:
@@ -177,13 +180,16 @@ def quantize_entry(
                 codes[hit], s32[hit], b32[hit] = q, s, b
                 packed, s_np, b_np = repack(codes, s32, b32, role.bits, s_dtype, s_np.dtype)
             e0 += len(raw)
-            yield {
-                f"{module}.weight": (packed, "U32"),
-                f"{module}.scales": (s_np, s_dtype),
-                f"{module}.biases": (b_np, s_dtype),
-            }
+            yield (
+                raw,
+                {
+                    f"{module}.weight": (packed, "U32"),
+                    f"{module}.scales": (s_np, s_dtype),
+                    f"{module}.biases": (b_np, s_dtype),
+                },
+            )
 
-    out = store.put_row_blocks(E, blocks(), f"{module}.weight")
+    out = qerror.put_measured(store, E, blocks(), module, dtype, role.bits, g)
     with tally.lock:
         tally.tensors += 1
         tally.expert_slices += int(reached.sum())

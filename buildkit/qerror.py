@@ -12,6 +12,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from .tensors import dequantize, to_float32
+
 
 @numba.njit(cache=True, nogil=True)
 def _sums(packed, scales, biases, src, bits, group):
@@ -69,3 +71,53 @@ def block_sums(
         bits,
         group,
     )
+
+
+def block_error(
+    block: np.ndarray, dtype: str, packed, scales, biases, scales_dtype: str, bits: int, group: int
+) -> tuple[float, float]:
+    """(sum |dequantized - source|, sum |source|) of a block of rows as stored (``packed``
+    codes, ``scales`` and ``biases`` in ``scales_dtype``): verify's rel-L1, measured by the
+    step that writes them while the source block is in memory instead of by reading both
+    again. buildkit's own float32 dequantization, independent of mlx's kernels; for bf16 (every
+    weight of the real model) one compiled pass without float32 copies, on the CPU 10-15x
+    faster than ``mx.dequantize``."""
+    s32, b32 = to_float32(scales, scales_dtype), to_float32(biases, scales_dtype)
+    if dtype == "BF16":
+        return block_sums(packed, s32, b32, block, bits, group)
+    got = dequantize(packed, s32, b32, bits, group)
+    src = to_float32(block, dtype).reshape(got.shape)
+    den = float(np.abs(src).sum(dtype=np.float32))
+    np.subtract(got, src, out=got)
+    np.abs(got, out=got)
+    return float(got.sum(dtype=np.float32)), den
+
+
+REL_L1 = "rel_l1"  # a task's figure beside its weight's entry; the quantizing step moves it to meta
+
+
+def put_measured(
+    store, rows: int, blocks, base: str, dtype: str, bits: int, group: int
+) -> dict[str, dict]:
+    """``store.put_row_blocks`` of a quantized weight's blocks, each ``(source block, {name:
+    (array, dtype)})``, with the weight's rel-L1 over every row under ``REL_L1`` in its entry.
+    A block may come with its sums already taken, ``(source, outputs, (sum |error|, sum
+    |source|))``, by a quantizer that measured them in its own pass (``affine``)."""
+    sums = []
+
+    def measured():
+        for src, out, *known in blocks:
+            if known:
+                sums.append(known[0])
+                yield out
+                continue
+            (packed, _), (scales, sdt), (biases, _) = (
+                out[f"{base}.{k}"] for k in ("weight", "scales", "biases")
+            )
+            sums.append(block_error(src, dtype, packed, scales, biases, sdt, bits, group))
+            yield out
+
+    entries = store.put_row_blocks(rows, measured(), f"{base}.weight")
+    num, den = np.sum(sums, axis=0, dtype=np.float64)
+    entries[f"{base}.weight"][REL_L1] = float(num / max(den, 1e-30))
+    return entries

@@ -15,6 +15,7 @@ from buildkit import gptq
 from buildkit.dataaware import pack
 from buildkit.roles import Role
 from buildkit.steps.calibrate import Calibrate, CalibrateParams
+from buildkit.store import Store
 from buildkit.tensors import f32_to_bf16
 
 TRAINED_TEXT = Path(__file__).resolve().parents[1] / "buildkit" / "data" / "trained" / "heldout.txt"
@@ -137,3 +138,7 @@ def test_trained_gptq_kld_is_below_round_to_nearest_at_the_same_size(trained):
     assert ours["top1_agreement"] >= rtn["top1_agreement"]
     config = json.loads((p.out / "gptq" / "config.json").read_text())
     assert config["quantization"]["bits"] == 4  # routed experts: the default entry
+    # keep_inputs: the calibration ran every token through every layer (no rows_per_expert stop)
+    store = Store(p.store)
+    stats = store.get_artifact(store.get_ref("gptq")["nodes"]["calibrate"]["outputs"]["out"])
+    assert stats.meta["tokens_by_layer"] == [stats.meta["tokens"]] * 4

@@ -21,13 +21,13 @@ PINNED = {  # kind: (variant, node, key)
     "fetch": ("xl", "fetch", "xxh3_128:d8c66f549e3f38a5fda93ce1c13603e6"),
     "sanitize": ("xl", "sanitize", "xxh3_128:36d3e37a47e5e53ae1a880dd0babd2f3"),
     "quantize": ("xl", "quantize", "xxh3_128:93953489f377ad04f1443fedb5baaaa4"),
-    "verify": ("xl", "verify", "xxh3_128:6fd5eee2f6ca9c1919abc9417d537af8"),
+    "verify": ("xl", "verify", "xxh3_128:54afec8f29f87a20b1df405f2e0c9e7f"),
     "eval": ("xl", "eval", "xxh3_128:eb2f5fda28eec708360e95af0bac9b5d"),
     "publish": ("xl", "publish", "xxh3_128:2e4f3dce7df132460be12ccb6bb0c343"),
     "graft": ("xl-mtp", "graft", "xxh3_128:20d6bacd0ead79548a85fcde403ec078"),
     "requantize": ("xl-mtp", "requantize", "xxh3_128:de3a3e3ed07ef446a477175807904c2a"),
-    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:d14d143606008d5c316114d6a9171fda"),
-    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:0b73105ac02b2520267828d92d483f83"),
+    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:1e357acb1bf507edee382a21c19c0984"),
+    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:bf13e4104f7d0311a69fcabeec7f835c"),
 }
 
 

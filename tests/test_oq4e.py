@@ -81,6 +81,33 @@ def test_data_aware_error_is_below_data_agnostic_and_in_the_card(built):
         and f'"data_agnostic": {fig["data_agnostic"]}' in row
     )
     assert "routed_expert (calibrated) | 4 | 64" in card
+    # quantize measured the data-aware weights' rel-L1 on every row, as xl's: verify checks that
+    # figure and measures their first rows itself (4 layers x gate, up, down)
+    checks = json.loads((out / "verify.json").read_text())["checks"]
+    assert checks["dequant_rel_l1_first_rows"]["figure"]["4-bit"]["tensors"] == 4 * 3
+    _, quant = artifact(project, VARIANT, "quantize")
+    assert f"{LAYER0}.down_proj.weight" in quant.meta["rel_l1"]
+
+
+def test_calibration_stops_a_layer_once_every_expert_has_enough_rows(built):
+    """rows_per_expert: the first layer stops after the first batch that gives each of its
+    experts that many rows, later layers never run more; and what a layer sees is exactly what
+    a calibration of that many tokens (the text's prefix) gives it."""
+    project, _ = built
+    store, stats = artifact(project, VARIANT, "calibrate")
+    used, k = stats.meta["tokens_by_layer"], CalibrateParams().rows_per_expert
+    assert used == sorted(used, reverse=True) and used[0] < stats.meta["tokens"]
+    assert used[0] % 128 == 0  # whole sequences
+    first = store.read_tensor(stats.tensors[f"{LAYER0}.tokens"])
+    assert first.min() >= k and first.sum() == 2 * used[0]  # top-2 routing: two rows a token
+    prefix = f"[steps.calibrate]\nparams.rows_per_expert = 0\nparams.max_tokens = {used[0]}\n"
+    proc = project.build(extend(project, "oq4e-prefix", prefix), "--target", "calibrate")
+    assert "calibrate" in ran(proc)
+    _, whole = artifact(project, "oq4e-prefix", "calibrate")
+    assert whole.meta["tokens_by_layer"] == [used[0]] * len(used)
+    for name in (f"{LAYER0}.tokens", f"{LAYER0}.down_proj.input_sq_mean"):
+        a, b = (store.read_tensor(x.tensors[name]) for x in (stats, whole))
+        assert np.allclose(a, b, rtol=1e-6, atol=0), name
 
 
 def test_head_comes_from_the_donor(built):
@@ -185,7 +212,10 @@ def test_unreached_experts_fall_back_and_are_counted(built):
             dataaware.Tally(),
             block,
         )
-        # the same tensor digests (the build's are in packs; these stand alone)
+        # the same tensor digests (the build's are in packs; these stand alone), and the same
+        # rel-L1 over every row, measured block by block, as the build recorded for verify
+        name = f"{layer}.mlp.switch_mlp.up_proj.weight"
+        assert abs(entries[name].pop("rel_l1") - quant.meta["rel_l1"][name]) < 1e-7, block
         assert entries == {k: without_pack(quant.tensors[k]) for k in entries}, block
 
 
@@ -358,7 +388,11 @@ def test_calibrate_key_has_params_but_not_the_path():
         "seq_len": 128,
         "max_tokens": 4096,
         "max_heldout_tokens": 1024,
+        "rows_per_expert": 128,
     }
+    # GPTQ's calibration (keep_inputs) runs every token: rows_per_expert changes nothing there
+    kept = step.key_params(CalibrateParams(keep_inputs=True))
+    assert kept["keep_inputs"] is True and "rows_per_expert" not in kept
 
 
 def test_calibrated_role_needs_a_calibration_input():

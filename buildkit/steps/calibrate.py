@@ -36,14 +36,20 @@ class CalibrateParams(Params):
     # also keep the calibration stream's routed inputs in ``out`` (what GPTQ builds its
     # per-expert Hessians from; ~16 MB a layer on the real model)
     keep_inputs: bool = False
+    # A layer's experts run the fewest whole sequences of the calibration lines that route this
+    # many rows to every one of them (the rest skip that layer's experts and every later
+    # layer): the search's statistics have settled by then (bench/RESULTS.md, "oq4e speed").
+    # 0: every token. Not with keep_inputs: GPTQ's per-expert Hessians want every row.
+    rows_per_expert: int = Field(default=128, ge=0)
 
 
 @register
 class Calibrate(Step):
     kind = "calibrate"
-    version = (
-        2  # 2: the forward's matmuls in numpy's BLAS, statistics summed per expert as rows pass
-    )
+    # 2: the forward's matmuls in numpy's BLAS, statistics summed per expert as rows pass;
+    # 3: a layer stops at rows_per_expert routed rows an expert (meta.tokens_by_layer);
+    # 4: decided from the router's choices on whole sequences, the stream in one batch
+    version = 4
     Params = CalibrateParams
     inputs = {"model": Slot()}
     outputs = ("out", "heldout")
@@ -52,10 +58,10 @@ class Calibrate(Step):
         return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
 
     def key_params(self, params: CalibrateParams, inputs=None) -> dict:
-        # keep_inputs only when set: calibrations without it keep their keys
-        return params.model_dump(
-            mode="json", exclude={"text"} | (set() if params.keep_inputs else {"keep_inputs"})
-        )
+        # keep_inputs only when set (calibrations without it keep their keys), and then not
+        # rows_per_expert, which it overrides
+        drop = {"rows_per_expert"} if params.keep_inputs else {"keep_inputs"}
+        return params.model_dump(mode="json", exclude={"text"} | drop)
 
     def fingerprint(self, params: CalibrateParams, ctx: Context) -> dict:
         path = cal.text_path(params.text, ctx.options.project_root)
@@ -95,10 +101,13 @@ class Calibrate(Step):
         stats, heldout = Artifact(), Artifact()
         unreached: dict[str, list[int]] = {}
         layers = 0
+        enough = {"calibration": 0 if params.keep_inputs else params.rows_per_expert}
+        used = []  # calibration tokens each layer ran
         for layer, seen in cal.moe_activations(
-            ctx.store, model, streams, params.seq_len, ctx.progress
+            ctx.store, model, streams, params.seq_len, ctx.progress, enough
         ):
             s = cal.expert_stats(seen["calibration"], n_experts)
+            used.append(sum(map(len, seen["calibration"].x)))
             layers += 1
             sw = layer + cal.SWITCH
             stats.tensors[cal.tokens_name(layer)] = ctx.store.put_tensor("I64", s["tokens"])
@@ -121,6 +130,7 @@ class Calibrate(Step):
         stats.meta = {
             "lines": len(calib),
             "tokens": len(streams["calibration"]),
+            "tokens_by_layer": used,
             "statistic": (
                 "per-channel E[x^2] of each expert's routed inputs "
                 "(gate/up: the MoE input; down: silu(gate x) * up x)"
@@ -131,7 +141,9 @@ class Calibrate(Step):
         }
         heldout.meta = {"lines": len(held), "tokens": len(streams["heldout"])}
         ctx.log(
-            f"{stats.meta['tokens']} calibration tokens, {heldout.meta['tokens']} held-out; "
+            f"{stats.meta['tokens']} calibration tokens (the first layer ran "
+            f"{used[0] if used else 0}, the last {used[-1] if used else 0}), "
+            f"{heldout.meta['tokens']} held-out; "
             f"{stats.meta['unreached_experts']} of {stats.meta['experts']} "
             "experts reached by no token"
         )

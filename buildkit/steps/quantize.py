@@ -20,14 +20,11 @@ from pydantic import Field, model_validator
 from .. import budget, dataaware, gptq
 from ..artifact import Artifact
 from ..errors import StepError
-from ..lazy import lazy
 from ..packs import PackSet, PackWriter
 from ..roles import Recipe, Role
 from ..store import ROW_BLOCK_BYTES
-from ..tensors import ITEMSIZE, dequantize, from_mlx, nbytes, to_float32, to_mlx
+from ..tensors import ITEMSIZE, from_mlx, nbytes, to_mlx
 from .base import Context, Params, Slot, Step, library_version, register
-
-np = lazy("numpy", __name__)
 
 
 class QuantizeParams(Params):
@@ -73,72 +70,37 @@ def quantize_entry(
         return {name: entry}
     import mlx.core as mx
 
+    from .. import affine, qerror  # numba: imported by the first quantizing task, not by all
+
     shape = entry["shape"]
     check_quantizable(name, shape, role)
     base = module_path(name)
-    err = []  # per block: sum |dequantized - source|, sum |source| (float32)
-
-    from .. import affine  # numba: imported by the first quantizing task, not by every command
-
     fused = entry["dtype"] == "BF16" and role.mode == "affine" and role.bits in affine.BITS
+
+    def named(parts) -> dict:
+        return dict(
+            zip((f"{base}.{k}" for k in ("weight", "scales", "biases")), parts, strict=True)
+        )
 
     def blocks():
         for block in store.iter_rows(entry, block_bytes):
             # bf16 (every weight of the real model): mx.quantize's bytes and verify's figure
             # in one compiled pass; else, or for a non-finite block, mx.quantize then measure
             done = affine.quantize(block, role.bits, role.group_size) if fused else None
-            if done is None:
-                q = mx.quantize(
-                    to_mlx(block, entry["dtype"]),
-                    group_size=role.group_size,
-                    bits=role.bits,
-                    mode=role.mode,
-                )
-                parts = [from_mlx(arr) for arr in q]
-            else:
-                parts, sums = done
-            out = dict(zip((f"{base}.{k}" for k in QUANT_PARTS), parts, strict=True))
-            err.append(
-                block_error(block, entry["dtype"], out, base, role) if done is None else sums
+            if done is not None:
+                yield block, named(done[0]), done[1]
+                continue
+            q = mx.quantize(
+                to_mlx(block, entry["dtype"]),
+                group_size=role.group_size,
+                bits=role.bits,
+                mode=role.mode,
             )
-            yield out
+            yield block, named(from_mlx(arr) for arr in q)
 
-    out = store.put_row_blocks(shape[0], blocks(), f"{base}.weight")
-    num, den = np.sum(err, axis=0, dtype=np.float64)
-    out[f"{base}.weight"][REL_L1] = float(num / max(den, 1e-30))
-    return out
-
-
-def block_error(block, dtype: str, out: dict, base: str, role: Role) -> tuple[float, float]:
-    """(sum |dequantized - source|, sum |source|) of a block: verify's rel-L1, measured on the
-    codes, scales and biases being written while the source block is in memory, instead of by
-    reading both again. buildkit's own float32 dequantization (``tensors.dequantize``, or
-    ``qerror`` compiled for bf16: independent of mlx's kernels, and on the CPU 10-15x faster
-    than ``mx.dequantize``)."""
-    (packed, _), (scales, sdt), (biases, _) = (out[f"{base}.{k}"] for k in QUANT_PARTS)
-    if dtype == "BF16":  # every weight of the real model: one compiled pass, no float32 copies
-        from .. import qerror
-
-        return qerror.block_sums(
-            packed,
-            to_float32(scales, sdt),
-            to_float32(biases, sdt),
-            block,
-            role.bits,
-            role.group_size,
-        )
-    got = dequantize(
-        packed, to_float32(scales, sdt), to_float32(biases, sdt), role.bits, role.group_size
+    return qerror.put_measured(
+        store, shape[0], blocks(), base, entry["dtype"], role.bits, role.group_size
     )
-    src = to_float32(block, dtype).reshape(got.shape)
-    den = float(np.abs(src).sum(dtype=np.float32))
-    np.subtract(got, src, out=got)
-    np.abs(got, out=got)
-    return float(got.sum(dtype=np.float32)), den
-
-
-REL_L1 = "rel_l1"  # a task's figure beside its weight's entry; the step moves it to meta
-QUANT_PARTS = ("weight", "scales", "biases")
 
 
 def output_shapes(name: str, entry: dict, role: Role) -> dict[str, tuple[str, list[int]]]:
@@ -251,6 +213,7 @@ def quantize_artifact(
     ctx.progress.start(len(names))
 
     tally = dataaware.check_calibration(recipe, roles, calibration)
+    from .. import qerror  # numba: only once a step quantizes
 
     def work(store, name: str, entry: dict, role: Role, slots: dict) -> dict[str, dict]:
         if role.calibrated and role.method == "gptq":  # error feedback (buildkit/gptq.py)
@@ -291,7 +254,7 @@ def quantize_artifact(
                         f"tensor {name!r}: made {sorted(entries)}, planned {sorted(outputs[name])}"
                     )
                 for k, e in entries.items():
-                    err = e.pop(REL_L1, None)
+                    err = e.pop(qerror.REL_L1, None)
                     if err is not None and math.isfinite(err):  # a NaN source: verify names it
                         rel_l1[k] = round(err, 7)
                 written.update(entries)
