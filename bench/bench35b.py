@@ -80,8 +80,8 @@ def disk_busy_ms() -> int:
 
 def settle_disk(quiet: float = 2.0, limit: float = 180.0) -> float:
     """Sync, then wait until the disks have done no I/O for ``quiet`` seconds (at most
-    ``limit``): deleting tens of GB on a file system mounted with ``discard`` keeps the disk
-    trimming for a while, and the next run measured would pay for the last one's files."""
+    ``limit``), so that a run measured is not billed for the write-back or the trim (``/`` may
+    be mounted with ``discard``) of the files the run before it wrote or deleted."""
     t0 = time.perf_counter()
     os.sync()
     last, since = disk_busy_ms(), time.perf_counter()
@@ -284,8 +284,7 @@ def report(R: dict) -> str:
         "the whole bench directory "
         f"{R['disk_total'] / GB:.2f} GB (convert's output already deleted).",
         "",
-        "Before each run the disks settled (sync, then no I/O for 2 s; deleting an output on "
-        "a file system mounted with `discard` keeps them trimming): waited "
+        "Before each run the disks settled (sync, then no I/O for 2 s): waited "
         + ", ".join(
             f"{R[k]['settle_s']:.1f} s before {k}"
             for k in ("convert", "xl", "xl-mtp")
