@@ -169,6 +169,16 @@ def check_calibration(recipe, roles: dict[str, str], calibration) -> Tally:
     return Tally()
 
 
+def stored_parts(module: str, packed, scales, biases, s_dtype: str) -> dict:
+    """A quantized weight's packed codes, scales and biases under its module's names, as the
+    store takes a block of them (``qerror.put_measured``)."""
+    return {
+        f"{module}.weight": (packed, "U32"),
+        f"{module}.scales": (scales, s_dtype),
+        f"{module}.biases": (biases, s_dtype),
+    }
+
+
 def repack(codes, s32, b32, bits: int, s_dtype: str, s_np_dtype):
     """Codes and float32 scales and biases back to what is stored: packed uint32 codes, and
     scales and biases rounded to their storage dtype (bf16 as mlx rounds it)."""
@@ -241,14 +251,7 @@ def quantize_entry(
                     won += int(better.sum())
                 packed, s_np, b_np = repack(codes, s32, b32, role.bits, s_dtype, s_np.dtype)
             e0 += len(raw)
-            yield (
-                raw,
-                {
-                    f"{module}.weight": (packed, "U32"),
-                    f"{module}.scales": (s_np, s_dtype),
-                    f"{module}.biases": (b_np, s_dtype),
-                },
-            )
+            yield raw, stored_parts(module, packed, s_np, b_np, s_dtype)
 
     out = qerror.put_measured(store, E, blocks(), module, dtype, role.bits, g)
     with tally.lock:

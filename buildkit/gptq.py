@@ -19,7 +19,7 @@ calibration token reached keep mx.quantize's result and are counted, as in ``dat
 from __future__ import annotations
 
 from . import calibration as cal
-from .dataaware import Tally, repack
+from .dataaware import Tally, repack, stored_parts
 from .errors import StepError
 from .lazy import lazy
 from .roles import Role
@@ -180,14 +180,7 @@ def quantize_entry(
                 codes[hit], s32[hit], b32[hit] = q, s, b
                 packed, s_np, b_np = repack(codes, s32, b32, role.bits, s_dtype, s_np.dtype)
             e0 += len(raw)
-            yield (
-                raw,
-                {
-                    f"{module}.weight": (packed, "U32"),
-                    f"{module}.scales": (s_np, s_dtype),
-                    f"{module}.biases": (b_np, s_dtype),
-                },
-            )
+            yield raw, stored_parts(module, packed, s_np, b_np, s_dtype)
 
     out = qerror.put_measured(store, E, blocks(), module, dtype, role.bits, g)
     with tally.lock:
