@@ -230,10 +230,9 @@ class DirectRange:
                 self.fill += n
                 if self.fill == len(self.buf) or self.pos + n == self.hi:
                     self._flush()
-            else:
-                n = len(data) if self.pos >= self.hi else min(len(data), self.lo - self.pos)
-                if self.buf is None:
-                    n = len(data)
+            else:  # buffered: the head up to the first whole block, the tail, or all of it
+                direct_later = self.buf is not None and self.pos < self.lo
+                n = min(len(data), self.lo - self.pos) if direct_later else len(data)
                 _pwrite_all(self.fd, data[:n], self.pos)
             self.pos += n
             data = data[n:]
