@@ -23,12 +23,53 @@ BITS = (2, 3, 4, 5, 6, 8)
 
 
 @numba.njit(cache=True, nogil=True)
+def group_params(w_min, w_max, n_bins):
+    """mlx's (scale, bias) of a group from its float32 min and max (finite)."""
+    mask = abs(w_min) > abs(w_max)
+    scale = (w_max - w_min) / n_bins
+    eps = np.float32(1e-7)
+    scale = eps if scale < eps else scale  # std::max(scale, eps)
+    if not mask:
+        scale = -scale
+    edge = w_min if mask else w_max
+    q0 = np.rint(edge / scale)
+    bias = np.float32(0.0)
+    if q0 != np.float32(0.0):
+        scale = edge / q0
+        bias = edge
+    return scale, bias
+
+
+@numba.njit(cache=True, nogil=True)
+def rows_params(v, bits, scales, biases):
+    """mlx's float32 (scale, bias) of each row of a group v [R, group] (float32, any strides),
+    before they are rounded to the stored dtype; False if a value or scale is not finite."""
+    n_bins = np.float32((1 << bits) - 1)
+    for r in range(v.shape[0]):
+        w_min = np.float32(np.inf)
+        w_max = np.float32(-np.inf)
+        for c in range(v.shape[1]):
+            x = v[r, c]
+            if x != x:
+                return False
+            w_max = x if w_max < x else w_max
+            w_min = x if x < w_min else w_min
+        if not (np.isfinite(w_min) and np.isfinite(w_max)):
+            return False
+        s, b = group_params(w_min, w_max, n_bins)
+        if not np.isfinite(s):
+            return False
+        scales[r] = s
+        biases[r] = b
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
 def _quantize(src, bits, group, packed, scales, biases):
     # src [R, C] uint16 (bf16 bits); packed [R, C * bits / 8] uint8; scales, biases
     # [R, C / group] uint16 (bf16 bits). Returns (sum |dequantized - w|, sum |w|, finite).
     R, C = src.shape
     n_bins = np.float32((1 << bits) - 1)
-    eps = np.float32(1e-7)
     zero = np.float32(0.0)
     wide = np.empty(C, np.uint32)
     xf = wide.view(np.float32)  # the row in float32: bf16 is its top 16 bits
@@ -55,17 +96,7 @@ def _quantize(src, bits, group, packed, scales, biases):
                 w_min = v if v < w_min else w_min  # std::min(w_min, v)
             if not (np.isfinite(w_min) and np.isfinite(w_max)):
                 return num, den, False
-            mask = abs(w_min) > abs(w_max)
-            scale = (w_max - w_min) / n_bins
-            scale = eps if scale < eps else scale  # std::max(scale, eps)
-            if not mask:
-                scale = -scale
-            edge = w_min if mask else w_max
-            q0 = np.rint(edge / scale)
-            bias = zero
-            if q0 != zero:
-                scale = edge / q0
-                bias = edge
+            scale, bias = group_params(w_min, w_max, n_bins)
             if not np.isfinite(scale):
                 return num, den, False
             # to bf16, round to nearest even (mlx's float -> bfloat16 for finite values)

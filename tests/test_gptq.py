@@ -60,16 +60,48 @@ def test_packed_codes_load_in_mlx():
     assert np.allclose(np.array(got), dequant(codes, s, b, 64), atol=1e-6)
 
 
+def damped(h: np.ndarray) -> np.ndarray:
+    """GPTQ's treatment of H, written out: unused channels get a unit diagonal, then DAMP."""
+    want = np.array(h, np.float64)
+    d = np.diag(want).copy()
+    d[d <= 0] = 1.0
+    want[np.diag_indices(len(d))] = d + gptq.DAMP * d.mean()
+    return want
+
+
 def test_inverse_factor_is_the_damped_inverse():
     x = correlated(64, 16, 4)
-    h = (x.T @ x).astype(np.float64)
+    h = x.T @ x
     h[:, 3] = h[3, :] = 0  # a channel no row used
     u = gptq.inverse_factor(h[None])[0].astype(np.float64)
-    want = h.copy()
-    want[3, 3] = 1.0
-    want[np.diag_indices(16)] += gptq.DAMP * np.diag(want).mean()
-    assert np.allclose(u.T @ u, np.linalg.inv(want), rtol=1e-3, atol=1e-6)
-    assert np.allclose(u, np.triu(u))
+    assert np.allclose(u.T @ u, np.linalg.inv(damped(h)), rtol=1e-3, atol=1e-6)
+    assert np.array_equal(u, np.triu(u))
+
+
+def textbook(w, h, bits, g):
+    """GPTQ as its paper writes it: the upper Cholesky factor of H⁻¹ in float64, each column's
+    error pushed at once into every column after it; scales as gptq.quantize chooses them."""
+    u = np.linalg.cholesky(np.linalg.inv(damped(h))).T
+    w = np.array(w, np.float64)
+    q = np.empty(w.shape, np.uint8)
+    for i in range(0, w.shape[-1], g):
+        _, s, b = mx.quantize(mx.array(w[:, i : i + g], dtype=mx.float32), group_size=g, bits=bits)
+        s = np.array(s.astype(mx.bfloat16).astype(mx.float32), np.float64)[:, 0]
+        b = np.array(b.astype(mx.bfloat16).astype(mx.float32), np.float64)[:, 0]
+        for k in range(i, i + g):
+            q[:, k] = np.clip(np.round((w[:, k] - b) / s), 0, 2**bits - 1)
+            w[:, k:] -= np.outer((w[:, k] - (q[:, k] * s + b)) / u[k, k], u[k, k:])
+    return q
+
+
+def test_quantize_is_textbook_gptq():
+    # float32, grouped feedback and a compiled loop: the same codes as the paper's float64
+    rng = np.random.default_rng(5)
+    x = correlated(400, 256, 6)
+    w = rng.normal(scale=0.05, size=(1, 48, 256)).astype(np.float32)
+    h = x.T @ x
+    codes, _, _ = gptq.quantize(w, gptq.inverse_factor(h[None]), 4, 64, "BF16")
+    assert np.mean(codes[0] == textbook(w[0], h, 4, 64)) > 0.99
 
 
 def test_role_and_calibrate_options_stay_out_of_old_keys():

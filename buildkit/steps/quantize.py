@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from pydantic import Field, model_validator
 
-from .. import budget, dataaware, gptq
+from .. import budget, dataaware
 from ..artifact import Artifact
 from ..errors import StepError
 from ..packs import PackSet, PackWriter
@@ -217,6 +217,8 @@ def quantize_artifact(
 
     def work(store, name: str, entry: dict, role: Role, slots: dict) -> dict[str, dict]:
         if role.calibrated and role.method == "gptq":  # error feedback (buildkit/gptq.py)
+            from .. import gptq  # numba and scipy: only for a GPTQ role
+
             w = PackWriter(store, slots)
             return gptq.quantize_entry(w, name, entry, role, calibration, art.tensors, tally)
         if role.calibrated:  # data-aware routed experts (buildkit/dataaware.py)
@@ -292,6 +294,8 @@ def quantize_artifact(
     if tally:
         out.meta["calibration"] = tally.summary()
         if any(r.method == "gptq" for r in recipe.roles.values()):
+            from .. import gptq
+
             out.meta["calibration"]["method"] = gptq.METHOD
         ctx.log(
             f"data-aware: {tally.expert_slices} expert slices; "
@@ -334,6 +338,8 @@ class Quantize(Step):
         if any(v["calibrated"] for v in plan["roles"].values()):
             d["data_aware"] = dataaware.key()  # the search's version and the numpy it runs on
         if any(v.get("method") == "gptq" for v in plan["roles"].values()):
+            from .. import gptq
+
             d["gptq"] = gptq.key()
         return d
 
