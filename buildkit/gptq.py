@@ -28,7 +28,6 @@ from .roles import Role
 from .store import ROW_BLOCK_BYTES
 from .tensors import f32_to_bf16, from_mlx, to_float32, to_mlx, unpack
 
-
 METHOD = "gptq-per-expert/3"  # bump when the output bytes (or meta) change
 # 3: H⁻¹'s factor from float32 potrf and trtri (was float64 inv), compiled column loop
 # 2: the weights' rel-L1 over every row recorded in quantize's meta (verify checks it)
