@@ -57,15 +57,15 @@ def inverse_factor(h: np.ndarray) -> np.ndarray:
     diag = np.einsum("ecc->ec", h)  # a view: writes go to h
     diag[diag <= 0] = 1.0
     diag += DAMP * diag.mean(-1, keepdims=True)
-    u = np.empty_like(h)
+    ut = np.empty_like(h)  # Uᵀ, row-major: U's columns are its rows
     for x in range(len(h)):
         low, info = lapack.spotrf(h[x].T, lower=1, clean=1, overwrite_a=1)  # Fortran order
         if not info:
             low, info = lapack.strtri(low, lower=1, overwrite_c=1)
         if info:
             raise StepError(f"GPTQ: a Hessian is not positive definite (LAPACK: {info})")
-        u[x] = low[::-1, ::-1]
-    return u
+        ut[x] = low.T[::-1, ::-1]  # J L⁻ᵀ J = Uᵀ, from row-major memory: a streaming copy
+    return ut.transpose(0, 2, 1)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -142,7 +142,7 @@ def quantize(
         b = _stored(b32, dtype).reshape(e, rows)
         scales[..., gi], biases[..., gi] = s, b
         for x in range(e):
-            ut = np.ascontiguousarray(u[x, i:j, i:j].T)
+            ut = u[x, i:j, i:j].T  # row-major when u is inverse_factor's
             _round_group(base[x], ut, s[x], b[x], n, codes[x, :, i:j], err[x, :, i:j])
     return codes, scales, biases
 
@@ -160,38 +160,63 @@ def _routed(calibration, layer: str) -> tuple[np.ndarray, np.ndarray]:
     return x, ex
 
 
-def quantize_entry(
+def pairs(names: list[str]) -> dict[str, str]:
+    """gate_proj -> up_proj weight names of the same layers among ``names``: tensors that share
+    their inputs, so one task quantizes both with one Hessian and one factor per expert."""
+    have = set(names)
+    out = {}
+    for n in names:
+        layer, sep, rest = n.partition(f"{cal.SWITCH}.")
+        up = f"{layer}{cal.SWITCH}.up_proj.weight"
+        if sep and rest == "gate_proj.weight" and up in have:
+            out[n] = up
+    return out
+
+
+def quantize_entries(
     store,
-    name: str,
-    entry: dict,
+    items: list[tuple[str, dict]],
     role: Role,
     calibration,
     model: dict[str, dict],
     tally: Tally,
     block_bytes: int = ROW_BLOCK_BYTES,
 ) -> dict[str, dict]:
-    """One routed-expert weight [E, out, in] -> weight/scales/biases by per-expert GPTQ, a few
-    experts at a time; ``model`` holds the layer's bf16 gate/up (down's inputs are made from
-    them)."""
+    """Routed-expert weights [E, out, in] of one layer -> weight/scales/biases by per-expert
+    GPTQ, a few experts at a time: one tensor, or gate_proj and up_proj together (``pairs``),
+    which read the same inputs and so share each expert's Hessian and its factor (at the real
+    model's 2048 inputs the factor is most of GPTQ's cost). ``model`` holds the layer's bf16
+    gate/up: down's inputs are made from them."""
     import mlx.core as mx
 
     from . import qerror
 
-    module, shape, g = name.removesuffix(".weight"), entry["shape"], role.group_size
-    layer, sep, proj = module.partition(cal.SWITCH + ".")
-    if not sep or len(shape) != 3 or proj not in cal.PROJS:
-        raise StepError(
-            f"GPTQ role matches {name!r} {shape}, which is not a routed-expert weight; "
-            "give this tensor a role without method = 'gptq'"
-        )
-    if shape[-1] % g:
-        raise StepError(
-            f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {g}"
-        )
+    g = role.group_size
+    parts = []
+    for name, entry in items:
+        module, shape = name.removesuffix(".weight"), entry["shape"]
+        layer, sep, proj = module.partition(cal.SWITCH + ".")
+        if not sep or len(shape) != 3 or proj not in cal.PROJS:
+            raise StepError(
+                f"GPTQ role matches {name!r} {shape}, which is not a routed-expert weight; "
+                "give this tensor a role without method = 'gptq'"
+            )
+        if shape[-1] % g:
+            raise StepError(
+                f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {g}"
+            )
+        parts.append((module, layer, proj, entry))
+    layer, proj = parts[0][1], parts[0][2]
+    if len(parts) > 1 and (
+        [p[2] for p in parts] != list(PROJS_IN)
+        or {p[1] for p in parts} != {layer}
+        or parts[0][3]["shape"] != parts[1][3]["shape"]
+    ):
+        raise StepError(f"GPTQ quantizes together only a layer's {PROJS_IN}, not {items}")
     xe, ee = _routed(calibration, layer)
     x = to_float32(store.read_tensor(xe), xe["dtype"])
     chosen = store.read_tensor(ee)
-    dtype, E = entry["dtype"], shape[0]
+    dtype, E = parts[0][3]["dtype"], parts[0][3]["shape"][0]
     rows_of = [np.flatnonzero((chosen == e).any(-1)) for e in range(E)]
     reached = np.array([len(r) > 0 for r in rows_of])
     # down_proj's inputs are each expert's activations: gate and up, read in the same blocks
@@ -211,16 +236,14 @@ def quantize_entry(
         return xs.T @ xs  # float32: sgemm, and factor's Cholesky is float32 too
 
     def blocks():
+        """Per block of experts, each tensor's (source block, stored parts, (rel-L1 sums))."""
         e0 = 0
-        for raw in store.iter_rows(entry, block_bytes):
+        for raws in zip(*(store.iter_rows(p[3], block_bytes) for p in parts)):
+            n = len(raws[0])
             gate_up = next(gu) if gu is not None else None
-            if gate_up is not None and len(gate_up[0]) != len(raw):
-                raise StepError(
-                    f"{name}: gate/up blocks of {len(gate_up[0])} experts, not {len(raw)}"
-                )
-            wq, scales, biases = mx.quantize(to_mlx(raw, dtype), group_size=g, bits=role.bits)
-            (packed, _), (s_np, s_dtype), (b_np, _) = (from_mlx(a) for a in (wq, scales, biases))
-            hit = [j for j in range(len(raw)) if reached[e0 + j]]
+            if gate_up is not None and len(gate_up[0]) != n:
+                raise StepError(f"{sw}: gate/up blocks of {len(gate_up[0])} experts, not {n}")
+            hit = [j for j in range(n) if reached[e0 + j]]
             if hit:
                 h = np.stack(
                     [
@@ -228,19 +251,39 @@ def quantize_entry(
                         for j in hit
                     ]
                 )
-                w = to_float32(raw[hit], dtype)
-                q, s, b = quantize(w, inverse_factor(h), role.bits, g, s_dtype)
-                codes = unpack(packed, role.bits).copy()
-                s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
-                codes[hit], s32[hit], b32[hit] = q, s, b
-                packed, s_np, b_np = repack(codes, s32, b32, role.bits, s_dtype, s_np.dtype)
-            e0 += len(raw)
-            yield raw, stored_parts(module, packed, s_np, b_np, s_dtype)
+                u = inverse_factor(h)
+            got = []
+            for raw, (module, *_) in zip(raws, parts):
+                wq, scales, biases = mx.quantize(to_mlx(raw, dtype), group_size=g, bits=role.bits)
+                (packed, _), (s_np, s_dtype), (b_np, _) = (
+                    from_mlx(a) for a in (wq, scales, biases)
+                )
+                if hit:  # the reached experts by GPTQ, the rest keep mx.quantize's
+                    q, s, b = quantize(to_float32(raw[hit], dtype), u, role.bits, g, s_dtype)
+                    codes = unpack(packed, role.bits).copy()
+                    s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
+                    codes[hit], s32[hit], b32[hit] = q, s, b
+                    packed, s_np, b_np = repack(codes, s32, b32, role.bits, s_dtype, s_np.dtype)
+                sums = qerror.block_error(raw, dtype, packed, s_np, b_np, s_dtype, role.bits, g)
+                got.append((raw, stored_parts(module, packed, s_np, b_np, s_dtype), sums))
+            e0 += n
+            yield got
 
-    out = qerror.put_measured(store, E, blocks(), module, dtype, role.bits, g)
+    # The first tensor streams into the store as its blocks are made; the second's blocks
+    # (quantized: a quarter of its bf16 size or less) wait in memory until it is done.
+    later: list[tuple] = []
+
+    def first():
+        for got in blocks():
+            later.extend((None, p, sums) for _, p, sums in got[1:])
+            yield got[0]
+
+    out = qerror.put_measured(store, E, first(), parts[0][0], dtype, role.bits, g)
+    if len(parts) > 1:
+        out.update(qerror.put_measured(store, E, iter(later), parts[1][0], dtype, role.bits, g))
     with tally.lock:
-        tally.tensors += 1
-        tally.expert_slices += int(reached.sum())
+        tally.tensors += len(parts)
+        tally.expert_slices += int(reached.sum()) * len(parts)
         tally.fallback.setdefault(layer, set()).update(np.flatnonzero(~reached).tolist())
     return out
 

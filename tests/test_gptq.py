@@ -174,3 +174,24 @@ def test_trained_gptq_kld_is_below_round_to_nearest_at_the_same_size(trained):
     store = Store(p.store)
     stats = store.get_artifact(store.get_ref("gptq")["nodes"]["calibrate"]["outputs"]["out"])
     assert stats.meta["tokens_by_layer"] == [stats.meta["tokens"]] * 4
+
+
+def test_gate_and_up_share_a_task_only_under_one_gptq_role():
+    from buildkit.roles import Recipe
+    from buildkit.steps.quantize import task_units
+
+    sw = "language_model.model.layers.{}.mlp.switch_mlp.{}_proj.weight"
+    names = sorted(sw.format(i, p) for i in range(2) for p in ("gate", "up", "down"))
+    gptq_role = Role(bits=4, calibrated=True, method="gptq")
+    recipe = Recipe(roles={"e": gptq_role, "s": Role(bits=4, calibrated=True)})
+    units = task_units(names, dict.fromkeys(names, "e"), recipe)
+    assert units == [
+        (sw.format(0, "down"),),
+        (sw.format(0, "gate"), sw.format(0, "up")),
+        (sw.format(1, "down"),),
+        (sw.format(1, "gate"), sw.format(1, "up")),
+    ]
+    # layer 1's up under the search: its gate has no partner
+    roles = dict.fromkeys(names, "e") | {sw.format(1, "up"): "s"}
+    assert (sw.format(1, "gate"),) in task_units(names, roles, recipe)
+    assert task_units(names, dict.fromkeys(names, "s"), recipe) == [(n,) for n in names]

@@ -195,6 +195,23 @@ def resolved_plan(
     return plan
 
 
+def task_units(names: list[str], roles: dict[str, str], recipe: Recipe) -> list[tuple[str, ...]]:
+    """The tensors each quantize task makes, in order: one each, but a layer's gate_proj and
+    up_proj together when both have the same GPTQ role (gptq.pairs)."""
+    gptq_roles = {n for n, r in recipe.roles.items() if r.calibrated and r.method == "gptq"}
+    if not gptq_roles:
+        return [(n,) for n in names]
+    from .. import gptq
+
+    up_of = {
+        g: u
+        for g, u in gptq.pairs(names).items()
+        if roles[g] == roles[u] and roles[g] in gptq_roles
+    }
+    ups = set(up_of.values())
+    return [(n, up_of[n]) if n in up_of else (n,) for n in names if n not in ups]
+
+
 def quantize_artifact(
     ctx: Context,
     art: Artifact,
@@ -215,12 +232,16 @@ def quantize_artifact(
     tally = dataaware.check_calibration(recipe, roles, calibration)
     from .. import qerror  # numba: only once a step quantizes
 
-    def work(store, name: str, entry: dict, role: Role, slots: dict) -> dict[str, dict]:
+    def work(store, *items: tuple) -> dict[str, dict]:
+        """One task's tensors, each ``(name, entry, role, slots)``: one tensor, or a layer's
+        gate_proj and up_proj under a GPTQ role (they share a Hessian and its factor)."""
+        name, entry, role, slots = items[0]
         if role.calibrated and role.method == "gptq":  # error feedback (buildkit/gptq.py)
             from .. import gptq  # numba and scipy: only for a GPTQ role
 
-            w = PackWriter(store, slots)
-            return gptq.quantize_entry(w, name, entry, role, calibration, art.tensors, tally)
+            w = PackWriter(store, {k: v for it in items for k, v in it[3].items()})
+            pairs = [(it[0], it[1]) for it in items]
+            return gptq.quantize_entries(w, pairs, role, calibration, art.tensors, tally)
         if role.calibrated:  # data-aware routed experts (buildkit/dataaware.py)
             w = PackWriter(store, slots)
             return dataaware.quantize_entry(w, name, entry, role, calibration, tally)
@@ -234,49 +255,61 @@ def quantize_artifact(
         name: output_shapes(name, art.tensors[name], recipe.roles[roles[name]]) for name in names
     }
     packset = PackSet(ctx.store, {k: v for o in outputs.values() for k, v in o.items()})
-    tasks = [
-        (
-            name,
-            (name, art.tensors[name], recipe.roles[roles[name]], packset.slots_for(outputs[name])),
-        )
-        for name in names
-    ]
+
+    def item(name: str) -> tuple:
+        return name, art.tensors[name], recipe.roles[roles[name]], packset.slots_for(outputs[name])
+
     calibrated = calibration is not None  # check_calibration: then some role is calibrated
-    results = ctx.map(work, tasks, local_only=True) if calibrated else ctx.map(pack_entry, tasks)
+    units = [(name,) for name in names]  # the tensors each task makes, in task order
+    if calibrated:
+        units = task_units(names, roles, recipe)
+        tasks = [(u[0], tuple(item(n) for n in u)) for u in units]
+        results = ctx.map(work, tasks, local_only=True)
+    else:
+        results = ctx.map(pack_entry, [(name, item(name)) for name in names])
     written: dict[str, dict] = {}
     rel_l1: dict[str, float] = {}  # weight -> its dequantization error, for verify
+
+    def account(name: str, entries: dict[str, dict]) -> None:
+        """A tensor's outputs into the packs, its figures into the step's meta."""
+        nonlocal src_params, src_bits, out_bits
+        role_name = roles[name]
+        role = recipe.roles[role_name]
+        for k, e in entries.items():
+            err = e.pop(qerror.REL_L1, None)
+            if err is not None and math.isfinite(err):  # a NaN source: verify names it
+                rel_l1[k] = round(err, 7)
+        written.update(entries)
+        for i in packset.written(entries):
+            packset.finish(i)
+        src = art.tensors[name]
+        n = 1
+        for d in src["shape"]:
+            n *= d
+        if not role.passthrough:
+            quant_cfg[module_path(name)] = role.quant()
+        row = table.setdefault(
+            role_name, {**role.model_dump(exclude_defaults=True), "tensors": 0, "params": 0}
+        )
+        row["tensors"] += 1
+        row["params"] += n
+        src_params += n
+        src_bits += 8 * ITEMSIZE[src["dtype"]] * n
+        out_bits += stored_bits(entries)
+        ctx.progress.advance(1, nbytes(src["dtype"], src["shape"]))
+
     try:
         with contextlib.closing(results):
-            for name in names:
-                role_name = roles[name]
-                role = recipe.roles[role_name]
-                entries = next(results)
-                if set(entries) != set(outputs[name]):
+            for unit in units:
+                made = next(results)
+                planned = {k for name in unit for k in outputs[name]}
+                if set(made) != planned:
                     raise StepError(
-                        f"tensor {name!r}: made {sorted(entries)}, planned {sorted(outputs[name])}"
+                        f"tensor {' and '.join(map(repr, unit))}: made {sorted(made)}, "
+                        f"planned {sorted(planned)}"
                     )
-                for k, e in entries.items():
-                    err = e.pop(qerror.REL_L1, None)
-                    if err is not None and math.isfinite(err):  # a NaN source: verify names it
-                        rel_l1[k] = round(err, 7)
-                written.update(entries)
-                for i in packset.written(entries):
-                    packset.finish(i)
-                src = art.tensors[name]
-                n = 1
-                for d in src["shape"]:
-                    n *= d
-                if not role.passthrough:
-                    quant_cfg[module_path(name)] = role.quant()
-                row = table.setdefault(
-                    role_name, {**role.model_dump(exclude_defaults=True), "tensors": 0, "params": 0}
-                )
-                row["tensors"] += 1
-                row["params"] += n
-                src_params += n
-                src_bits += 8 * ITEMSIZE[src["dtype"]] * n
-                out_bits += stored_bits(entries)
-                ctx.progress.advance(1, nbytes(src["dtype"], src["shape"]))
+                for name in unit:
+                    account(name, {k: made[k] for k in outputs[name]})
     finally:
         packset.discard()  # temp files of packs never completed (a failure)
     out.tensors = {k: packset.entry(k, e) for k, e in sorted(written.items())}
