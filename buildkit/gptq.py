@@ -14,6 +14,11 @@ own, from the rows routed to it (gate/up: the MoE input; down: that expert's own
 (bench/RESULTS.md, "Against mlx_lm's quantizers"). The inputs are the calibration stream's
 routed rows, which the calibrate step keeps with ``params.keep_inputs = true``. Experts no
 calibration token reached keep mx.quantize's result and are counted, as in ``dataaware``.
+
+Cost, per expert with C inputs and n rows: the Hessian (n C² multiply-adds), the factor of
+its inverse (2C³/3: LAPACK's float32 potrf and trtri, through scipy) and the feedback
+(out x C²/2, sgemm between groups, a compiled loop inside one). A layer's gate_proj and
+up_proj read the same rows, so one task quantizes both with one Hessian and one factor.
 """
 
 from __future__ import annotations
