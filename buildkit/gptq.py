@@ -15,6 +15,10 @@ own, from the rows routed to it (gate/up: the MoE input; down: that expert's own
 routed rows, which the calibrate step keeps with ``params.keep_inputs = true``. Experts no
 calibration token reached keep mx.quantize's result and are counted, as in ``dataaware``.
 
+An expert's own rows are few beside its inputs on a real model (~128 rows an expert for 2048
+gate/up inputs), so each Hessian is first shrunk toward a prior (``regularize``): gate/up's
+toward the layer's pooled Hessian (every calibration row), down's toward its own diagonal.
+
 Cost, per expert with C inputs and n rows: the Hessian (n C² multiply-adds), the factor of
 its inverse (2C³/3: LAPACK's float32 potrf and trtri, through scipy) and the feedback
 (out x C²/2, sgemm between groups, a compiled loop inside one). A layer's gate_proj and
@@ -34,9 +38,14 @@ from .store import ROW_BLOCK_BYTES
 from .tensors import f32_to_bf16, from_mlx, to_float32, to_mlx, unpack
 
 METHOD = "gptq-per-expert/3"  # bump when the output bytes (or meta) change
-# 3: H⁻¹'s factor from float32 potrf and trtri (was float64 inv), compiled column loop
 # 2: the weights' rel-L1 over every row recorded in quantize's meta (verify checks it)
+# 3: each expert's Hessian shrunk toward a prior (``regularize``) before its inverse; the
+#    inverse's factor from float32 potrf and trtri (was float64 inv), a compiled column loop
 DAMP = 0.01  # of the mean diagonal, added to H: GPTQ's (and mlx_lm's) damping
+# The prior's weight in pseudo-rows per input channel: an expert's Hessian from n rows gets the
+# prior's second moment times PRIOR_ROWS * C, a share C / (n + C) of the sum at 1.0
+# (bench/RESULTS.md, "GPTQ with few rows an expert": 0.25-4 measured alike, 1.0 kept)
+PRIOR_ROWS = 1.0
 PROJS_IN = ("gate_proj", "up_proj")  # what makes down_proj's inputs
 
 
@@ -46,6 +55,16 @@ def inputs_name(layer: str) -> str:
 
 def experts_name(layer: str) -> str:
     return f"{layer}{cal.SWITCH}.experts"
+
+
+def regularize(h: np.ndarray, prior: np.ndarray, rows: float = PRIOR_ROWS) -> np.ndarray:
+    """Hessians h [e, C, C] (sums over each expert's routed rows) shrunk toward ``prior`` [e or
+    1, C, C], a second moment per row: h + rows * C * prior, the prior counted as ``rows * C``
+    pseudo-rows. An expert with few rows for its C inputs has a rank-deficient XᵀX, and error
+    feedback then pushes rounding error into the directions its rows never reach but held-out
+    rows do; the prior fills them. Its weight fades as the expert's own rows grow."""
+    c = h.shape[-1]
+    return np.asarray(h, dtype=np.float32) + np.float32(rows * c) * np.asarray(prior, np.float32)
 
 
 def inverse_factor(h: np.ndarray) -> np.ndarray:
@@ -232,6 +251,10 @@ def quantize_entries(
         else None
     )
 
+    # gate/up's prior: the layer's pooled Hessian per row, every calibration row (mlx_lm's one
+    # Hessian a layer); down's inputs differ by expert, and pooling them measured worse
+    pooled = None if proj == "down_proj" else (x.T @ x) / np.float32(len(x))
+
     def hessian(e: int, gate_up) -> np.ndarray:
         xs = x[rows_of[e]]
         if gate_up is not None:  # down's input: silu(gate x) * up x, as mlx_lm's SwitchGLU
@@ -256,7 +279,13 @@ def quantize_entries(
                         for j in hit
                     ]
                 )
-                u = inverse_factor(h)
+                if pooled is None:  # down: each expert's own diagonal (its inputs are its own)
+                    n_e = np.array([len(rows_of[e0 + j]) for j in hit], dtype=np.float32)
+                    diag = np.einsum("ecc->ec", h) / n_e[:, None]
+                    prior = diag[:, :, None] * np.eye(h.shape[-1], dtype=np.float32)
+                else:
+                    prior = pooled[None]
+                u = inverse_factor(regularize(h, prior))
             got = []
             for raw, (module, *_) in zip(raws, parts):
                 wq, scales, biases = mx.quantize(to_mlx(raw, dtype), group_size=g, bits=role.bits)

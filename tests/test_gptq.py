@@ -51,6 +51,34 @@ def test_output_error_is_below_round_to_nearest():
     assert out_err(dequant(codes, s, b, 64)) < 0.8 * out_err(rtn)
 
 
+def test_regularized_hessian_holds_up_with_fewer_rows_than_inputs():
+    # an expert's 48 rows for 128 inputs: its XᵀX has rank 48, and error feedback through it
+    # lowers the error on those rows while raising it on held-out rows of the same distribution
+    rng = np.random.default_rng(5)
+    x = correlated(4096 + 1024 + 48, 128, 6)
+    pool, held, own = x[:4096], x[4096:5120], x[5120:]
+    w = rng.normal(scale=0.05, size=(1, 32, 128)).astype(np.float32)
+    h = (own.T @ own)[None]
+    prior = (pool.T @ pool / len(pool))[None]
+    wq, sq, bq = mx.quantize(mx.array(w), group_size=64, bits=4)
+    rtn = np.array(mx.dequantize(wq, sq, bq, group_size=64, bits=4))
+
+    def held_err(hessian):
+        if hessian is None:
+            v = rtn
+        else:
+            v = dequant(*gptq.quantize(w, gptq.inverse_factor(hessian), 4, 64, "F32"), 64)
+        return float(np.square(np.einsum("nc,eoc->eno", held, v - w)).sum())
+
+    reg = gptq.regularize(h, prior)
+    assert np.allclose(reg, h + 128 * gptq.PRIOR_ROWS * prior, rtol=1e-5)
+    assert held_err(h) > 1.2 * held_err(None)  # unregularized: worse than round-to-nearest
+    assert held_err(reg) < 0.85 * held_err(None)
+    # down's prior, its own diagonal, also brings it below round-to-nearest
+    diag = np.einsum("ecc->ec", h) / len(own)
+    assert held_err(gptq.regularize(h, diag[:, :, None] * np.eye(128))) < held_err(None)
+
+
 def test_packed_codes_load_in_mlx():
     rng = np.random.default_rng(2)
     x = correlated(256, 64, 3)
