@@ -6,8 +6,8 @@ Two measurements, each printed as a table (the machine is shared: read ratios wi
    each in an empty store, one after the other, with their eval steps and without them (what
    the build costs, not its grading); step times from the ``[done]`` lines, and the oq4e/xl
    ratios of wall and CPU time (target: at most 3), with each build's peak RSS. ``--gptq``
-   adds oq4e-mtp-xl with GPTQ experts (``method = "gptq"``), without eval steps; its verify
-   may fail (the figures are then up to the failure, and the error is printed).
+   adds oq4e-gptq-mtp-xl (GPTQ experts), without eval steps; should its verify fail, the
+   figures are up to the failure and the error is printed.
 2. per-tensor microbenchmark (always): one routed-expert tensor [E, out, in] bf16, time per
    weight of ``mx.quantize`` against ``dataaware.search`` on the same tensor (target: search
    at most 2x), and the search's weighted error against data-agnostic.
@@ -91,18 +91,6 @@ def build(
     return wall, float(user) + float(sys_), int(rss), steps
 
 
-GPTQ = """extends = "bench-oq4e-noeval"
-[recipe.roles]
-routed_expert = { bits = 4, group_size = 64, calibrated = true, method = "gptq" }
-[steps.calibrate]
-params.keep_inputs = true
-[steps.verify]
-params.max_rel_l1 = { "4" = 0.3, "6" = 0.045, "8" = 0.012 }
-[steps.quantize_baseline.params.recipe.roles.routed_expert]
-method = "search"  # the data-agnostic baseline's role (merged with oq4e's, calibrated = false)
-"""
-
-
 def builds(spec: dict, work: Path, with_eval: bool = True, gptq: bool = False) -> None:
     src = work / "fixture"
     argv = [sys.executable, "-m", "buildkit.cli", "fixture", str(src)]
@@ -122,9 +110,11 @@ def builds(spec: dict, work: Path, with_eval: bool = True, gptq: bool = False) -
         (work / "manifests" / f"{name}.toml").write_text(
             f'extends = "{parent}"\n[steps.publish]\ninputs = {{ eval = [] }}\n'
         )
-    # oq4e with GPTQ experts instead of the search (the rel-L1 line raised: GPTQ trades each
-    # weight's error for the output's), without eval steps
-    (work / "manifests" / "bench-gptq-noeval.toml").write_text(GPTQ)
+    # oq4e-gptq-mtp-xl (GPTQ experts instead of the search), donor and grading as above
+    (work / "manifests" / "bench-gptq-noeval.toml").write_text(
+        f'extends = "oq4e-gptq-mtp-xl"\n[steps.donor_fetch.params]\nsource = "{src}"\n'
+        "[steps.publish]\ninputs = { eval = [] }\n"
+    )
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
     pairs = {"without eval steps": ("bench-xl-noeval", "bench-oq4e-noeval")}
@@ -146,13 +136,14 @@ def builds(spec: dict, work: Path, with_eval: bool = True, gptq: bool = False) -
         print(f"| {label}, peak RSS MB | {a[2] / 1024:.0f} | {b[2] / 1024:.0f} | |")
     if gptq:
         x, g = runs["bench-xl-noeval"], runs["bench-gptq-noeval"]
-        print('\noq4e with GPTQ experts (`method = "gptq"`), without eval steps, wall s by step\n')
+        print("\noq4e-gptq-mtp-xl (GPTQ experts), without eval steps, wall s by step\n")
         print("| step | xl | GPTQ |\n|---|---|---|")
         for step in dict.fromkeys([*x[3], *g[3]]):
             if step != "failed":
                 print(f"| {step} | {x[3].get(step, '')} | {g[3].get(step, '')} |")
         print(
-            f"\n| GPTQ cold build | wall {g[0]:.1f} s ({g[0] / x[0]:.2f} x xl) | CPU {g[1]:.1f} s "
+            f"\n| GPTQ cold build | wall {g[0]:.1f} s ({g[0] / x[0]:.2f} x xl, "
+            f"{g[0] / runs['bench-oq4e-noeval'][0]:.2f} x oq4e) | CPU {g[1]:.1f} s "
             f"({g[1] / x[1]:.2f} x xl) | peak RSS {g[2] / 1024:.0f} MB |"
         )
         if "failed" in g[3]:
