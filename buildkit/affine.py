@@ -160,3 +160,20 @@ def quantize(block: np.ndarray, bits: int, group: int):
         ],
         (num, den),
     )
+
+
+def like_mx(block: np.ndarray, dtype: str, bits: int, group: int, mode: str = "affine"):
+    """``mx.quantize`` of a block of rows in safetensors ``dtype``: its (weight, scales, biases)
+    as (array, dtype) pairs, and the block's rel-L1 sums when this module's kernel made them
+    (bf16, affine), else None. Every data-agnostic quantization goes through here, so each
+    gets the kernel where it applies and mx.quantize where it does not."""
+    if dtype == "BF16" and mode == "affine" and bits in BITS:
+        done = quantize(block, bits, group)
+        if done is not None:
+            return done
+    import mlx.core as mx
+
+    from .tensors import from_mlx, to_mlx
+
+    q = mx.quantize(to_mlx(block, dtype), group_size=group, bits=bits, mode=mode)
+    return [from_mlx(a) for a in q], None

@@ -39,7 +39,7 @@ from .errors import StepError
 from .lazy import lazy
 from .roles import Role
 from .store import ROW_BLOCK_BYTES
-from .tensors import f32_to_bf16, from_mlx, to_float32, to_mlx, unpack
+from .tensors import f32_to_bf16, to_float32, unpack
 
 np = lazy("numpy", __name__)
 
@@ -198,9 +198,7 @@ def quantize_entry(
     """One routed-expert weight [E, out, in] -> weight/scales/biases, each expert reached by
     calibration searched with its own importance, the rest as mx.quantize does; a few experts
     at a time (``block_bytes``), so memory is a block, not the tensor."""
-    import mlx.core as mx
-
-    from . import qerror
+    from . import affine, qerror
 
     module, shape, g = name.removesuffix(".weight"), entry["shape"], role.group_size
     if cal.SWITCH not in module or len(shape) != 3 or not name.endswith(".weight"):
@@ -232,10 +230,9 @@ def quantize_entry(
         nonlocal won
         e0 = 0
         for raw in store.iter_rows(entry, block_bytes):
-            wq, scales, biases = mx.quantize(
-                to_mlx(raw, dtype), group_size=g, bits=role.bits, mode=role.mode
+            ((packed, _), (s_np, s_dtype), (b_np, _)), _ = affine.like_mx(
+                raw, dtype, role.bits, g, role.mode
             )
-            (packed, _), (s_np, s_dtype), (b_np, _) = (from_mlx(a) for a in (wq, scales, biases))
             if stats is not None:
                 codes = unpack(packed, role.bits).copy()
                 s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()

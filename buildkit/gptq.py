@@ -35,7 +35,7 @@ from .dataaware import Tally, repack, stored_parts
 from .errors import StepError
 from .roles import Role
 from .store import ROW_BLOCK_BYTES
-from .tensors import f32_to_bf16, from_mlx, to_float32, to_mlx, unpack
+from .tensors import f32_to_bf16, to_float32, unpack
 
 METHOD = "gptq-per-expert/3"  # bump when the output bytes (or meta) change
 # 2: the weights' rel-L1 over every row recorded in quantize's meta (verify checks it)
@@ -237,9 +237,7 @@ def quantize_entries(
     which read the same inputs and so share each expert's Hessian and its factor (at the real
     model's 2048 inputs the factor is most of GPTQ's cost). ``model`` holds the layer's bf16
     gate/up: down's inputs are made from them."""
-    import mlx.core as mx
-
-    from . import qerror
+    from . import affine, qerror
 
     g = role.group_size
     parts = []
@@ -314,9 +312,8 @@ def quantize_entries(
                 u = inverse_factor(regularize(h, prior))
             got = []
             for raw, (module, *_) in zip(raws, parts):
-                wq, scales, biases = mx.quantize(to_mlx(raw, dtype), group_size=g, bits=role.bits)
-                (packed, _), (s_np, s_dtype), (b_np, _) = (
-                    from_mlx(a) for a in (wq, scales, biases)
+                ((packed, _), (s_np, s_dtype), (b_np, _)), _ = affine.like_mx(
+                    raw, dtype, role.bits, g
                 )
                 if hit:  # the reached experts by GPTQ, the rest keep mx.quantize's
                     q, s, b = quantize(to_float32(raw[hit], dtype), u, role.bits, g, s_dtype)

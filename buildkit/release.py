@@ -13,7 +13,17 @@ from . import keys
 from .errors import UsageError
 from .fsio import atomic_write
 
-TOOLS = ("buildkit", "llvmlite", "mlx", "mlx-lm", "numba", "numpy", "safetensors", "tokenizers")
+TOOLS = (
+    "buildkit",
+    "llvmlite",
+    "mlx",
+    "mlx-lm",
+    "numba",
+    "numpy",
+    "safetensors",
+    "scipy",
+    "tokenizers",
+)
 PINS = "constraints.txt"  # the exact versions release locks are made with (see README)
 
 

@@ -23,7 +23,7 @@ from ..errors import StepError
 from ..packs import PackSet, PackWriter
 from ..roles import Recipe, Role
 from ..store import ROW_BLOCK_BYTES
-from ..tensors import ITEMSIZE, from_mlx, nbytes, to_mlx
+from ..tensors import ITEMSIZE, nbytes
 from .base import Context, Params, Slot, Step, library_version, register
 
 
@@ -68,35 +68,21 @@ def quantize_entry(
     run along the last axis, so the blocks give the bytes of quantizing the tensor whole."""
     if role.passthrough:
         return {name: entry}
-    import mlx.core as mx
-
     from .. import affine, qerror  # numba: imported by the first quantizing task, not by all
 
     shape = entry["shape"]
     check_quantizable(name, shape, role)
     base = module_path(name)
-    fused = entry["dtype"] == "BF16" and role.mode == "affine" and role.bits in affine.BITS
-
-    def named(parts) -> dict:
-        return dict(
-            zip((f"{base}.{k}" for k in ("weight", "scales", "biases")), parts, strict=True)
-        )
 
     def blocks():
         for block in store.iter_rows(entry, block_bytes):
             # bf16 (every weight of the real model): mx.quantize's bytes and verify's figure
             # in one compiled pass; else, or for a non-finite block, mx.quantize then measure
-            done = affine.quantize(block, role.bits, role.group_size) if fused else None
-            if done is not None:
-                yield block, named(done[0]), done[1]
-                continue
-            q = mx.quantize(
-                to_mlx(block, entry["dtype"]),
-                group_size=role.group_size,
-                bits=role.bits,
-                mode=role.mode,
+            parts, sums = affine.like_mx(
+                block, entry["dtype"], role.bits, role.group_size, role.mode
             )
-            yield block, named(from_mlx(arr) for arr in q)
+            named = dict(zip((f"{base}.{k}" for k in ("weight", "scales", "biases")), parts))
+            yield (block, named, sums) if sums is not None else (block, named)
 
     return qerror.put_measured(
         store, shape[0], blocks(), base, entry["dtype"], role.bits, role.group_size

@@ -23,7 +23,7 @@ from ..convert import mlx_layout, view
 from ..errors import VerifyError
 from ..lazy import lazy
 from ..tensors import dequantize as dequantize_np
-from ..tensors import from_mlx, nbytes, non_finite, read_slice, to_float32, to_mlx
+from ..tensors import nbytes, non_finite, read_slice, to_float32
 from .base import Context, Params, Slot, Step, library_version, register
 
 np = lazy("numpy", __name__)
@@ -295,7 +295,7 @@ def layer_expert_errors(
     time, dequantized by buildkit's own float32 arithmetic (as the rel-L1 checks: ~4x
     ``mx.dequantize``'s speed on the CPU); the stored tensors' digests are checked as they
     stream."""
-    import mlx.core as mx
+    from .. import affine  # numba: mx.quantize's bytes in one compiled pass
 
     projs = list(sources)
     n = len(projs)
@@ -310,8 +310,7 @@ def layer_expert_errors(
 
     def agnostic(p: str, raw) -> np.ndarray:
         bits, group, mode = qargs[p]
-        q = mx.quantize(to_mlx(raw, sources[p]["dtype"]), group_size=group, bits=bits, mode=mode)
-        (w, _), (s, sdt), (b, _) = (from_mlx(a) for a in q)
+        ((w, _), (s, sdt), (b, _)), _ = affine.like_mx(raw, sources[p]["dtype"], bits, group, mode)
         return dequantize_np(w[0], to_float32(s[0], sdt), to_float32(b[0], sdt), bits, group)
 
     def blocks():
