@@ -48,8 +48,10 @@ class Calibrate(Step):
     kind = "calibrate"
     # 2: the forward's matmuls in numpy's BLAS, statistics summed per expert as rows pass;
     # 3: a layer stops at rows_per_expert routed rows an expert (meta.tokens_by_layer);
-    # 4: decided from the router's choices on whole sequences, the stream in one batch
-    version = 4
+    # 4: decided from the router's choices on whole sequences, the stream in one batch;
+    # 5: the held-out stream stops alike at calibration.HELDOUT_ROWS rows an expert (what
+    #    verify compares each expert on)
+    version = 5
     Params = CalibrateParams
     inputs = {"model": Slot()}
     outputs = ("out", "heldout")
@@ -101,8 +103,12 @@ class Calibrate(Step):
         stats, heldout = Artifact(), Artifact()
         unreached: dict[str, list[int]] = {}
         layers = 0
-        enough = {"calibration": 0 if params.keep_inputs else params.rows_per_expert}
-        used = []  # calibration tokens each layer ran
+        # held out: verify compares each expert on its first HELDOUT_ROWS rows, no more
+        enough = {
+            "calibration": 0 if params.keep_inputs else params.rows_per_expert,
+            "heldout": cal.HELDOUT_ROWS,
+        }
+        used, held_used = [], []  # calibration and held-out tokens each layer ran
         for layer, seen in cal.moe_activations(
             ctx.store, model, streams, params.seq_len, ctx.progress, enough
         ):
@@ -123,6 +129,7 @@ class Calibrate(Step):
                     "I32", experts.astype(np.int32)
                 )
             x, experts = seen["heldout"].cat()
+            held_used.append(len(x))
             heldout.tensors[f"{sw}.inputs"] = ctx.store.put_tensor("BF16", f32_to_bf16(x))
             heldout.tensors[f"{sw}.experts"] = ctx.store.put_tensor("I32", experts.astype(np.int32))
         # Each output's meta describes only its own half of the text, so an edit to held-out
@@ -139,11 +146,16 @@ class Calibrate(Step):
             "unreached_experts": sum(map(len, unreached.values())),
             "unreached_by_layer": unreached,
         }
-        heldout.meta = {"lines": len(held), "tokens": len(streams["heldout"])}
+        heldout.meta = {
+            "lines": len(held),
+            "tokens": len(streams["heldout"]),
+            "tokens_by_layer": held_used,
+        }
         ctx.log(
             f"{stats.meta['tokens']} calibration tokens (the first layer ran "
             f"{used[0] if used else 0}, the last {used[-1] if used else 0}), "
-            f"{heldout.meta['tokens']} held-out; "
+            f"{heldout.meta['tokens']} held-out (the last layer ran "
+            f"{held_used[-1] if held_used else 0}); "
             f"{stats.meta['unreached_experts']} of {stats.meta['experts']} "
             "experts reached by no token"
         )
