@@ -135,6 +135,53 @@ def _quantize(src, bits, group, packed, scales, biases):
     return num, den, True
 
 
+@numba.njit(cache=True, nogil=True)
+def _dequantized(src, bits, group, out):
+    # src [R, C] uint16 (bf16 bits) -> out [R, C] float32: what _quantize stores, dequantized
+    # (codes from mlx's float32 scale and bias, then code * scale + bias with them as stored),
+    # without packing codes to unpack them again. False if a weight or scale is not finite.
+    R, C = src.shape
+    n_bins = np.float32((1 << bits) - 1)
+    zero = np.float32(0.0)
+    wide = np.empty(C, np.uint32)
+    xf = wide.view(np.float32)
+    fb = np.empty(1, np.float32)
+    ub = fb.view(np.uint32)
+    for r in range(R):
+        xr = src[r]
+        for c in range(C):
+            wide[c] = np.uint32(xr[c]) << 16
+        for gi in range(C // group):
+            lo = gi * group
+            w_min = np.float32(np.inf)
+            w_max = np.float32(-np.inf)
+            for c in range(lo, lo + group):
+                v = xf[c]
+                if v != v:
+                    return False
+                w_max = v if w_max < v else w_max
+                w_min = v if v < w_min else w_min
+            if not (np.isfinite(w_min) and np.isfinite(w_max)):
+                return False
+            scale, bias = group_params(w_min, w_max, n_bins)
+            if not np.isfinite(scale):
+                return False
+            fb[0] = scale
+            u = ub[0]
+            ub[0] = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16) << 16
+            sf = fb[0]
+            fb[0] = bias
+            u = ub[0]
+            ub[0] = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16) << 16
+            bf = fb[0]
+            for j in range(lo, lo + group):
+                q = np.rint((xf[j] - bias) / scale)
+                q = zero if q < zero else q
+                q = n_bins if q > n_bins else q
+                out[r, j] = q * sf + bf
+    return True
+
+
 def quantize(block: np.ndarray, bits: int, group: int):
     """A bf16 block (uint16 bit patterns, any leading shape) quantized as ``mx.quantize`` does:
     ``(weight uint32, scales, biases)`` as (array, "BF16") pairs with mlx's shapes, and the
@@ -177,3 +224,19 @@ def like_mx(block: np.ndarray, dtype: str, bits: int, group: int, mode: str = "a
 
     q = mx.quantize(to_mlx(block, dtype), group_size=group, bits=bits, mode=mode)
     return [from_mlx(a) for a in q], None
+
+
+def dequantized_like_mx(block: np.ndarray, dtype: str, bits: int, group: int, mode: str = "affine"):
+    """``like_mx``'s weights dequantized to float32 [..., C] (verify's data-agnostic
+    reference): for bf16 affine in one compiled pass, without packing and unpacking codes."""
+    if dtype == "BF16" and mode == "affine" and bits in BITS and group % 8 == 0:
+        cols = block.shape[-1]
+        if cols % group == 0 and block.size:
+            src = np.ascontiguousarray(block).reshape(-1, cols)
+            out = np.empty(src.shape, np.float32)
+            if _dequantized(src, bits, group, out):
+                return out.reshape(block.shape)
+    from .tensors import dequantize, to_float32
+
+    ((w, _), (s, sdt), (b, _)), _ = like_mx(block, dtype, bits, group, mode)
+    return dequantize(w, to_float32(s, sdt), to_float32(b, sdt), bits, group)

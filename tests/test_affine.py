@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from buildkit import affine, qerror
-from buildkit.tensors import from_mlx, to_float32, to_mlx
+from buildkit.tensors import dequantize, from_mlx, to_float32, to_mlx
 
 RNG = np.random.default_rng(0)
 CASES = {  # float32 values, made bf16 below: the spreads a checkpoint and its edges have
@@ -54,3 +54,17 @@ def test_a_block_it_does_not_copy_mlx_on_is_left_to_mx_quantize(bad):
     x[2, 71] = -abs(bad)
     assert affine.quantize(bf16(x), 4, 64) is None
     assert affine.quantize(bf16(x[:2]), 4, 64) is not None  # the rows before it are fine
+
+
+@pytest.mark.parametrize("bits", affine.BITS)
+@pytest.mark.parametrize("case", CASES)
+def test_dequantized_is_mx_quantize_dequantized(case, bits):
+    # verify's data-agnostic reference: the stored bytes' values, without the bytes
+    block = bf16(CASES[case])
+    (w, _), (s, sdt), (b, _) = (
+        from_mlx(a) for a in mx.quantize(to_mlx(block, "BF16"), group_size=64, bits=bits)
+    )
+    want = dequantize(w, to_float32(s, sdt), to_float32(b, sdt), bits, 64)
+    got = affine.dequantized_like_mx(block, "BF16", bits, 64)
+    assert got.dtype == np.float32 and got.shape == block.shape
+    assert np.array_equal(got, want, equal_nan=True)

@@ -310,8 +310,7 @@ def layer_expert_errors(
 
     def agnostic(p: str, raw) -> np.ndarray:
         bits, group, mode = qargs[p]
-        ((w, _), (s, sdt), (b, _)), _ = affine.like_mx(raw, sources[p]["dtype"], bits, group, mode)
-        return dequantize_np(w[0], to_float32(s[0], sdt), to_float32(b[0], sdt), bits, group)
+        return affine.dequantized_like_mx(raw, sources[p]["dtype"], bits, group, mode)[0]
 
     def blocks():
         for got in zip(*its):
