@@ -41,23 +41,30 @@ def group_params(w_min, w_max, n_bins):
 
 
 @numba.njit(cache=True, nogil=True)
+def run_params(v, n_bins):
+    """mlx's float32 (scale, bias) of one group's values v (float32, min and max folded as
+    std::min and std::max do), and False if a value or the scale is not finite."""
+    w_min = np.float32(np.inf)
+    w_max = np.float32(-np.inf)
+    for x in v:
+        if x != x:  # NaN: std::max and std::min would pass over it
+            return w_min, w_max, False
+        w_max = x if w_max < x else w_max  # std::max(w_max, x)
+        w_min = x if x < w_min else w_min  # std::min(w_min, x)
+    if not (np.isfinite(w_min) and np.isfinite(w_max)):
+        return w_min, w_max, False
+    scale, bias = group_params(w_min, w_max, n_bins)
+    return scale, bias, bool(np.isfinite(scale))
+
+
+@numba.njit(cache=True, nogil=True)
 def rows_params(v, bits, scales, biases):
     """mlx's float32 (scale, bias) of each row of a group v [R, group] (float32, any strides),
     before they are rounded to the stored dtype; False if a value or scale is not finite."""
     n_bins = np.float32((1 << bits) - 1)
     for r in range(v.shape[0]):
-        w_min = np.float32(np.inf)
-        w_max = np.float32(-np.inf)
-        for c in range(v.shape[1]):
-            x = v[r, c]
-            if x != x:
-                return False
-            w_max = x if w_max < x else w_max
-            w_min = x if x < w_min else w_min
-        if not (np.isfinite(w_min) and np.isfinite(w_max)):
-            return False
-        s, b = group_params(w_min, w_max, n_bins)
-        if not np.isfinite(s):
+        s, b, ok = run_params(v[r], n_bins)
+        if not ok:
             return False
         scales[r] = s
         biases[r] = b
@@ -86,18 +93,8 @@ def _quantize(src, bits, group, packed, scales, biases):
         rd = zero
         for gi in range(C // group):
             lo = gi * group
-            w_min = np.float32(np.inf)
-            w_max = np.float32(-np.inf)
-            for c in range(lo, lo + group):
-                v = xf[c]
-                if v != v:  # NaN: std::max and std::min would pass over it
-                    return num, den, False
-                w_max = v if w_max < v else w_max  # std::max(w_max, v)
-                w_min = v if v < w_min else w_min  # std::min(w_min, v)
-            if not (np.isfinite(w_min) and np.isfinite(w_max)):
-                return num, den, False
-            scale, bias = group_params(w_min, w_max, n_bins)
-            if not np.isfinite(scale):
+            scale, bias, ok = run_params(xf[lo : lo + group], n_bins)
+            if not ok:
                 return num, den, False
             # to bf16, round to nearest even (mlx's float -> bfloat16 for finite values)
             fb[0] = scale
@@ -153,18 +150,8 @@ def _dequantized(src, bits, group, out):
             wide[c] = np.uint32(xr[c]) << 16
         for gi in range(C // group):
             lo = gi * group
-            w_min = np.float32(np.inf)
-            w_max = np.float32(-np.inf)
-            for c in range(lo, lo + group):
-                v = xf[c]
-                if v != v:
-                    return False
-                w_max = v if w_max < v else w_max
-                w_min = v if v < w_min else w_min
-            if not (np.isfinite(w_min) and np.isfinite(w_max)):
-                return False
-            scale, bias = group_params(w_min, w_max, n_bins)
-            if not np.isfinite(scale):
+            scale, bias, ok = run_params(xf[lo : lo + group], n_bins)
+            if not ok:
                 return False
             fb[0] = scale
             u = ub[0]
