@@ -26,7 +26,7 @@ PINNED = {  # kind: (variant, node, key)
     "publish": ("xl", "publish", "xxh3_128:2e4f3dce7df132460be12ccb6bb0c343"),
     "graft": ("xl-mtp", "graft", "xxh3_128:20d6bacd0ead79548a85fcde403ec078"),
     "requantize": ("xl-mtp", "requantize", "xxh3_128:de3a3e3ed07ef446a477175807904c2a"),
-    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:1e357acb1bf507edee382a21c19c0984"),
+    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:86dea1898be128df9a9fcb60e08db174"),
     "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:bf13e4104f7d0311a69fcabeec7f835c"),
 }
 
