@@ -230,13 +230,15 @@ def quantize_entry(
         nonlocal won
         e0 = 0
         for raw in store.iter_rows(entry, block_bytes):
-            ((packed, _), (s_np, s_dtype), (b_np, _)), _ = affine.like_mx(
+            ((packed, _), (s_np, s_dtype), (b_np, _)), sums = affine.like_mx(
                 raw, dtype, role.bits, g, role.mode
             )
-            if stats is not None:
+            here = np.flatnonzero(reached[e0 : e0 + len(raw)]) if stats is not None else ()
+            if len(here):  # searched: its rel-L1 sums are put_measured's to take again
+                sums = None
                 codes = unpack(packed, role.bits).copy()
                 s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
-                for j in np.flatnonzero(reached[e0 : e0 + len(raw)]):
+                for j in here:
                     e = e0 + j
                     d = importance[e] + IMPORTANCE_FLOOR * max(float(importance[e].mean()), 1e-30)
                     base = (codes[j].reshape(O, C // g, g), s32[j], b32[j])
@@ -248,7 +250,8 @@ def quantize_entry(
                     won += int(better.sum())
                 packed, s_np, b_np = repack(codes, s32, b32, role.bits, s_dtype, s_np.dtype)
             e0 += len(raw)
-            yield raw, stored_parts(module, packed, s_np, b_np, s_dtype)
+            made = stored_parts(module, packed, s_np, b_np, s_dtype)
+            yield (raw, made) if sums is None else (raw, made, sums)
 
     out = qerror.put_measured(store, E, blocks(), module, dtype, role.bits, g)
     with tally.lock:

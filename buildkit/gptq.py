@@ -312,7 +312,7 @@ def quantize_entries(
                 u = inverse_factor(regularize(h, prior))
             got = []
             for raw, (module, *_) in zip(raws, parts):
-                ((packed, _), (s_np, s_dtype), (b_np, _)), _ = affine.like_mx(
+                ((packed, _), (s_np, s_dtype), (b_np, _)), sums = affine.like_mx(
                     raw, dtype, role.bits, g
                 )
                 if hit:  # the reached experts by GPTQ, the rest keep mx.quantize's
@@ -321,7 +321,8 @@ def quantize_entries(
                     s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
                     codes[hit], s32[hit], b32[hit] = q, s, b
                     packed, s_np, b_np = repack(codes, s32, b32, role.bits, s_dtype, s_np.dtype)
-                sums = qerror.block_error(raw, dtype, packed, s_np, b_np, s_dtype, role.bits, g)
+                if hit or sums is None:  # else the kernel's sums are these bytes' already
+                    sums = qerror.block_error(raw, dtype, packed, s_np, b_np, s_dtype, role.bits, g)
                 got.append((raw, stored_parts(module, packed, s_np, b_np, s_dtype), sums))
             e0 += n
             yield got

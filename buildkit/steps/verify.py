@@ -295,7 +295,7 @@ def layer_expert_errors(
     time, dequantized by buildkit's own float32 arithmetic (as the rel-L1 checks: ~4x
     ``mx.dequantize``'s speed on the CPU); the stored tensors' digests are checked as they
     stream."""
-    from .. import affine  # numba: mx.quantize's bytes in one compiled pass
+    from .. import affine  # numba: mx.quantize's values, dequantized, in one compiled pass
 
     projs = list(sources)
     n = len(projs)
