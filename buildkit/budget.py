@@ -29,7 +29,7 @@ from . import evaluate as ev
 from .artifact import Artifact
 from .errors import StepError
 from .lazy import lazy
-from .roles import Role
+from .roles import BF16, Role
 from .tensors import ITEMSIZE
 
 np = lazy("numpy", __name__)
@@ -41,6 +41,11 @@ MEASURE = (
 MAX_STATES = 1 << 16  # cells of the knapsack's table (a row per group, a byte per cell)
 
 
+EMBED = "language_model.model.embed_tokens.weight"
+LM_HEAD = "language_model.lm_head.weight"
+LAYERS = "language_model.model.layers."
+
+
 def routed_weights(tensors: dict[str, dict]) -> list[str]:
     """Names of routed-expert weights ([E, out, in] under ``*.mlp.switch_mlp.*``), sorted."""
     return sorted(
@@ -50,27 +55,62 @@ def routed_weights(tensors: dict[str, dict]) -> list[str]:
     )
 
 
+def measurable(name: str) -> bool:
+    """A weight the sensitivity can quantize alone and run: a decoder layer's, the
+    embeddings or lm_head (not the vision tower, which text does not reach, nor the MTP head)."""
+    return name.endswith(".weight") and (name.startswith(LAYERS) or name in (EMBED, LM_HEAD))
+
+
+def budgeted_weights(tensors: dict[str, dict], roles: dict[str, str], recipe_roles) -> list[str]:
+    """The tensors whose role has ``budget_bits``, sorted; they must be measurable."""
+    names = sorted(n for n, r in roles.items() if recipe_roles[r].budget_bits)
+    bad = [n for n in names if not measurable(n)]
+    if bad:
+        raise StepError(
+            f"{bad[0]} (role {roles[bad[0]]!r}) has budget_bits, but the sensitivity measures "
+            "only the text model's decoder layers, embeddings and lm_head: remove budget_bits "
+            "from that role or give those tensors another role"
+        )
+    return names
+
+
 def layer_index(name: str) -> int:
-    """N of ``language_model.model.layers.N.…``."""
+    """N of ``language_model.model.layers.N.…``; -1 for the embeddings (before layer 0) and a
+    large number for lm_head (after the last layer)."""
+    if name == EMBED:
+        return -1
+    if name == LM_HEAD:
+        return 1 << 30
     return int(name.split(".layers.", 1)[1].split(".", 1)[0])
 
 
+def group_of(name: str, granularity: str) -> str:
+    """The group a budget gives one bits: per ``tensor`` its module path; per ``layer`` the
+    module it belongs to (``<layer>.mlp.switch_mlp``: its gate, up and down; ``self_attn``,
+    ``linear_attn``, ``mlp.shared_expert``), or the module itself where that is the MoE block
+    (router, shared-expert gate) or the model (embeddings, lm_head)."""
+    module = name.removesuffix(".weight")
+    if granularity == "tensor":
+        return module
+    if cal.SWITCH in module:
+        return module.partition(cal.SWITCH)[0] + cal.SWITCH
+    parent = module.rpartition(".")[0]
+    return parent if name.startswith(LAYERS) and not parent.endswith(".mlp") else module
+
+
 def groups_of(names: list[str], granularity: str) -> dict[str, list[str]]:
-    """The groups a budget gives one bits each: per ``layer`` (``<layer>.mlp.switch_mlp``: its
-    gate, up and down) or per ``tensor`` (its module path)."""
+    """The groups of ``names`` (``group_of``), each with its tensors, sorted."""
     out: dict[str, list[str]] = {}
     for n in sorted(names):
-        module = n.removesuffix(".weight")
-        key = module.partition(cal.SWITCH)[0] + cal.SWITCH if granularity == "layer" else module
-        out.setdefault(key, []).append(n)
+        out.setdefault(group_of(n, granularity), []).append(n)
     return out
 
 
 def _dequantized(store, model: Artifact, name: str, role: Role, calibration) -> np.ndarray:
     """The tensor as quantize stores it under ``role`` (data-aware if the role is calibrated),
-    dequantized to float32 [E, out, in]. The quantized objects go to the store as objects of
-    their own (quantize writes its tensors into packs, so these are not reused; gc frees
-    them)."""
+    dequantized to float32 ([E, out, in] or [out, in]). The quantized objects go to the store
+    as objects of their own (quantize writes its tensors into packs, so these are not reused;
+    gc frees them)."""
     import mlx.core as mx
 
     from . import dataaware
@@ -91,26 +131,50 @@ def _dequantized(store, model: Artifact, name: str, role: Role, calibration) -> 
     return np.array(deq.astype(mx.float32))
 
 
+def cost(config: dict, groups: dict[str, list[str]], bits: dict[str, list[int]]) -> dict:
+    """What ``measure`` runs, before it runs: decoder-layer passes over the tokens (a
+    candidate of layer i runs layers i..L-1; of the embeddings, all L) and output-head passes
+    (one per candidate: lm_head over every token, vocabulary wide)."""
+    n = config.get("text_config", config)["num_hidden_layers"]
+    layer_passes = head_passes = 0
+    for g, names in groups.items():
+        k = len([b for b in bits[g] if b != BF16])
+        i = layer_index(names[0])
+        layer_passes += k * max(n - max(i, 0), 0)
+        head_passes += k
+    return {
+        "candidates": sum(len(b) for b in bits.values()),
+        "layer_passes": layer_passes,
+        "head_passes": head_passes,
+    }
+
+
 def measure(
     store,
     model: Artifact,
     calibration: Artifact | None,
     groups: dict[str, list[str]],
-    bits: list[int],
+    bits: list[int] | dict[str, list[int]],
     group_size: int,
     tokens: list[int],
     seq_len: int,
     progress=None,
 ) -> dict[str, dict[int, float]]:
-    """S(b) for each group and bits b: the mean KL on ``tokens`` with that group's tensors
-    alone quantized (data-aware if ``calibration`` is given). The layers' matmuls run in numpy
-    (calibrate's modules: mlx's CPU BLAS is 10-20x slower), the candidate tensors dequantized,
-    so the reference and every candidate share one arithmetic and differ only by the group."""
+    """S(b) for each group and bits b (``bits``: one list for every group, or a list per
+    group): the mean KL on ``tokens`` with that group's tensors alone quantized (the routed
+    experts data-aware if ``calibration`` is given; 16, bf16, is the source itself: 0). The
+    layers' matmuls run in numpy (calibrate's modules: mlx's CPU BLAS is 10-20x slower), the
+    candidate tensors dequantized, so the reference and every candidate share one arithmetic
+    and differ only by the group."""
+    import mlx.core as mx
+
     NpLinear, NpSwitchGLU = cal._numpy_modules()
     config = model.meta["config"]
     src = ev.StoreWeights(store, [model], config, None)
     args = cal.build_model(config).language_model.args
     n_layers = args.num_hidden_layers
+    if not isinstance(bits, dict):
+        bits = dict.fromkeys(groups, list(bits))
 
     def layer(i: int):
         module = ev.decoder_layer(src, i, args)
@@ -132,36 +196,91 @@ def measure(
         if len({layer_index(n) for n in names}) != 1:
             raise StepError(f"sensitivity group {g} spans layers: {names}")
         by_layer.setdefault(layer_index(names[0]), []).append(g)
-    if progress:
-        progress.start(len(groups) * len(bits), "candidates")
     result: dict[str, dict[int, float]] = {g: {} for g in groups}
+    todo = [(g, b) for g in groups for b in bits[g] if b != BF16]
+    for g in groups:
+        if BF16 in bits[g]:
+            result[g][BF16] = 0.0  # the source itself: no divergence
+    if progress:
+        progress.start(len(todo), "candidates")
+
+    def role(name: str, b: int) -> Role:
+        expert = cal.SWITCH in name and calibration is not None
+        return Role(bits=b, group_size=group_size, calibrated=expert)
+
+    def swapped(module, names: list[str], b: int):
+        """Set the group's weights in ``module`` (a numpy layer) to their quantized values;
+        returns how to put the originals back."""
+        sw = module.mlp.switch_mlp
+        inter = sw.down.shape[-1]
+        undo = []
+        expert = {}
+        for n in names:
+            deq = _dequantized(store, model, n, role(n, b), calibration)
+            rel = n.removesuffix(".weight").split(".", 4)[4]  # after language_model.model.layers.N
+            if cal.SWITCH.lstrip(".") + "." in rel:
+                expert[rel.rpartition(".")[2]] = deq
+                continue
+            owner = module
+            for part in rel.split("."):
+                owner = getattr(owner, part)
+            undo.append((owner, owner.w))
+            owner.w = deq
+        if expert:
+            own = {
+                "gate_proj": sw.gate_up[:, :inter],
+                "up_proj": sw.gate_up[:, inter:],
+                "down_proj": sw.down,
+            } | expert
+            module.mlp.switch_mlp = NpSwitchGLU(
+                np.concatenate([own["gate_proj"], own["up_proj"]], 1), own["down_proj"]
+            )
+
+        def undo_all():
+            for owner, w in undo:
+                owner.w = w
+            module.mlp.switch_mlp = sw
+
+        return undo_all
+
+    def record(g: str, b: int, h: list) -> None:
+        result[g][b] = float(f"{ev.mean_kl(out, ref, h, seqs):.6g}")
+        if progress:
+            progress.advance(1)
+
     for i, layer_groups in sorted(by_layer.items()):
-        module, switch = layer(i)
-        inter = switch.down.shape[-1]
-        own = {
-            "gate_proj": switch.gate_up[:, :inter],
-            "up_proj": switch.gate_up[:, inter:],
-            "down_proj": switch.down,
-        }
         cands = {}
-        for g in layer_groups:
-            for b in bits:
-                role = Role(bits=b, group_size=group_size, calibrated=calibration is not None)
-                w = dict(own)
-                for n in groups[g]:
-                    proj = n.removesuffix(".weight").rpartition(".")[2]
-                    w[proj] = _dequantized(store, model, n, role, calibration)
-                module.mlp.switch_mlp = NpSwitchGLU(
-                    np.concatenate([w["gate_proj"], w["up_proj"]], 1), w["down_proj"]
-                )
-                cands[g, b] = ev.run_layer(module, hs[i])
-        for k in range(i + 1, n_layers):  # the later layers are bf16, read once for all
+        if i == -1:  # the embeddings: a candidate's table looked up, then every layer
+            for g in layer_groups:
+                for b in bits[g]:
+                    if b != BF16:
+                        table = _dequantized(store, model, EMBED, role(EMBED, b), calibration)
+                        cands[g, b] = [mx.array(table[s]) for s in seqs]
+            start = 0
+        elif i >= n_layers:  # lm_head: the last layer's output through a candidate head
+            for g in layer_groups:
+                for b in bits[g]:
+                    if b != BF16:
+                        bf16 = out.lm_head
+                        deq = _dequantized(store, model, LM_HEAD, role(LM_HEAD, b), calibration)
+                        out.lm_head = NpLinear(deq)
+                        record(g, b, hs[-1])
+                        out.lm_head = bf16
+            continue
+        else:
+            module, _ = layer(i)
+            for g in layer_groups:
+                for b in bits[g]:
+                    if b != BF16:
+                        undo = swapped(module, groups[g], b)
+                        cands[g, b] = ev.run_layer(module, hs[i])
+                        undo()
+            start = i + 1
+        for k in range(start, n_layers):  # the later layers are bf16, read once for all
             later = layer(k)[0]
             cands = {c: ev.run_layer(later, h) for c, h in cands.items()}
         for (g, b), h in cands.items():
-            result[g][b] = float(f"{ev.mean_kl(out, ref, h, seqs):.6g}")
-            if progress:
-                progress.advance(1)
+            record(g, b, h)
     return result
 
 
@@ -211,8 +330,13 @@ def _accounts(
 
 
 def _cost(tensors: dict[str, dict], role: Role, names: list[str], bits: int) -> int:
-    r = role.model_copy(update={"bits": bits})
+    r = role.at(bits)
     return sum(stored_bits(tensors[n], r) for n in names)
+
+
+def _sens(sens: dict, group: str, bits: int) -> float | None:
+    """A group's measured sensitivity at ``bits``; bf16 is the source itself, 0."""
+    return 0.0 if bits == BF16 else sens[group].get(str(bits))
 
 
 def reachable(
@@ -251,7 +375,7 @@ def plan(
             "budget_bits (e.g. [3, 4, 5, 6, 8]) and measure it in the sensitivity input"
         )
     for g, (role, _) in budgeted.items():
-        missing = [b for b in role.budget_bits if str(b) not in sens[g]]
+        missing = [b for b in role.budget_bits if _sens(sens, g, b) is None]
         if missing:
             raise StepError(
                 f"sensitivity of {g} was not measured at bits {missing}: add them to the "
@@ -270,7 +394,7 @@ def plan(
         )
     choice = _knapsack(
         [[x - c[0] for x in c] for c in cost],
-        [[sens[g][str(b)] for b in budgeted[g][0].budget_bits] for g in groups],
+        [[_sens(sens, g, b) for b in budgeted[g][0].budget_bits] for g in groups],
         room,
     )
     group_bits = {g: budgeted[g][0].budget_bits[j] for g, j in zip(groups, choice, strict=True)}
@@ -280,8 +404,11 @@ def plan(
         "bits_per_weight": round(used / weights, 4),
         "measure": MEASURE,
         "bits": group_bits,
-        "sensitivity": {g: sens[g] for g in groups},
-        "total_sensitivity": float(f"{sum(sens[g][str(b)] for g, b in group_bits.items()):.6g}"),
+        "sensitivity": {
+            g: sens[g] | ({str(BF16): 0.0} if BF16 in budgeted[g][0].budget_bits else {})
+            for g in groups
+        },
+        "total_sensitivity": float(f"{sum(_sens(sens, g, b) for g, b in group_bits.items()):.6g}"),
     }
     bits = {n: group_bits[g] for g, (_, names) in budgeted.items() for n in names}
     return bits, summary

@@ -93,9 +93,9 @@ def _budget(node, given: dict[str, dict], roles: dict[str, str]) -> dict | None:
     """A node's bits-per-weight budget, if it has one: its target and the range it can reach.
     The bits per layer are planned at build time, from measured sensitivities."""
     recipe = node.params.recipe
-    if recipe.target_bpw is None:
+    if recipe.target_bpw is None or not node.params.budget:
         return None
-    names = [n for n in budget.routed_weights(given) if recipe.roles[roles[n]].budget_bits]
+    names = budget.budgeted_weights(given, roles, recipe.roles)
     if not names:
         return None
     measured = {"groups": budget.groups_of(names, "tensor"), "sensitivity": {}}
@@ -213,8 +213,8 @@ def render(e: dict) -> str:
             "",
             f"{b['step']}: a budget of {b['target_bpw']} bits per weight over its tensors "
             f"(reachable {b['lowest_bpw']:.3f} to {b['highest_bpw']:.3f}) gives the "
-            f"{b['tensors']} routed-expert tensors their bits at build time, per layer by "
-            "measured sensitivity; the rows above count them at their role's bits"
+            f"{b['tensors']} budgeted tensors their bits at build time, by measured "
+            "sensitivity; the rows above count them at their role's bits"
             + (
                 ""
                 if b["lowest_bpw"] <= b["target_bpw"]

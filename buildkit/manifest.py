@@ -23,6 +23,8 @@ from .errors import ManifestError, did_you_mean
 from .steps import REGISTRY, get_step
 from .steps.base import Params, Step
 
+BUILTIN_TEXT = "builtin:calibration.txt"  # a step's text when neither it nor its input names one
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -368,4 +370,10 @@ def load(
                         f"step {r.node!r} ({producer.kind}) has no output {r.output!r}; "
                         f"its outputs: {', '.join(producer.outputs)}",
                     )
+    for node in m.nodes.values():  # a text left unset is its text input's (resolved here)
+        slot = node.step.text_from
+        if slot and getattr(node.params, "text", "") is None:
+            refs = node.inputs.get(slot)
+            text = getattr(m.nodes[refs[0].node].params, "text", None) if refs else None
+            node.params = node.params.model_copy(update={"text": text or BUILTIN_TEXT})
     return m

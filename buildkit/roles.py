@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .errors import StepError
 
 BITS = (2, 3, 4, 5, 6, 8)
+BF16 = 16  # in budget_bits: the tensor kept as the source stores it (passthrough), a candidate too
 
 
 class Role(BaseModel):
@@ -26,7 +27,8 @@ class Role(BaseModel):
     calibrated: bool = False  # data-aware scale search (needs calibration data)
     # how a calibrated role is quantized: dataaware.py's search, or gptq.py's error feedback
     method: Literal["search", "gptq"] = "search"
-    # bits a bits-per-weight budget (recipe.target_bpw) may give this role's tensors, one each
+    # bits a bits-per-weight budget (recipe.target_bpw) may give this role's tensors, one each;
+    # 16 (BF16) keeps a tensor unquantized
     budget_bits: tuple[int, ...] | None = None
 
     @model_validator(mode="after")
@@ -39,20 +41,28 @@ class Role(BaseModel):
             raise ValueError("a passthrough role takes no bits and is not calibrated")
         if self.method != "search" and not self.calibrated:
             raise ValueError(f"method = {self.method!r} needs calibrated = true (calibration data)")
-        for b in (self.bits, *(self.budget_bits or ())):
-            if b is not None and b not in BITS:
-                raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8 (mlx affine), got {b}")
-        if self.budget_bits is not None:
-            if (
-                self.passthrough
-                or len(self.budget_bits) < 2
-                or list(self.budget_bits) != sorted(set(self.budget_bits))
-            ):
+        if self.bits is not None and self.bits not in BITS:
+            raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8 (mlx affine), got {self.bits}")
+        for b in self.budget_bits or ():
+            if b not in (*BITS, BF16):
                 raise ValueError(
-                    "budget_bits must list two or more distinct bits in increasing order, "
-                    "on a quantized role (for example [3, 4, 6, 8])"
+                    f"budget_bits must be among 2, 3, 4, 5, 6, 8 (mlx affine) and 16 (bf16, "
+                    f"unquantized), got {b}"
+                )
+        if self.budget_bits is not None:
+            if len(self.budget_bits) < 2 or list(self.budget_bits) != sorted(set(self.budget_bits)):
+                raise ValueError(
+                    "budget_bits must list two or more distinct bits in increasing order "
+                    "(for example [3, 4, 6, 8], or [4, 8, 16] with 16 for bf16)"
                 )
         return self
+
+    def at(self, bits: int) -> Role:
+        """This role with ``bits`` (16: unquantized), as a budget plans one of its tensors."""
+        if bits == BF16:
+            return Role(passthrough=True)
+        d = self.model_dump() | {"bits": bits, "passthrough": False, "budget_bits": None}
+        return Role(**d)
 
     def key_dump(self) -> dict:
         """The role as it enters a quantizing step's key (budget_bits only when set, method only

@@ -115,6 +115,8 @@ class Step:
     inputs: ClassVar[dict[str, Slot]] = {}
     outputs: ClassVar[tuple[str, ...]] = ("out",)
     uses_recipe: ClassVar[bool] = False
+    # an input slot whose producer's params.text this step's params.text takes when unset
+    text_from: ClassVar[str | None] = None
 
     def libraries(self) -> dict[str, str]:
         """Versions of libraries that change this step's output bytes (part of the key)."""

@@ -276,12 +276,14 @@ def budget_lines(b: dict | None) -> list[str]:
         f"planned **{b['bits_per_weight']}**. Sensitivity: {b['measure']}; "
         "bits chosen to make the summed sensitivity least within the budget.",
         "",
-        "| routed experts | bits | " + " | ".join(f"sensitivity at {c}" for c in cand) + " |",
+        "| tensors | bits | "
+        + " | ".join(f"sensitivity at {'bf16' if c == 16 else c}" for c in cand)
+        + " |",
         "|---|---|" + "---|" * len(cand),
     ]
     for name, s in b["sensitivity"].items():
         lines.append(
-            f"| {name} | {b['bits'][name]} | "
+            f"| {name} | {'bf16' if b['bits'][name] == 16 else b['bits'][name]} | "
             + " | ".join(str(s.get(str(c), "")) for c in cand)
             + " |"
         )

@@ -21,7 +21,7 @@ from .. import budget, dataaware
 from ..artifact import Artifact
 from ..errors import StepError
 from ..packs import PackSet, PackWriter
-from ..roles import Recipe, Role
+from ..roles import BF16, Recipe, Role
 from ..store import ROW_BLOCK_BYTES
 from ..tensors import ITEMSIZE, nbytes
 from .base import Context, Params, Slot, Step, library_version, register
@@ -33,6 +33,8 @@ class QuantizeParams(Params):
         default_factory=dict
     )  # step-local rules, tried first, must all match
     require_all_rules: bool = True  # every recipe rule must match some tensor of this input
+    # recipe.target_bpw applies (requantize: no, a grafted head takes its roles' own bits)
+    budget: bool = True
 
     @model_validator(mode="after")
     def _roles_exist(self):
@@ -156,7 +158,9 @@ def resolved_plan(
     table = dict(recipe.roles)
     summary = None
     budgeted = any(recipe.roles[r].budget_bits for r in set(roles.values()))
-    if recipe.target_bpw is not None and budgeted:
+    if not params.budget:  # its roles' own bits, keyed as if no budget_bits were given
+        table = {k: r.model_copy(update={"budget_bits": None}) for k, r in table.items()}
+    elif recipe.target_bpw is not None and budgeted:
         if sensitivity is None:
             raise StepError(
                 f"recipe.target_bpw = {recipe.target_bpw} needs measured sensitivities: add "
@@ -166,10 +170,8 @@ def resolved_plan(
             tensors, roles, recipe.roles, recipe.target_bpw, sensitivity.meta
         )
         for name, b in bits.items():
-            derived = f"{roles[name]}@{b}"
-            table[derived] = recipe.roles[roles[name]].model_copy(
-                update={"bits": b, "budget_bits": None}
-            )
+            derived = f"{roles[name]}@{'bf16' if b == BF16 else b}"
+            table[derived] = recipe.roles[roles[name]].at(b)
             roles[name] = derived
     used = sorted(set(roles.values()))
     plan = {
@@ -371,6 +373,7 @@ class Quantize(Step):
 
 class RequantizeParams(QuantizeParams):
     require_all_rules: bool = False  # the trunk's rules need not all match a head
+    budget: bool = False  # the budget is the trunk's (quantize's); the head keeps its roles' bits
 
 
 @register

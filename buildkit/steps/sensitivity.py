@@ -21,14 +21,19 @@ from .. import budget
 from .. import calibration as cal
 from ..artifact import Artifact
 from ..errors import StepError
-from ..roles import BITS
+from ..roles import BF16, BITS, Recipe
 from .base import Context, Params, Slot, Step, library_version, register
+
+DEFAULT_TEXT = "builtin:calibration.txt"
 
 
 class SensitivityParams(Params):
+    recipe: Recipe = Recipe()  # the manifest's: the roles with budget_bits are measured
+    # candidate bits; a group is measured at those of them its role's budget_bits lists
     bits: list[int] = Field(default_factory=lambda: [3, 4, 6, 8])
     group_size: int = Field(default=64, ge=16)
-    text: str = "builtin:calibration.txt"  # identity is the content digest, not this path
+    # identity is the content digest, not this path; unset: the calibration input's text
+    text: str | None = None
     heldout_every: int = Field(default=5, ge=2)  # as calibrate's: only its calibration lines
     seq_len: int = Field(default=128, ge=2)
     # tokens the KL is measured on; the bf16 log-probabilities are kept: tokens x vocab x 4 bytes
@@ -39,9 +44,41 @@ class SensitivityParams(Params):
     @field_validator("bits")
     @classmethod
     def _bits(cls, v: list[int]) -> list[int]:
-        if not v or any(b not in BITS for b in v):
-            raise ValueError(f"bits must be a non-empty list of {', '.join(map(str, BITS))}")
+        if not v or any(b not in (*BITS, BF16) for b in v):
+            raise ValueError(
+                f"bits must be a non-empty list of {', '.join(map(str, BITS))} or {BF16} (bf16)"
+            )
         return sorted(set(v))
+
+
+def measured(params: SensitivityParams, tensors: dict[str, dict]) -> dict[str, dict]:
+    """group -> {"tensors": [...], "bits": [...]}: the tensors whose role in ``params.recipe``
+    has budget_bits, grouped (``granularity``), each group at the candidate bits its role's
+    budget_bits lists; with no budget_bits in the recipe, every routed expert at every bits."""
+    recipe = params.recipe
+    if not any(r.budget_bits for r in recipe.roles.values()):
+        names = budget.routed_weights(tensors)
+        return {
+            g: {"tensors": ns, "bits": params.bits}
+            for g, ns in budget.groups_of(names, params.granularity).items()
+        }
+    roles = {n: hit[1] for n in sorted(tensors) if (hit := recipe.match(n))}
+    names = budget.budgeted_weights(tensors, roles, recipe.roles)
+    out = {}
+    for g, ns in budget.groups_of(names, params.granularity).items():
+        allowed = set().union(*(recipe.roles[roles[n]].budget_bits for n in ns))
+        out[g] = {"tensors": ns, "bits": [b for b in params.bits if b in allowed]}
+    return out
+
+
+def _default(params: SensitivityParams, tensors: dict[str, dict], groups: dict) -> bool:
+    """Whether ``groups`` is what the step measured before roles other than the routed experts
+    could be budgeted (every routed expert at every bits): then the key stays as it was."""
+    names = budget.routed_weights(tensors)
+    return groups == {
+        g: {"tensors": ns, "bits": params.bits}
+        for g, ns in budget.groups_of(names, params.granularity).items()
+    }
 
 
 @register
@@ -51,29 +88,44 @@ class Sensitivity(Step):
     Params = SensitivityParams
     # model: sanitize:model; calibration: a calibrate output (data-aware candidates)
     inputs = {"model": Slot(), "calibration": Slot(required=False)}
+    uses_recipe = True
+    text_from = "calibration"
 
     def libraries(self) -> dict[str, str]:
         return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
 
     def key_params(self, params: SensitivityParams, inputs=None) -> dict:
-        return params.model_dump(mode="json", exclude={"text"})
+        """The params but the text (its content digest is the fingerprint) and the recipe, of
+        which only what it makes measured enters: each group's tensors and candidate bits
+        (never target_bpw, so a new budget re-plans without re-measuring)."""
+        d = params.model_dump(mode="json", exclude={"text", "recipe"})
+        if inputs and inputs.get("model"):
+            tensors = inputs["model"][0].tensors
+            groups = measured(params, tensors)
+            if not _default(params, tensors, groups):
+                d["measured"] = groups
+        return d
 
     def fingerprint(self, params: SensitivityParams, ctx: Context) -> dict:
-        path = cal.text_path(params.text, ctx.options.project_root)
+        path = cal.text_path(params.text or DEFAULT_TEXT, ctx.options.project_root)
         return {"text": ctx.store.sources.digest_file(path, rehash=ctx.options.rehash)}
 
     def describe_fingerprint_change(self, old, new) -> str:
         return "calibration text changed"
 
     def watch(self, params: SensitivityParams, ctx: Context):
-        return [cal.text_path(params.text, ctx.options.project_root)], []
+        return [cal.text_path(params.text or DEFAULT_TEXT, ctx.options.project_root)], []
 
     def run(self, ctx: Context, params: SensitivityParams, inputs) -> dict[str, Artifact]:
         model = inputs["model"][0]
         calibration = (inputs.get("calibration") or [None])[0]
-        names = budget.routed_weights(model.tensors)
+        plan = measured(params, model.tensors)
+        names = [n for g in plan.values() for n in g["tensors"]]
         if not names:
-            raise StepError("sensitivity: the model has no routed-expert weight (*.switch_mlp.*)")
+            raise StepError(
+                "sensitivity: nothing to measure: the model has no routed-expert weight "
+                "(*.switch_mlp.*) and no role of the recipe has budget_bits"
+            )
         for name in names:
             if model.tensors[name]["shape"][-1] % params.group_size:
                 raise StepError(
@@ -85,7 +137,7 @@ class Sensitivity(Step):
                 "the model artifact has no tokenizer.json; sensitivity tokenizes with the "
                 "source's own"
             )
-        path = cal.text_path(params.text, ctx.options.project_root)
+        path = cal.text_path(params.text or DEFAULT_TEXT, ctx.options.project_root)
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
@@ -96,13 +148,19 @@ class Sensitivity(Step):
         )
         if len(tokens) < 2:
             raise StepError(f"calibration text {path}: {len(tokens)} tokens; it needs more")
-        groups = budget.groups_of(names, params.granularity)
+        groups = {g: p["tensors"] for g, p in plan.items()}
+        bits = {g: p["bits"] for g, p in plan.items()}
+        cost = budget.cost(model.meta["config"], groups, bits)
+        ctx.log(
+            f"{cost['candidates']} candidates: {cost['layer_passes']} decoder-layer passes and "
+            f"{cost['head_passes']} output-head passes over {len(tokens)} tokens"
+        )
         figures = budget.measure(
             ctx.store,
             model,
             calibration,
             groups,
-            params.bits,
+            bits,
             params.group_size,
             tokens,
             params.seq_len,
@@ -117,13 +175,14 @@ class Sensitivity(Step):
                 "tokens": len(tokens),
                 "granularity": params.granularity,
                 "groups": groups,
+                "cost": cost,
                 "sensitivity": {
                     g: {str(b): v for b, v in sorted(s.items())} for g, s in sorted(figures.items())
                 },
             }
         )
         ctx.log(
-            f"sensitivity of {len(groups)} groups of routed-expert tensors (per "
-            f"{params.granularity}) at bits {params.bits} on {len(tokens)} calibration tokens"
+            f"sensitivity of {len(groups)} groups of tensors (per {params.granularity}) at "
+            f"bits {params.bits} on {len(tokens)} calibration tokens"
         )
         return {"out": out}
