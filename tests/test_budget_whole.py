@@ -1,0 +1,146 @@
+"""oq: one bits-per-weight budget over every role with budget_bits, bf16 a candidate."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import Project
+
+from buildkit import budget, manifest
+from buildkit.artifact import Artifact
+from buildkit.roles import Recipe, Role
+from buildkit.steps.quantize import QuantizeParams, RequantizeParams, resolved_plan
+from buildkit.store import Store
+
+# the trained fixture: on random weights the outputs are near-uniform and a KL is noise
+SOURCE = "fixture:trained"
+
+
+def _inputs():
+    """Experts (4-bit, may take 3/4/8), a head kept bf16 (may take 4/8/bf16) and a role
+    without budget_bits (8-bit): the head matters little, the experts much."""
+    tensors = {f"e{i}.weight": {"dtype": "BF16", "shape": [4, 64, 64]} for i in range(2)}
+    tensors["head.weight"] = {"dtype": "BF16", "shape": [256, 64]}
+    tensors["k.weight"] = {"dtype": "BF16", "shape": [64, 64]}
+    recipe = Recipe(
+        roles={
+            "e": Role(bits=4, budget_bits=(3, 4, 8)),
+            "h": Role(passthrough=True, budget_bits=(4, 8, 16)),
+            "k": Role(bits=8),
+        },
+        rules={"e*": "e", "head": "h", "k": "k"},
+    )
+    sens = {
+        "e0.weight": {"3": 50.0, "4": 10.0, "8": 0.5},
+        "e1.weight": {"3": 40.0, "4": 8.0, "8": 0.4},
+        "head.weight": {"4": 3.0, "8": 0.1},
+    }
+    measured = {"groups": {n: [n] for n in sens}, "sensitivity": sens}
+    return tensors, recipe, measured
+
+
+def _bits(tensors: dict, recipe: Recipe, roles: dict[str, str]) -> float:
+    """Stored bits per weight of ``tensors`` under ``roles`` (role names of ``recipe``, or
+    ``<role>@<bits>``)."""
+    total = weights = 0
+    for n, e in tensors.items():
+        name, _, b = roles[n].partition("@")
+        role = recipe.roles[name].at(16 if b == "bf16" else int(b)) if b else recipe.roles[name]
+        total += budget.stored_bits(e, role)
+        weights += e["shape"][0] * e["shape"][-1] * (e["shape"][1] if len(e["shape"]) == 3 else 1)
+    return total / weights
+
+
+def test_the_budget_moves_bits_out_of_a_bf16_role_into_the_experts_within_the_target():
+    tensors, recipe, measured = _inputs()
+    base = {n: recipe.match(n)[1] for n in tensors}
+    target = _bits(tensors, recipe, base)  # the recipe as it stands: experts 4, head bf16
+    recipe = recipe.model_copy(update={"target_bpw": target})
+    plan = resolved_plan(tensors, QuantizeParams(recipe=recipe), Artifact(meta=measured))
+    assert plan["tensors"]["head.weight"] == "h@4"  # out of bf16 (its 12 bits pay for 8) ...
+    assert plan["tensors"]["e0.weight"] == plan["tensors"]["e1.weight"] == "e@8"  # ... into these
+    assert plan["roles"]["h@4"] == Role(bits=4).key_dump()
+    assert plan["budget"]["bits_per_weight"] <= target
+    assert _bits(tensors, recipe, plan["tensors"]) <= target
+    # a role without budget_bits keeps its recipe bits, and so does a budgeted role that
+    # was not measured (it is not in the sensitivity's groups)
+    assert plan["tensors"]["k.weight"] == "k" and plan["roles"]["k"]["bits"] == 8
+    measured["groups"].pop("head.weight")
+    plan = resolved_plan(tensors, QuantizeParams(recipe=recipe), Artifact(meta=measured))
+    assert plan["tensors"]["head.weight"] == "h" and plan["roles"]["h"]["passthrough"]
+
+
+def test_bf16_is_a_candidate_that_costs_nothing_to_measure():
+    tensors, recipe, measured = _inputs()
+    roles = {n: recipe.match(n)[1] for n in tensors}
+    lo, hi = budget.reachable(tensors, roles, recipe.roles, measured)
+    bits, summary = budget.plan(tensors, roles, recipe.roles, hi, measured)
+    assert bits["head.weight"] == 16 and summary["sensitivity"]["head.weight"]["16"] == 0.0
+    recipe = recipe.model_copy(update={"target_bpw": hi})
+    plan = resolved_plan(tensors, QuantizeParams(recipe=recipe), Artifact(meta=measured))
+    assert plan["roles"]["h@bf16"] == Role(passthrough=True).key_dump()
+
+
+def test_requantize_takes_its_roles_own_bits_and_keys_them_without_budget_bits():
+    tensors, recipe, _ = _inputs()
+    recipe = recipe.model_copy(update={"target_bpw": 5.0})
+    plan = resolved_plan(tensors, RequantizeParams(recipe=recipe))  # no sensitivity needed
+    assert "budget" not in plan and plan["tensors"]["e0.weight"] == "e"
+    assert plan["roles"]["e"] == Role(bits=4).key_dump()
+
+
+def test_a_child_of_oq_sets_the_budget_and_the_text_that_calibrate_and_sensitivity_read(tmp_path):
+    project = Project(tmp_path)
+    project.write_manifest(
+        "mine",
+        'extends = "oq"\n[recipe]\ntarget_bpw = 4.2\n'
+        '[steps.calibrate]\nparams.text = "texts/mine.txt"\n',
+    )
+    m = manifest.load("mine", project.manifests)
+    assert m.nodes["quantize"].params.recipe.target_bpw == 4.2
+    assert m.nodes["sensitivity"].params.text == "texts/mine.txt"
+    oq = manifest.load("oq", project.manifests).nodes
+    assert oq["sensitivity"].params.text == oq["calibrate"].params.text == "builtin:calibration.txt"
+
+
+def node(project: Project, variant: str, name: str, output: str = "out") -> Artifact:
+    store = Store(project.store)
+    return store.get_artifact(store.get_ref(variant)["nodes"][name]["outputs"][output])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """oq on the trained fixture at xl-4bit's bits per weight (its baseline's), up to eval."""
+    project = Project(tmp_path_factory.mktemp("oq"))
+    project.write_manifest("oq-base", f'extends = "oq"\nsource = "{SOURCE}"\n')
+    project.build("oq-base", "--target", "eval_baseline")
+    target = node(project, "oq-base", "quantize_baseline").meta["bits_per_weight"]
+    project.write_manifest(
+        "oq-eq", f'extends = "oq"\nsource = "{SOURCE}"\n[recipe]\ntarget_bpw = {target}\n'
+    )
+    project.build("oq-eq", "--target", "eval")
+    project.build("oq-eq", "--target", "eval_baseline")
+    return project, target
+
+
+def test_oq_moves_bits_between_roles_and_beats_xl_4bit_at_equal_bytes(built):
+    project, target = built
+    quant = node(project, "oq-eq", "quantize")
+    b = quant.meta["budget"]
+    assert 0.995 * target <= quant.meta["bits_per_weight"] <= target
+    # roles that xl keeps bf16 and roles it quantizes were both measured and planned
+    planned = {g.rpartition(".")[2]: bits for g, bits in b["bits"].items()}
+    assert {"lm_head", "embed_tokens", "switch_mlp", "shared_expert", "gate"} <= set(planned)
+    base = {"lm_head": 16, "embed_tokens": 8}  # xl's
+    moved = [
+        g for g, bits in b["bits"].items() if base.get(g.rpartition(".")[2]) not in (None, bits)
+    ]
+    moved += [g for g, bits in b["bits"].items() if g.endswith("switch_mlp") and bits != 4]
+    assert len(moved) >= 2, b["bits"]
+    # roles without budget_bits keep theirs: norms bf16
+    roles = quant.meta["roles"]
+    assert all(roles[n] == "keep" for n in roles if n.endswith("norm.weight"))
+    ours = node(project, "oq-eq", "eval").meta["report"]
+    xl4 = node(project, "oq-eq", "eval_baseline").meta["report"]
+    assert ours["tokens"] == xl4["tokens"]
+    assert abs(ours["size_bytes"] / xl4["size_bytes"] - 1) <= 0.005
+    assert ours["kld_mean"] < xl4["kld_mean"], (ours["kld_mean"], xl4["kld_mean"])
