@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from . import keys
 from .errors import SourceError
@@ -21,16 +22,62 @@ DATA = Path(__file__).parent / "data" / "trained"
 SPEC = FixtureSpec(vocab=2048)  # the generator's default shape with a larger vocabulary
 
 
+class Trained(NamedTuple):
+    """A named trained fixture: its shipped files and the shape they were trained in."""
+
+    data: Path
+    spec: FixtureSpec
+    about: str
+
+
+# The first is the default (``fixture:trained``); the others are ``fixture:trained=NAME``.
+FIXTURES: dict[str, Trained] = {
+    "kjv": Trained(DATA, SPEC, "King James Bible; 8 experts, top-2, 4.0 MB"),
+    "austen": Trained(
+        Path(__file__).parent / "data" / "trained-austen",
+        # shaped like the real model: routed experts 88% of the text weights, top-4 of 48
+        FixtureSpec(vocab=1024, experts=48, experts_per_tok=4),
+        "Jane Austen's six novels; 48 experts, top-4, routed experts 88% of the weights",
+    ),
+}
+DEFAULT = "kjv"
+
+
+def get(name: str | None = None) -> Trained:
+    """The trained fixture called ``name`` (the default when None); ``SourceError`` naming the
+    known ones otherwise."""
+    name = DEFAULT if name is None else name
+    if name not in FIXTURES:
+        known = ", ".join(f"{n} ({f.about})" for n, f in FIXTURES.items())
+        raise SourceError(f"no trained fixture {name!r}; the known ones: {known}")
+    return FIXTURES[name]
+
+
+# Routed rows an expert gets per input dimension in the real model's calibration: 4096 tokens
+# (calibrate's default max_tokens) x top-8 / 256 experts / 2048 hidden = 0.0625.
+REAL_ROWS_PER_INPUT = 4096 * 8 / 256 / 2048
+
+
+def calibration_tokens(spec: FixtureSpec) -> int:
+    """Calibration tokens (calibrate's ``params.max_tokens``) that give ``spec``'s experts the
+    real model's routed rows per input: tokens x top-k / experts / hidden = 0.0625."""
+    return round(REAL_ROWS_PER_INPUT * spec.experts * spec.hidden / spec.experts_per_tok)
+
+
 def write_trained(
-    out: str | Path, data: Path = DATA, progress: Callable[[str], None] | None = None
+    out: str | Path,
+    data: Path = DATA,
+    progress: Callable[[str], None] | None = None,
+    spec: FixtureSpec = SPEC,
 ) -> Path:
     """Write the trained checkpoint in full Hugging Face layout to ``out`` and return its path.
 
+    ``data`` and ``spec`` are one fixture's (``FIXTURES``; the default's unless given).
     Deterministic: the same data gives byte-identical files. Raises ``FileExistsError`` if
     ``out`` exists and is not an empty directory, ``SourceError`` if ``data`` lacks a tensor.
     """
     header = read_header(data / "weights.safetensors")
-    want = {t.name for t, _ in _plan(SPEC) if not t.name.startswith("model.visual.")}
+    want = {t.name for t, _ in _plan(spec) if not t.name.startswith("model.visual.")}
     missing, extra = sorted(want - set(header.tensors)), sorted(set(header.tensors) - want)
     bad = [n for n, i in header.tensors.items() if i.dtype != "BF16"]
     if missing or extra or bad:
@@ -40,7 +87,7 @@ def write_trained(
         )
     weights = {n: read_tensor(i, header.path) for n, i in header.tensors.items()}
     tokenizer = (data / "tokenizer.json").read_text()
-    return generate(out, SPEC, progress, tokenizer=tokenizer, weights=weights)
+    return generate(out, spec, progress, tokenizer=tokenizer, weights=weights)
 
 
 def data_digest(data: Path = DATA) -> str:

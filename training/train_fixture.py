@@ -51,7 +51,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -97,6 +99,52 @@ def kjv_verses() -> list[str]:
         elif line.strip() and not re.match(r"^\S.* \d+$", line) and verses:
             verses[-1] += " " + line.strip()  # a wrapped verse
     return [" ".join(v.split()) for v in verses]
+
+
+def austen_paragraphs() -> list[str]:
+    """Every paragraph of Jane Austen's six novels, one per line, chapter headings removed."""
+    if not shutil.which("Rscript"):
+        sys.exit(
+            "the corpus comes from Debian's r-cran-janeaustenr package: "
+            "apt-get install --no-install-recommends r-cran-janeaustenr"
+        )
+    text = subprocess.run(
+        ["Rscript", "-e", "writeLines(janeaustenr::austen_books()$text)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+    heading = re.compile(r"^(chapter|volume) [0-9ivxlc]+\.?$|^(the )?end\.?$", re.IGNORECASE)
+    return [p for p in paragraphs if p and not heading.match(p)]
+
+
+class Corpus(NamedTuple):
+    lines: Callable[[], list[str]]
+    unit: str  # what one line is, for heldout.txt's header
+    name: str
+    licence: str
+
+
+CORPORA = {
+    "kjv": Corpus(
+        kjv_verses,
+        "verses of the King James Version (1611; public domain): every 20th verse from\n"
+        "# Genesis on",
+        "King James Version of the Bible (1611), Debian package bible-kjv-text 4.38",
+        "public domain (copyright expired)",
+    ),
+    "austen": Corpus(
+        austen_paragraphs,
+        "paragraphs of Jane Austen's six novels (1811-1818; public domain): every 20th\n"
+        "# paragraph from Sense and Sensibility on",
+        "Jane Austen's six novels (Sense and Sensibility, Pride and Prejudice, Mansfield Park, "
+        "Emma, Northanger Abbey, Persuasion) as Project Gutenberg transcribed them, from Debian "
+        "package r-cran-janeaustenr 1.0.0-1 (R package janeaustenr 1.0.0 by Julia Silge, MIT)",
+        "public domain (the novels, published 1811-1818; copyright long expired); the "
+        "packaging MIT",
+    ),
+}
 
 
 # ---- the model ---------------------------------------------------------------------------
@@ -274,17 +322,17 @@ def measure(model, head, ids: np.ndarray, n_experts: int, k: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fixture", choices=sorted(trained.FIXTURES), default=trained.DEFAULT)
     ap.add_argument("--steps", type=int, default=550)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument(
-        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "buildkit/data/trained"
-    )
+    ap.add_argument("--out", type=Path, help="default: the fixture's data directory")
     args = ap.parse_args()
     mx.random.seed(0)
     rng = np.random.default_rng(0)
-    spec = trained.SPEC
+    fix, corpus = trained.FIXTURES[args.fixture], CORPORA[args.fixture]
+    spec = fix.spec
 
-    verses = kjv_verses()
+    verses = corpus.lines()
     train_v = [v for i, v in enumerate(verses) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
     held_v = [v for i, v in enumerate(verses) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
     tok = fixture.train_tokenizer(train_v, spec.vocab)
@@ -293,7 +341,7 @@ def main() -> None:
         :EVAL_TOKENS
     ]
     print(
-        f"corpus: {len(verses)} verses, {len(ids)} training tokens, {len(held)} held-out tokens",
+        f"corpus: {len(verses)} lines, {len(ids)} training tokens, {len(held)} held-out tokens",
         flush=True,
     )
 
@@ -356,20 +404,19 @@ def main() -> None:
             )
     train_s = time.time() - t0
 
-    out: Path = args.out
+    out: Path = args.out or fix.data
     out.mkdir(parents=True, exist_ok=True)
     write_weights(out / "weights.safetensors", to_hf(model, head))
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
     (out / "heldout.txt").write_text(
-        "# Held-out verses of the King James Version (1611; public domain): every 20th verse from\n"
-        "# Genesis on, never trained on. Written by training/train_fixture.py.\n"
+        f"# Held-out {corpus.unit}, never trained on. Written by training/train_fixture.py.\n"
         + "\n".join(held_v[:HELDOUT_SHIPPED])
         + "\n"
     )
 
     tmp = Path(tempfile.mkdtemp())
     try:
-        ckpt = trained.write_trained(tmp / "ckpt", data=out)
+        ckpt = trained.write_trained(tmp / "ckpt", data=out, spec=spec)
         m2, h2 = load_hf(ckpt)
         tap_routers(list(m2.language_model.model.layers) + list(h2.layers))
         # round trip: the written checkpoint against the trained float32 model
@@ -388,9 +435,11 @@ def main() -> None:
         shutil.rmtree(tmp)
     figures.update(train_seconds=round(train_s, 1), steps=args.steps, round_trip=trip)
     meta = {
-        "corpus": "King James Version of the Bible (1611), Debian package bible-kjv-text 4.38",
-        "licence": "public domain (copyright expired)",
+        "corpus": corpus.name,
+        "licence": corpus.licence,
         "heldout_every": HELDOUT_EVERY,
+        # calibrate's max_tokens for the real model's routed rows per expert input (0.0625)
+        "calibration_tokens_real_regime": trained.calibration_tokens(spec),
         "seq_len": SEQ,
         "batch": BATCH,
         "lr": args.lr,

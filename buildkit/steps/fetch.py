@@ -3,8 +3,8 @@
 Sources: a local directory; ``hf://org/repo@revision`` (huggingface_hub
 ``snapshot_download``, which honours HF_HUB_OFFLINE and the HF cache); or
 ``fixture:`` / ``fixture:seed=1,layers=4`` (a deterministic generated
-checkpoint, kept under the store); or ``fixture:trained`` (the small trained
-checkpoint of ``buildkit.trained``, also written under the store). Safetensors
+checkpoint, kept under the store); or ``fixture:trained`` / ``fixture:trained=NAME`` (a
+small trained checkpoint of ``buildkit.trained``, also written under the store). Safetensors
 shards stay where they are and are referenced by content digest; small files
 (config, tokenizer) are copied into the store. Paths never enter the key, only
 content digests do.
@@ -38,9 +38,27 @@ class FetchParams(Params):
     def _valid(cls, v: str) -> str:
         if v.startswith("hf://") and not HF_RE.match(v):
             raise ValueError(f"expected hf://org/repo@revision, got {v!r}")
-        if v.startswith("fixture:") and v != TRAINED:
+        if source_kind(v) == "trained":
+            trained_name(v)
+        elif v.startswith("fixture:"):
             parse_fixture(v)
         return v
+
+
+def trained_name(source: str) -> str | None:
+    """NAME of ``fixture:trained=NAME`` (None for ``fixture:trained``, the default); a
+    ``ValueError`` listing the known names if there is no such trained fixture."""
+    if source == TRAINED:
+        return None
+    from ..trained import FIXTURES
+
+    name = source[len(TRAINED) + 1 :]
+    if name not in FIXTURES:
+        raise ValueError(
+            f"no trained fixture {name!r} in {source!r}; the known ones: "
+            + ", ".join(f"{TRAINED}={n} ({f.about})" for n, f in FIXTURES.items())
+        )
+    return name
 
 
 def parse_fixture(source: str):
@@ -52,7 +70,8 @@ def parse_fixture(source: str):
         k, sep, val = part.partition("=")
         if not sep or not val.lstrip("-").isdigit():
             raise ValueError(
-                f"fixture source takes name=integer pairs (or is {TRAINED}), got {part!r}"
+                f"fixture source takes name=integer pairs (or is {TRAINED} or "
+                f"{TRAINED}=NAME), got {part!r}"
             )
         fields[k.strip()] = int(val)
     return FixtureSpec(**fields)
@@ -61,7 +80,7 @@ def parse_fixture(source: str):
 def source_kind(source: str) -> str:
     if source.startswith("hf://"):
         return "hf"
-    if source == TRAINED:
+    if source == TRAINED or source.startswith(TRAINED + "="):
         return "trained"
     if source.startswith("fixture:"):
         return "fixture"
@@ -143,13 +162,15 @@ class Fetch(Step):
                 generate(path, spec)
             return path, {"type": "fixture", "spec": spec.model_dump()}
         if kind == "trained":
-            from ..trained import data_digest, write_trained
+            from ..trained import data_digest, get, write_trained
 
-            path = ctx.store.root / "fixtures" / f"trained-{data_digest()}"
+            name = trained_name(params.source)
+            fixture = get(name)
+            path = ctx.store.root / "fixtures" / f"trained-{data_digest(fixture.data)}"
             if not (path / "config.json").exists():
                 ctx.log(f"writing the trained fixture checkpoint in {path}")
-                write_trained(path)
-            return path, {"type": "trained"}
+                write_trained(path, fixture.data, spec=fixture.spec)
+            return path, {"type": "trained"} | ({"name": name} if name else {})
         path = Path(params.source).expanduser()
         if not path.is_absolute():
             path = ctx.options.project_root / path
