@@ -64,25 +64,26 @@ METHODS = (
     "xl-4bit",
     "oq4e",
     "buildkit-gptq",
+    "oq",
     *(f"mlx_lm.{t}" for t in TOOLS),
     "gptq",
     "dynamic_quant",
     "dwq",
 )
 
-BUILDS = {"xl-4bit": "xl-4bit", "oq4e": "oq4e-xl", "buildkit-gptq": "gptq-xl"}  # method: variant
+BUILDS = {"xl-4bit": "xl-4bit", "oq4e": "oq4e-xl", "buildkit-gptq": "gptq-xl", "oq": "oq-eq"}
 MANIFESTS = {
     "xl-4bit": 'extends = "xl"\ndescription = "xl, 4-bit routed experts"\n'
     "[recipe.roles]\nrouted_expert = { bits = 4, group_size = 64 }\n",
     "oq4e-xl": 'extends = "xl"\ndescription = "xl, data-aware 4-bit routed experts"\n'
     "[recipe.roles]\nrouted_expert = { bits = 4, group_size = 64, calibrated = true }\n"
     '[steps.calibrate]\nkind = "calibrate"\ninputs = { model = "sanitize:model" }\n'
-    'params.text = "{text}"\n[steps.quantize]\ninputs = { calibration = "calibrate" }\n',
+    'params.text = "{text}"\n{calib}[steps.quantize]\ninputs = { calibration = "calibrate" }\n',
     "gptq-xl": 'extends = "xl"\ndescription = "xl, 4-bit routed experts by per-expert GPTQ"\n'
     "[recipe.roles]\nrouted_expert = "
     '{ bits = 4, group_size = 64, calibrated = true, method = "gptq" }\n'
     '[steps.calibrate]\nkind = "calibrate"\ninputs = { model = "sanitize:model" }\n'
-    'params.text = "{text}"\nparams.keep_inputs = true\n'
+    'params.text = "{text}"\nparams.keep_inputs = true\n{calib}'
     '[steps.quantize]\ninputs = { calibration = "calibrate" }\n'
     # GPTQ moves weights to lower the output error: per-weight rel-L1 rises (0.135 mean, 0.173
     # max at 4 bits on the trained fixture against verify's 0.16 line)
@@ -275,12 +276,17 @@ def ratio_interval(kl: np.ndarray, base: np.ndarray, block: int = 16, n: int = 4
 # ---- the mlx_lm drivers (run as child processes: `peers.py _gptq ...`) ------------------------
 
 
+CALIB_TOKENS = 0  # --calib-tokens, passed to the drivers: the first N calibration tokens only
+
+
 def calibration_tokens(source: Path, text: Path, seq_len: int) -> list[list[int]]:
-    """The calibration split of the text in whole sequences of ``seq_len`` tokens."""
+    """The calibration split of the text (its first ``CALIB_TOKENS`` tokens, if set) in whole
+    sequences of ``seq_len`` tokens, or of all of them if they are fewer."""
     from buildkit import calibration as cal
 
     calib, _ = cal.split_lines(text.read_text(encoding="utf-8"), HELDOUT_EVERY)
-    ids = cal.tokenize((source / "tokenizer.json").read_bytes(), calib, 1 << 20)
+    ids = cal.tokenize((source / "tokenizer.json").read_bytes(), calib, CALIB_TOKENS or 1 << 20)
+    seq_len = min(seq_len, len(ids))
     n = len(ids) // seq_len
     return [ids[i * seq_len : (i + 1) * seq_len] for i in range(n)]
 
@@ -369,42 +375,72 @@ def drive_dwq(source: Path, text: Path, base: Path, out: Path, epochs: int, lr: 
     mx.random.seed(123)
     teacher = load_f32(source)[0]
     student, tok, config = load(str(base), lazy=True, return_config=True)
-    seqs = [(s, 0) for s in calibration_tokens(source, text, SEQ_LEN + 1)]  # dwq drops one
-    train, valid = seqs[:-4] * epochs, seqs[-4:]  # dwq's validation: calibration lines too
+    # dwq drops one token a sequence; with few tokens (--calib-tokens), shorter sequences so
+    # that there are at least 6: 5 to train on, 1 to validate
+    length = SEQ_LEN + 1
+    if CALIB_TOKENS and CALIB_TOKENS < 6 * length:
+        length = max(9, CALIB_TOKENS // 6)
+    seqs = [(s, 0) for s in calibration_tokens(source, text, length)]
+    k = 4 if len(seqs) >= 12 else 1
+    train, valid = seqs[:-k] * epochs, seqs[-k:]  # dwq's validation: calibration lines too
     opt = optimizers.Adam(learning_rate=lr, bias_correction=True)
-    dwq_quantize(
-        student, lambda b, i, split: teacher(b), opt, train, valid, 4, SEQ_LEN + 1, seed=123
-    )
+    dwq_quantize(student, lambda b, i, split: teacher(b), opt, train, valid, k, length, seed=123)
     save(out, source, student, tok, config)
 
 
 # ---- the whole comparison ---------------------------------------------------------------
 
 
+def oq_manifest(xl4_store: Path, calib_text: Path, calib_tokens: int) -> str:
+    """``oq`` at xl-4bit's bits per weight (its quantize step's, vision tower included: the
+    same count as oq's budget), calibrated and measured on the same text and tokens."""
+    from buildkit.store import Store
+
+    store = Store(xl4_store)
+    quant = store.get_artifact(store.get_ref("xl-4bit")["nodes"]["quantize"]["outputs"]["out"])
+    limit = f"params.max_tokens = {calib_tokens}\n" if calib_tokens else ""
+    return (
+        'extends = "oq"\ndescription = "oq at xl-4bit\'s bits per weight"\n'
+        f"[recipe]\ntarget_bpw = {quant.meta['bits_per_weight']}\n"
+        f'[steps.calibrate]\nparams.text = "{calib_text}"\n{limit}'
+        f"[steps.sensitivity]\n{limit}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/tmp/buildkit-peers")
-    ap.add_argument("--text", default=str(TEXT), help="calibration (4 of 5 lines) and eval text")
+    ap.add_argument("--fixture", help="a trained fixture by name (buildkit.trained.FIXTURES)")
+    ap.add_argument("--text", help="eval text (its held-out lines); default the fixture's own")
+    ap.add_argument("--calib-text", help="calibration text (its other lines); default --text")
+    ap.add_argument(
+        "--calib-tokens", type=int, default=0, help="calibrate on the first N tokens only"
+    )
     ap.add_argument("--only", help=f"comma-separated: {','.join(METHODS)}")
     ap.add_argument("--dwq-epochs", type=int, default=8)
     ap.add_argument("--dwq-lr", type=float, default=1e-5)
     ap.add_argument("--cli-timeout", type=float, default=600, help="for the mlx_lm.* commands")
     args = ap.parse_args()
-    work, text = Path(args.work).resolve(), Path(args.text).resolve()
+    from buildkit.trained import get, write_trained
+
+    fixture = get(args.fixture)
+    work = Path(args.work).resolve()
+    text = Path(args.text or fixture.data / "heldout.txt").resolve()
+    calib_text = Path(args.calib_text).resolve() if args.calib_text else text
     only = args.only.split(",") if args.only else list(METHODS)
     work.mkdir(parents=True, exist_ok=True)
     src, out, logs = work / "src", work / "out", work / "logs"
     out.mkdir(exist_ok=True)
     logs.mkdir(exist_ok=True)
     if not src.exists():
-        from buildkit.trained import write_trained
-
-        write_trained(src)
+        write_trained(src, fixture.data, spec=fixture.spec)
     proj = work / "project"
     shutil.rmtree(proj / "manifests", ignore_errors=True)
     shutil.copytree(REPO / "manifests", proj / "manifests", ignore=shutil.ignore_patterns("*.lock"))
+    calib = f"params.max_tokens = {args.calib_tokens}\n" if args.calib_tokens else ""
     for name, body in MANIFESTS.items():
-        (proj / "manifests" / f"{name}.toml").write_text(body.replace("{text}", str(text)))
+        body = body.replace("{text}", str(calib_text)).replace("{calib}", calib)
+        (proj / "manifests" / f"{name}.toml").write_text(body)
     results_path = work / "peers.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     py = sys.executable
@@ -425,17 +461,18 @@ def main() -> None:
             [buildkit("gptq-xl", out / "buildkit-gptq")],
             [("buildkit-gptq", out / "buildkit-gptq")],
         ),
+        "oq": ([buildkit("oq-eq", out / "oq")], [("oq", out / "oq")]),
         "gptq": (
-            [[py, me, "_gptq", str(src), str(text), str(base), str(out / "gptq")]],
+            [[py, me, "_gptq", str(src), str(calib_text), str(base), str(out / "gptq")]],
             [("gptq (tool's layout)", out / "gptq"), ("gptq-experts", out / "gptq-experts")],
         ),
         "dynamic_quant": (
-            [[py, me, "_dynamic", str(src), str(text), str(base), str(out / "dynamic")]],
+            [[py, me, "_dynamic", str(src), str(calib_text), str(base), str(out / "dynamic")]],
             [("dynamic_quant", out / "dynamic")],
         ),
         "dwq": (
             [
-                [py, me, "_dwq", str(src), str(text), str(base), str(out / "dwq")]
+                [py, me, "_dwq", str(src), str(calib_text), str(base), str(out / "dwq")]
                 + [str(args.dwq_epochs), str(args.dwq_lr)]
             ],
             [("dwq", out / "dwq")],
@@ -445,10 +482,16 @@ def main() -> None:
         # the console script a user runs (awq.py and dwq.py have no __main__ guard: -m is a no-op)
         cli = [str(Path(py).parent / f"mlx_lm.{tool}"), "--model", str(src)]
         plan[f"mlx_lm.{tool}"] = ([cli + ["--mlx-path", str(out / f"cli-{tool}")]], [])
+    for m in ("gptq", "dynamic_quant", "dwq"):
+        plan[m][0][0][7:7] = [str(args.calib_tokens)]  # after the four paths
     for method in only:
         argvs, outputs = plan[method]
-        if method in ("gptq", "dynamic_quant", "dwq") and not base.exists():
-            raise SystemExit("run xl-4bit first: the mlx_lm drivers start from its output")
+        if method in ("gptq", "dynamic_quant", "dwq", "oq") and not base.exists():
+            raise SystemExit("run xl-4bit first: the mlx_lm drivers and oq start from its output")
+        if method == "oq":  # the whole-model budget at xl-4bit's bits per weight
+            (proj / "manifests" / "oq-eq.toml").write_text(
+                oq_manifest(proj / "store-xl-4bit", calib_text, args.calib_tokens)
+            )
         # cold: no store, no earlier output
         fresh(*(d for _, d in outputs), out / f"cli-{method.removeprefix('mlx_lm.')}")
         if method in BUILDS:
@@ -517,12 +560,13 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):
         verb, *rest = sys.argv[1:]
         paths = [Path(a) for a in rest[:4]]
+        CALIB_TOKENS = int(rest[4])
         if verb == "_gptq":
             drive_gptq(*paths)
         elif verb == "_dynamic":
             drive_dynamic(*paths)
         elif verb == "_dwq":
-            drive_dwq(*paths, int(rest[4]), float(rest[5]))
+            drive_dwq(*paths, int(rest[5]), float(rest[6]))
         else:
             raise SystemExit(f"unknown verb {verb}")
     else:

@@ -38,7 +38,7 @@ MEASURE = (
     "mean KL divergence from bf16 of next-token distributions on the calibration text, "
     "that group alone quantized at each bits"
 )
-MAX_STATES = 1 << 16  # cells of the knapsack's table (a row per group, a byte per cell)
+MAX_STATES = 1 << 18  # cells of the knapsack's table (a row per group, a byte per cell)
 
 
 EMBED = "language_model.model.embed_tokens.weight"
