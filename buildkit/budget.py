@@ -131,21 +131,33 @@ def _dequantized(store, model: Artifact, name: str, role: Role, calibration) -> 
     return np.array(deq.astype(mx.float32))
 
 
-def cost(config: dict, groups: dict[str, list[str]], bits: dict[str, list[int]]) -> dict:
-    """What ``measure`` runs, before it runs: decoder-layer passes over the tokens (a
-    candidate of layer i runs layers i..L-1; of the embeddings, all L) and output-head passes
-    (one per candidate: lm_head over every token, vocabulary wide)."""
-    n = config.get("text_config", config)["num_hidden_layers"]
-    layer_passes = head_passes = 0
+def cost(
+    config: dict, tensors: dict[str, dict], groups: dict[str, list[str]], bits, tokens: int
+) -> dict:
+    """What ``measure`` runs, before it runs: decoder-layer passes over the tokens (a candidate
+    of layer i runs layers i..L-1; of the embeddings, all L), output-head passes (one per
+    candidate: lm_head over every token, vocabulary wide), and their matmul flops (2 per
+    weight a token meets: a layer's routed experts at top-k of E), the reference pass aside."""
+    text = config.get("text_config", config)
+    n, share = text["num_hidden_layers"], text["num_experts_per_tok"] / text["num_experts"]
+    active = [0] * n  # weights a token meets in each layer
+    for name, e in tensors.items():
+        if name.startswith(LAYERS) and name.endswith(".weight") and len(e["shape"]) >= 2:
+            k = math.prod(e["shape"])
+            active[layer_index(name)] += k * share if cal.SWITCH in name else k
+    head = math.prod(tensors[LM_HEAD]["shape"]) if LM_HEAD in tensors else 0
+    layer_passes = head_passes = flops = 0
     for g, names in groups.items():
         k = len([b for b in bits[g] if b != BF16])
-        i = layer_index(names[0])
-        layer_passes += k * max(n - max(i, 0), 0)
+        i = max(layer_index(names[0]), 0)
+        layer_passes += k * max(n - i, 0)
         head_passes += k
+        flops += k * 2 * tokens * (sum(active[i:]) + head)
     return {
-        "candidates": sum(len(b) for b in bits.values()),
+        "candidates": sum(len([b for b in bits[g] if b != BF16]) for g in groups),
         "layer_passes": layer_passes,
         "head_passes": head_passes,
+        "tflop": round(flops / 1e12, 3),
     }
 
 

@@ -150,10 +150,11 @@ class Sensitivity(Step):
             raise StepError(f"calibration text {path}: {len(tokens)} tokens; it needs more")
         groups = {g: p["tensors"] for g, p in plan.items()}
         bits = {g: p["bits"] for g, p in plan.items()}
-        cost = budget.cost(model.meta["config"], groups, bits)
+        cost = budget.cost(model.meta["config"], model.tensors, groups, bits, len(tokens))
         ctx.log(
             f"{cost['candidates']} candidates: {cost['layer_passes']} decoder-layer passes and "
-            f"{cost['head_passes']} output-head passes over {len(tokens)} tokens"
+            f"{cost['head_passes']} output-head passes over {len(tokens)} tokens, "
+            f"~{cost['tflop']} TFLOP of matmuls"
         )
         figures = budget.measure(
             ctx.store,
@@ -175,7 +176,6 @@ class Sensitivity(Step):
                 "tokens": len(tokens),
                 "granularity": params.granularity,
                 "groups": groups,
-                "cost": cost,
                 "sensitivity": {
                     g: {str(b): v for b, v in sorted(s.items())} for g, s in sorted(figures.items())
                 },
