@@ -20,7 +20,7 @@ from . import budget
 from . import checkpoint as ckpt
 from .convert import mlx_pieces
 from .errors import SourceError, UsageError
-from .steps.fetch import HF_RE, parse_fixture, source_kind
+from .steps.fetch import HF_RE, parse_fixture, source_kind, trained_name
 from .steps.quantize import assign_roles, output_shapes
 from .steps.sanitize import check_layout
 from .tensors import TensorInfo, nbytes, read_header
@@ -36,10 +36,15 @@ def source_layout(source: str) -> tuple[dict, dict[str, tuple[str, tuple[int, ..
     reads of the headers; no weights are downloaded). ``fixture:...``: the generator's plan.
     """
     kind = source_kind(source)
-    if kind == "fixture":
+    if kind in ("fixture", "trained"):
         from .fixture import layout
+        from .trained import get
 
-        config, shapes = layout(parse_fixture(source))
+        try:
+            spec = parse_fixture(source) if kind == "fixture" else get(trained_name(source)).spec
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        config, shapes = layout(spec)
         return config, {n: ("BF16", tuple(s)) for n, s in shapes.items()}
     if kind == "hf":
         from huggingface_hub import HfApi, hf_hub_download
