@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .. import calibration as cal
-from ..artifact import Artifact
-from ..errors import StepError
-from ..lazy import lazy
-from ..tensors import f32_to_bf16
-from .base import Context, Params, Slot, Step, library_version, register
+from buildkit.core.errors import StepError
+from buildkit.core.lazy import lazy
+from buildkit.engine.step import Context, Params, Slot, Step, library_version, register
+from buildkit.formats.tensors import f32_to_bf16
+from buildkit.grade import calibration as cal
+from buildkit.store.artifact import Artifact
 
 np = lazy("numpy", __name__)
 

@@ -23,12 +23,12 @@ from typing import Literal
 
 from pydantic import Field
 
-from .. import calibration as cal
-from .. import evaluate as ev
-from ..artifact import Artifact
-from ..errors import StepError
-from ..lazy import lazy
-from .base import Context, Params, Slot, Step, library_version, register
+from buildkit.core.errors import StepError
+from buildkit.core.lazy import lazy
+from buildkit.engine.step import Context, Params, Slot, Step, library_version, register
+from buildkit.grade import calibration as cal
+from buildkit.grade import evaluate as ev
+from buildkit.store.artifact import Artifact
 
 np = lazy("numpy", __name__)
 GATES = ("max_kld_mean", "min_acceptance")
@@ -74,7 +74,7 @@ def model_size(parts: list[Artifact]) -> dict:
 
 
 def weights(ctx: Context, inputs) -> tuple[ev.StoreWeights, ev.StoreWeights]:
-    from .publish import quantization_config  # the quantization config.json will carry
+    from buildkit.quant.quantize import quantization_config
 
     src = inputs["source"]
     config = src[0].meta["config"]

@@ -27,21 +27,24 @@ import json
 import os
 import re
 import shutil
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import Field
 
-from .. import checkpoint as ckpt
-from .. import keys, loadcheck, packs
-from ..allocator import libc
-from ..artifact import Artifact
-from ..errors import StepError, UsageError
-from ..fsio import DirectFile, drop_idle_write_buffers, file_ident, fsync_dir, settle
-from ..store import Store
-from ..tensors import nbytes, read_header
-from .base import Context, Params, Slot, Step, register
+from buildkit.clients import loadcheck
+from buildkit.core import keys
+from buildkit.core.allocator import libc
+from buildkit.core.errors import StepError, UsageError
+from buildkit.engine.step import Context, Params, Slot, Step, register
+from buildkit.formats import checkpoint as ckpt
+from buildkit.formats.tensors import nbytes, read_header
+from buildkit.grade.grades import eval_table, merge_evals
+from buildkit.quant.quantize import quantization_config
+from buildkit.store import packs
+from buildkit.store.artifact import Artifact
+from buildkit.store.fsio import DirectFile, drop_idle_write_buffers, file_ident, fsync_dir, settle
+from buildkit.store.store import Store
 
 STAMP = ".buildkit-publish.json"
 COPY_CHUNK = 8 << 20
@@ -64,8 +67,7 @@ class PublishParams(Params):
 
 
 def out_dir(params: PublishParams, ctx: Context) -> Path:
-    p = ctx.options.out_dir or Path(params.out.format(variant=ctx.variant))
-    return p if p.is_absolute() else ctx.options.project_root / p
+    return ctx.out_path(params.out)
 
 
 def copy_entry(store, entry: dict, sink, buf: bytearray) -> int:
@@ -80,35 +82,6 @@ def copy_entry(store, entry: dict, sink, buf: bytearray) -> int:
         sink(data)
         done += len(data)
     return done
-
-
-def quantization_config(parts: list[Artifact]) -> dict | None:
-    """Defaults from the quantization covering the most parameters, per-path entries for the
-    rest."""
-    per_path: dict[str, dict] = {}
-    weight = Counter()
-    for a in parts:
-        q = a.meta.get("quantization", {})
-        per_path.update(q)
-        for role in a.meta.get("role_table", {}).values():
-            if not role.get("passthrough"):
-                weight[
-                    json.dumps(
-                        {
-                            k: role.get(k, d)
-                            for k, d in (("group_size", 64), ("bits", None), ("mode", "affine"))
-                        },
-                        sort_keys=True,
-                    )
-                ] += role["params"]
-    if not per_path:
-        return None
-    default = json.loads(weight.most_common(1)[0][0]) if weight else next(iter(per_path.values()))
-    cfg = dict(default)
-    for path in sorted(per_path):
-        if per_path[path] != default:
-            cfg[path] = per_path[path]
-    return cfg
 
 
 def drafter_config(config: dict) -> dict:
@@ -154,56 +127,6 @@ def merge_reports(reports: list[dict]) -> dict:
         for name, r in rep.get("checks", {}).items():
             checks[name if scope == "all" else f"{name} ({scope})"] = r
     return {"ok": all(r["ok"] for r in checks.values()), "checks": checks}
-
-
-def merge_evals(reports: list[dict]) -> dict:
-    """One eval.json from several eval nodes: the model's figures (a head-scoped node's
-    acceptance joins the trunk's), and each labelled node's (a baseline) under its label."""
-    out: dict = {}
-    for rep in reports:
-        figures = {k: v for k, v in rep.items() if k not in ("scope", "label")}
-        if rep.get("label"):
-            out.setdefault("others", {})[rep["label"]] = figures
-        else:
-            out.update(
-                figures
-                if rep.get("scope") != "head"
-                else {k: v for k, v in figures.items() if k != "tokens"}
-            )
-    return out
-
-
-EVAL_ROWS = (  # (key, what it is, format)
-    ("kld_mean", "KL divergence KL(p_bf16 ‖ p_model), mean", "{:.5f}"),
-    ("kld_median", "KL divergence, median", "{:.5f}"),
-    ("kld_p99", "KL divergence, 99th percentile", "{:.5f}"),
-    ("top1_agreement", "top-1 agreement with bf16", "{:.2%}"),
-    ("ppl_model", "perplexity, this model", "{:.3f}"),
-    ("ppl_source", "perplexity, bf16 source", "{:.3f}"),
-    ("acceptance", "MTP draft acceptance, depth 1 (this head on this trunk)", "{:.2%}"),
-    ("acceptance_source", "MTP draft acceptance, depth 1 (bf16 head on bf16 trunk)", "{:.2%}"),
-)
-
-
-def eval_table(evals: dict) -> list[str]:
-    """The card's evaluation table: this model, then each labelled comparison, as columns."""
-    cols = [("this model", evals), *sorted(evals.get("others", {}).items())]
-    lines = [
-        f"On {evals.get('positions', '?')} positions of held-out text "
-        f"({evals.get('tokens', '?')} tokens), next-token distributions against the bf16 source, "
-        "both run with mlx_lm's classes in float32.",
-        "",
-        "| figure | " + " | ".join(c for c, _ in cols) + " |",
-        "|---|" + "---|" * len(cols),
-    ]
-    for key, what, fmt in EVAL_ROWS:
-        if any(key in f for _, f in cols):
-            lines.append(
-                f"| {what} | "
-                + " | ".join(fmt.format(f[key]) if f.get(key) is not None else "" for _, f in cols)
-                + " |"
-            )
-    return lines
 
 
 def exchange(src: Path, dst: Path) -> None:

@@ -17,12 +17,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .. import budget
-from .. import calibration as cal
-from ..artifact import Artifact
-from ..errors import StepError
-from ..roles import BITS
-from .base import Context, Params, Slot, Step, library_version, register
+from buildkit.core.errors import StepError
+from buildkit.engine.step import Context, Params, Slot, Step, library_version, register
+from buildkit.grade import calibration as cal
+from buildkit.quant import budget
+from buildkit.quant.roles import BITS
+from buildkit.store.artifact import Artifact
 
 
 class SensitivityParams(Params):
