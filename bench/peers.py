@@ -143,7 +143,7 @@ def timed(argv: list[str], log: Path, timeout: float | None = None) -> dict:
 def trunk_size(model_dir: Path, source: Path) -> dict:
     """Bytes of the language model's tensors (no vision tower, no MTP head: what mlx_lm loads)
     and bits per weight over the bf16 source's trunk weights, from safetensors headers."""
-    from buildkit.tensors import read_header
+    from buildkit.formats.tensors import read_header
 
     def tensors(d: Path):
         for f in sorted(d.glob("*.safetensors")):
@@ -172,10 +172,10 @@ def grade(model_dir: Path, source: Path, text: Path, log: Path) -> dict:
 
 def per_position_kl(source: Path, dirs: dict[str, Path], text: Path) -> dict:
     """KL(p_source || p_model) at every graded position, per model directory: eval's own
-    numerics (buildkit.evaluate), kept per position so methods can be compared paired."""
+    numerics (buildkit.grade.evaluate), kept per position so methods can be compared paired."""
     import mlx.core as mx
 
-    from buildkit import evaluate as ev
+    from buildkit.grade import evaluate as ev
     from buildkit.steps.eval import EvalParams, heldout_tokens
 
     p = EvalParams()
@@ -205,7 +205,7 @@ def expert_output_error(source: Path, dirs: dict[str, Path], text: Path) -> dict
     import mlx.core as mx
     import mlx.nn as nn
 
-    from buildkit import calibration as cal
+    from buildkit.grade import calibration as cal
     from buildkit.steps.eval import EvalParams
 
     model = load_f32(source)[0]
@@ -282,7 +282,7 @@ CALIB_TOKENS = 0  # --calib-tokens, passed to the drivers: the first N calibrati
 def calibration_tokens(source: Path, text: Path, seq_len: int) -> list[list[int]]:
     """The calibration split of the text (its first ``CALIB_TOKENS`` tokens, if set) in whole
     sequences of ``seq_len`` tokens, or of all of them if they are fewer."""
-    from buildkit import calibration as cal
+    from buildkit.grade import calibration as cal
 
     calib, _ = cal.split_lines(text.read_text(encoding="utf-8"), HELDOUT_EVERY)
     ids = cal.tokenize((source / "tokenizer.json").read_bytes(), calib, CALIB_TOKENS or 1 << 20)
@@ -394,7 +394,7 @@ def drive_dwq(source: Path, text: Path, base: Path, out: Path, epochs: int, lr: 
 def oq_manifest(xl4_store: Path, calib_text: Path, calib_tokens: int) -> str:
     """``oq`` at xl-4bit's bits per weight (its quantize step's, vision tower included: the
     same count as oq's budget), calibrated and measured on the same text and tokens."""
-    from buildkit.store import Store
+    from buildkit.store.store import Store
 
     store = Store(xl4_store)
     quant = store.get_artifact(store.get_ref("xl-4bit")["nodes"]["quantize"]["outputs"]["out"])
@@ -421,7 +421,7 @@ def main() -> None:
     ap.add_argument("--dwq-lr", type=float, default=1e-5)
     ap.add_argument("--cli-timeout", type=float, default=600, help="for the mlx_lm.* commands")
     args = ap.parse_args()
-    from buildkit.trained import get, write_trained
+    from buildkit.fixtures.trained import get, write_trained
 
     fixture = get(args.fixture)
     work = Path(args.work).resolve()

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 from conftest import Project
 
-from buildkit import budget, manifest
-from buildkit.artifact import Artifact
-from buildkit.roles import Recipe, Role
+from buildkit.engine import manifest
+from buildkit.quant import budget
+from buildkit.quant.roles import Recipe, Role
 from buildkit.steps.quantize import QuantizeParams, RequantizeParams, resolved_plan
-from buildkit.store import Store
+from buildkit.store.artifact import Artifact
+from buildkit.store.store import Store
 
 # the trained fixture: on random weights the outputs are near-uniform and a KL is noise
 SOURCE = "fixture:trained"

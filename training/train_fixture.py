@@ -1,29 +1,39 @@
-"""Train the small qwen3_5_moe checkpoint shipped in buildkit/data/trained/ (``fixture:trained``).
+"""Train the small qwen3_5_moe checkpoints shipped in buildkit/data/trained*/ (``fixture:trained``,
+``fixture:trained=NAME``): one script, a corpus and a ``fixtures.trained.FIXTURES`` spec each.
 
-Corpus: the King James Version of the Bible (1611), as shipped by Debian's ``bible-kjv-text``
-package and printed by its ``bible`` program. The translation's copyright has long expired; the
-package's copyright file says so ("The copyright for the King James Version text of the Bible is
-expired"). Public domain (outside the UK's Crown letters patent, which do not restrict this use).
+``--fixture kjv`` (the default; buildkit/data/trained): the King James Version of the Bible
+(1611), as shipped by Debian's ``bible-kjv-text`` package and printed by its ``bible`` program.
+The translation's copyright has long expired; the package's copyright file says so ("The
+copyright for the King James Version text of the Bible is expired"). Public domain (outside the
+UK's Crown letters patent, which do not restrict this use). One line per verse. The committed
+run took 1445 s for 550 steps on 2 CPU cores that other processes shared.
 
-Rerun (CI never runs it; the committed run took 1445 s for 550 steps on 2 CPU cores that
-other processes shared):
+``--fixture austen`` (buildkit/data/trained-austen, shaped like the real model: 48 experts,
+top-4, routed experts 88% of the text weights): Jane Austen's six novels (1811-1818, public
+domain) as Debian's ``r-cran-janeaustenr`` ships them (MIT-licensed R package; the provenance is
+in the data directory's LICENSE), printed through ``Rscript``. One line per paragraph, chapter
+headings dropped. The committed run's steps and time are in its meta.json.
+
+Rerun (CI never runs it):
 
     apt-get install bible-kjv libopenblas0-pthread   # the corpus; a fast BLAS for mlx's matmuls
+    apt-get install --no-install-recommends r-cran-janeaustenr   # austen's corpus
     OPENBLAS_NUM_THREADS=2 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
         PYTHONPATH=. .venv/bin/python training/train_fixture.py \
-        [--steps N] [--out buildkit/data/trained]
+        [--fixture kjv|austen] [--steps N] [--out DIR]
 
 The preload is only for speed: the ``mlx[cpu]`` wheel's bundled reference BLAS makes a step
 ~2.5x slower here (measured on one step: 6.0 s against 2.5 s). Seeds fix the initialisation and
 the batches; the floating-point sums depend on the BLAS and its thread count, so a rerun with
-another BLAS gives close but not bit-identical weights. ``buildkit.trained.write_trained`` is
+another BLAS gives close but not bit-identical weights. ``fixtures.trained.write_trained`` is
 deterministic from the committed files, which is what tests and builds use.
 
 What it does, seeded (mlx and numpy seeds; batch order and initialisation are fixed):
-1. One line per verse; every 20th verse is held out, the rest trains. A byte-level BPE of 2048
-   ids is trained on the training verses (``buildkit.fixture.train_tokenizer``).
-2. mlx_lm's own ``qwen3_5_moe`` classes in float32 for the trunk, of the shape of
-   ``buildkit.trained.SPEC``; an MTP head built from mlx_lm's ``DecoderLayer`` (full attention,
+1. One line per verse (paragraph); every 20th is held out, the rest trains. A byte-level BPE
+   of the spec's vocabulary is trained on the training lines
+   (``buildkit.fixtures.generated.train_tokenizer``).
+2. mlx_lm's own ``qwen3_5_moe`` classes in float32 for the trunk, in the shape of the
+   fixture's ``FixtureSpec``; an MTP head built from mlx_lm's ``DecoderLayer`` (full attention,
    MoE) run as the runtime runs it: ``fc(cat([norm_e(embed(t+1)), norm_h(h_t)]))`` with h_t the
    trunk's hidden state before the final norm, the decoder layer, ``norm``, the trunk's ``lm_head``.
 3. AdamW, warm-up then cosine decay. Loss: next-token cross-entropy of the trunk, plus the head's
@@ -32,8 +42,8 @@ What it does, seeded (mlx and numpy seeds; batch order and initialisation are fi
    load-balancing loss on every router so that experts specialise without collapsing.
 4. Writes ``weights.safetensors`` (text and ``mtp.*`` tensors, Hugging Face names and layout,
    bf16: fused gate-first experts, conv1d [C,1,K], offset norms stored as w - 1),
-   ``tokenizer.json``, ``heldout.txt`` (the first held-out verses, for tests) and ``meta.json``.
-5. Round trip: writes the full checkpoint with ``buildkit.trained.write_trained`` to a temporary
+   ``tokenizer.json``, ``heldout.txt`` (the first held-out lines, for tests) and ``meta.json``.
+5. Round trip: writes the full checkpoint with ``fixtures.trained.write_trained`` to a temporary
    directory, loads it through mlx_lm's sanitize, and measures on the held-out verses, from those
    bf16 weights: trunk loss and perplexity, routed-token counts per expert per layer, and the
    head's teacher-forced depth-1 draft acceptance (share of positions t where the head's argmax
@@ -64,8 +74,9 @@ from mlx_lm.models import qwen3_5_moe
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
-from buildkit import fixture, trained
-from buildkit.tensors import f32_to_bf16, header_bytes
+from buildkit.fixtures import generated as fixture
+from buildkit.fixtures import trained
+from buildkit.formats.tensors import f32_to_bf16, header_bytes
 
 HELDOUT_EVERY = 20
 HELDOUT_SHIPPED = 120  # verses written to heldout.txt for the tests

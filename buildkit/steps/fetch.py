@@ -3,30 +3,33 @@
 Sources: a local directory; ``hf://org/repo@revision`` (huggingface_hub
 ``snapshot_download``, which honours HF_HUB_OFFLINE and the HF cache); or
 ``fixture:`` / ``fixture:seed=1,layers=4`` (a deterministic generated
-checkpoint, kept under the store); or ``fixture:trained`` / ``fixture:trained=NAME`` (a
-small trained checkpoint of ``buildkit.trained``, also written under the store). Safetensors
-shards stay where they are and are referenced by content digest; small files
-(config, tokenizer) are copied into the store. Paths never enter the key, only
+checkpoint, kept under the store); or ``fixture:trained`` / ``fixture:trained=NAME``
+(a small trained checkpoint of ``buildkit.fixtures.trained``, also written under the
+store). Safetensors shards stay where they are and are referenced by content digest;
+small files (config, tokenizer) are copied into the store. Paths never enter the key, only
 content digests do.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from pydantic import field_validator
 
-from .. import keys
-from ..artifact import Artifact
-from ..errors import SourceError, UsageError
-from .base import Context, Params, Step, register
+from buildkit.core import keys
+from buildkit.core.errors import SourceError, UsageError
+from buildkit.engine.source import (
+    HF_RE,
+    PINNED,
+    parse_fixture,
+    source_kind,
+    trained_name,
+)
+from buildkit.engine.step import Context, Params, Step, register
+from buildkit.store.artifact import Artifact
 
-HF_RE = re.compile(r"^hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
-PINNED = re.compile(r"^[0-9a-f]{40}$")
 SMALL_FILE_LIMIT = 64 << 20
-TRAINED = "fixture:trained"
 HF_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "*.py", "tokenizer*"]
 
 
@@ -43,48 +46,6 @@ class FetchParams(Params):
         elif v.startswith("fixture:"):
             parse_fixture(v)
         return v
-
-
-def trained_name(source: str) -> str | None:
-    """NAME of ``fixture:trained=NAME`` (None for ``fixture:trained``, the default); a
-    ``ValueError`` listing the known names if there is no such trained fixture."""
-    if source == TRAINED:
-        return None
-    from ..trained import FIXTURES
-
-    name = source[len(TRAINED) + 1 :]
-    if name not in FIXTURES:
-        raise ValueError(
-            f"no trained fixture {name!r} in {source!r}; the known ones: "
-            + ", ".join(f"{TRAINED}={n} ({f.about})" for n, f in FIXTURES.items())
-        )
-    return name
-
-
-def parse_fixture(source: str):
-    from ..fixture import FixtureSpec
-
-    body = source[len("fixture:") :].strip("/")
-    fields = {}
-    for part in filter(None, body.split(",")):
-        k, sep, val = part.partition("=")
-        if not sep or not val.lstrip("-").isdigit():
-            raise ValueError(
-                f"fixture source takes name=integer pairs (or is {TRAINED} or "
-                f"{TRAINED}=NAME), got {part!r}"
-            )
-        fields[k.strip()] = int(val)
-    return FixtureSpec(**fields)
-
-
-def source_kind(source: str) -> str:
-    if source.startswith("hf://"):
-        return "hf"
-    if source == TRAINED or source.startswith(TRAINED + "="):
-        return "trained"
-    if source.startswith("fixture:"):
-        return "fixture"
-    return "local"
 
 
 @register
@@ -151,7 +112,7 @@ class Fetch(Step):
                     ) from e
             return path, {"type": "hf", "repo": m["repo"], "revision": path.name}
         if kind == "fixture":
-            from ..fixture import generate
+            from buildkit.fixtures.generated import generate
 
             spec = parse_fixture(params.source)
             path = ctx.store.layout.fixtures / keys.short(
@@ -162,7 +123,7 @@ class Fetch(Step):
                 generate(path, spec)
             return path, {"type": "fixture", "spec": spec.model_dump()}
         if kind == "trained":
-            from ..trained import data_digest, get, write_trained
+            from buildkit.fixtures.trained import data_digest, get, write_trained
 
             name = trained_name(params.source)
             fixture = get(name)
@@ -218,11 +179,6 @@ class Fetch(Step):
         files = self._files(root)
         dirs = {root, *(p.parent for p in files)}
         return sorted(dirs) + files, []
-
-    def describe_fingerprint_change(self, old, new) -> str:
-        old, new = old or {}, new or {}
-        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        return ", ".join(changed[:5]) + (f" (+{len(changed) - 5} more)" if len(changed) > 5 else "")
 
     def run(self, ctx: Context, params: FetchParams, inputs) -> dict[str, Artifact]:
         root, meta = self.resolve(params, ctx)

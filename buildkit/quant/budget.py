@@ -1,0 +1,458 @@
+"""A bits-per-weight budget: measure how sensitive each layer's routed experts are, then spend bits.
+
+**Sensitivity** (step ``sensitivity``, cached per source and calibration text, not per
+budget): for each group of routed-expert weights (a layer's three, or each tensor alone) and
+each candidate bits b, the mean KL divergence of the model's next-token distributions from the
+bf16 source's, on the calibration lines of the text, when that group alone is quantized at b
+bits (as the build quantizes it: data-aware with the calibration's statistics, or
+``mx.quantize``) and every other tensor is bf16. It runs ``evaluate``'s layers: the bf16 trunk
+once, keeping the hidden states entering each layer and the final log-probabilities; then, per
+layer, every candidate of that layer's groups from its kept input, all of them together
+through each later bf16 layer (each later layer read once per measured layer, not per
+candidate), and the output head.
+
+**Plan**: each budgeted group gets one of its role's ``budget_bits`` so that the summed
+sensitivity is least while the stored bits of all tensors stay at or under ``target_bpw`` x
+weights: a multiple-choice knapsack, solved exactly by dynamic programming over the stored
+bits that upgrades add (``MAX_STATES`` cells at most; beyond that the costs are rounded up,
+so the budget still holds). Every other tensor's stored bits are fixed by its role. The
+tensors of a group take its bits, each with its own ``quantization`` entry (as mlx_lm loads
+them).
+"""
+
+from __future__ import annotations
+
+import math
+
+from buildkit.core.errors import StepError
+from buildkit.core.lazy import lazy
+from buildkit.formats.tensors import ITEMSIZE
+from buildkit.grade import calibration as cal
+from buildkit.grade import evaluate as ev
+from buildkit.quant.roles import BF16, Role
+from buildkit.store.artifact import Artifact
+
+np = lazy("numpy", __name__)
+
+MEASURE = (
+    "mean KL divergence from bf16 of next-token distributions on the calibration text, "
+    "that group alone quantized at each bits"
+)
+MAX_STATES = 1 << 18  # cells of the knapsack's table (a row per group, a byte per cell)
+
+
+EMBED = "language_model.model.embed_tokens.weight"
+LM_HEAD = "language_model.lm_head.weight"
+LAYERS = "language_model.model.layers."
+
+
+def routed_weights(tensors: dict[str, dict]) -> list[str]:
+    """Names of routed-expert weights ([E, out, in] under ``*.mlp.switch_mlp.*``), sorted."""
+    return sorted(
+        n
+        for n, e in tensors.items()
+        if cal.SWITCH in n and n.endswith(".weight") and len(e["shape"]) == 3
+    )
+
+
+def measurable(name: str) -> bool:
+    """A weight the sensitivity can quantize alone and run: a decoder layer's, the
+    embeddings or lm_head (not the vision tower, which text does not reach, nor the MTP head)."""
+    return name.endswith(".weight") and (name.startswith(LAYERS) or name in (EMBED, LM_HEAD))
+
+
+def budgeted_weights(tensors: dict[str, dict], roles: dict[str, str], recipe_roles) -> list[str]:
+    """The tensors whose role has ``budget_bits``, sorted; they must be measurable."""
+    names = sorted(n for n, r in roles.items() if recipe_roles[r].budget_bits)
+    bad = [n for n in names if not measurable(n)]
+    if bad:
+        raise StepError(
+            f"{bad[0]} (role {roles[bad[0]]!r}) has budget_bits, but the sensitivity measures "
+            "only the text model's decoder layers, embeddings and lm_head: remove budget_bits "
+            "from that role or give those tensors another role"
+        )
+    return names
+
+
+def layer_index(name: str) -> int:
+    """N of ``language_model.model.layers.N.…``; -1 for the embeddings (before layer 0) and a
+    large number for lm_head (after the last layer)."""
+    if name == EMBED:
+        return -1
+    if name == LM_HEAD:
+        return 1 << 30
+    return int(name.split(".layers.", 1)[1].split(".", 1)[0])
+
+
+def group_of(name: str, granularity: str) -> str:
+    """The group a budget gives one bits: per ``tensor`` its module path; per ``layer`` the
+    module it belongs to (``<layer>.mlp.switch_mlp``: its gate, up and down; ``self_attn``,
+    ``linear_attn``, ``mlp.shared_expert``), or the module itself where that is the MoE block
+    (router, shared-expert gate) or the model (embeddings, lm_head)."""
+    module = name.removesuffix(".weight")
+    if granularity == "tensor":
+        return module
+    if cal.SWITCH in module:
+        return module.partition(cal.SWITCH)[0] + cal.SWITCH
+    parent = module.rpartition(".")[0]
+    return parent if name.startswith(LAYERS) and not parent.endswith(".mlp") else module
+
+
+def groups_of(names: list[str], granularity: str) -> dict[str, list[str]]:
+    """The groups of ``names`` (``group_of``), each with its tensors, sorted."""
+    out: dict[str, list[str]] = {}
+    for n in sorted(names):
+        out.setdefault(group_of(n, granularity), []).append(n)
+    return out
+
+
+def _dequantized(store, model: Artifact, name: str, role: Role, calibration) -> np.ndarray:
+    """The tensor as quantize stores it under ``role`` (data-aware if the role is calibrated),
+    dequantized to float32 ([E, out, in] or [out, in]). The quantized objects go to the store
+    as objects of their own (quantize writes its tensors into packs, so these are not reused;
+    gc frees them)."""
+    import mlx.core as mx
+
+    from buildkit.formats.tensors import to_mlx
+    from buildkit.quant import dataaware
+    from buildkit.quant.quantize import quantize_entry
+
+    entry = model.tensors[name]
+    if role.calibrated:
+        q = dataaware.quantize_entry(store, name, entry, role, calibration, dataaware.Tally())
+    else:
+        q = quantize_entry(store, name, entry, role)
+    module = name.removesuffix(".weight")
+    w, s, b = (
+        to_mlx(store.read_tensor(q[f"{module}.{k}"]), q[f"{module}.{k}"]["dtype"])
+        for k in ("weight", "scales", "biases")
+    )
+    deq = mx.dequantize(w, s, b, group_size=role.group_size, bits=role.bits, mode=role.mode)
+    return np.array(deq.astype(mx.float32))
+
+
+def cost(
+    config: dict, tensors: dict[str, dict], groups: dict[str, list[str]], bits, tokens: int
+) -> dict:
+    """What ``measure`` runs, before it runs: decoder-layer passes over the tokens (a candidate
+    of layer i runs layers i..L-1; of the embeddings, all L), output-head passes (one per
+    candidate: lm_head over every token, vocabulary wide), and their matmul flops (2 per
+    weight a token meets: a layer's routed experts at top-k of E), the reference pass aside."""
+    text = config.get("text_config", config)
+    n, share = text["num_hidden_layers"], text["num_experts_per_tok"] / text["num_experts"]
+    active = [0] * n  # weights a token meets in each layer
+    for name, e in tensors.items():
+        if name.startswith(LAYERS) and name.endswith(".weight") and len(e["shape"]) >= 2:
+            k = math.prod(e["shape"])
+            active[layer_index(name)] += k * share if cal.SWITCH in name else k
+    head = math.prod(tensors[LM_HEAD]["shape"]) if LM_HEAD in tensors else 0
+    layer_passes = head_passes = flops = 0
+    for g, names in groups.items():
+        k = len([b for b in bits[g] if b != BF16])
+        i = max(layer_index(names[0]), 0)
+        layer_passes += k * max(n - i, 0)
+        head_passes += k
+        flops += k * 2 * tokens * (sum(active[i:]) + head)
+    return {
+        "candidates": sum(len([b for b in bits[g] if b != BF16]) for g in groups),
+        "layer_passes": layer_passes,
+        "head_passes": head_passes,
+        "tflop": round(flops / 1e12, 3),
+    }
+
+
+def measure(
+    store,
+    model: Artifact,
+    calibration: Artifact | None,
+    groups: dict[str, list[str]],
+    bits: list[int] | dict[str, list[int]],
+    group_size: int,
+    tokens: list[int],
+    seq_len: int,
+    progress=None,
+) -> dict[str, dict[int, float]]:
+    """S(b) for each group and bits b (``bits``: one list for every group, or a list per
+    group): the mean KL on ``tokens`` with that group's tensors alone quantized (the routed
+    experts data-aware if ``calibration`` is given; 16, bf16, is the source itself: 0). The
+    layers' matmuls run in numpy (calibrate's modules: mlx's CPU BLAS is 10-20x slower), the
+    candidate tensors dequantized, so the reference and every candidate share one arithmetic
+    and differ only by the group."""
+    import mlx.core as mx
+
+    NpLinear, NpSwitchGLU = cal.numpy_modules()
+    config = model.meta["config"]
+    src = ev.StoreWeights(store, [model], config, None)
+    args = cal.build_model(config).language_model.args
+    n_layers = args.num_hidden_layers
+    if not isinstance(bits, dict):
+        bits = dict.fromkeys(groups, list(bits))
+
+    def layer(i: int):
+        module = ev.decoder_layer(src, i, args)
+        sw = module.mlp.switch_mlp
+        gate_up = np.concatenate([np.array(sw.gate_proj.weight), np.array(sw.up_proj.weight)], 1)
+        switch = module.mlp.switch_mlp = NpSwitchGLU(gate_up, np.array(sw.down_proj.weight))
+        cal.linears_to_numpy(module, NpLinear)
+        return module, switch
+
+    seqs = ev.sequences(tokens, seq_len)
+    hs = [ev.embed(src, seqs)]  # hs[i]: what enters layer i, then the last layer's output
+    for i in range(n_layers):
+        hs.append(ev.run_layer(layer(i)[0], hs[i]))
+    out = ev.Output(src)
+    out.lm_head = NpLinear(np.array(out.lm_head.weight))
+    ref = ev.reference_logprobs(out, hs[-1], seqs)
+    by_layer: dict[int, list[str]] = {}
+    for g, names in groups.items():
+        if len({layer_index(n) for n in names}) != 1:
+            raise StepError(f"sensitivity group {g} spans layers: {names}")
+        by_layer.setdefault(layer_index(names[0]), []).append(g)
+    result: dict[str, dict[int, float]] = {g: {} for g in groups}
+    todo = [(g, b) for g in groups for b in bits[g] if b != BF16]
+    for g in groups:
+        if BF16 in bits[g]:
+            result[g][BF16] = 0.0  # the source itself: no divergence
+    if progress:
+        progress.start(len(todo), "candidates")
+
+    def role(name: str, b: int) -> Role:
+        expert = cal.SWITCH in name and calibration is not None
+        return Role(bits=b, group_size=group_size, calibrated=expert)
+
+    def swapped(module, names: list[str], b: int):
+        """Set the group's weights in ``module`` (a numpy layer) to their quantized values;
+        returns how to put the originals back."""
+        sw = module.mlp.switch_mlp
+        inter = sw.down.shape[-1]
+        undo = []
+        expert = {}
+        for n in names:
+            deq = _dequantized(store, model, n, role(n, b), calibration)
+            rel = n.removesuffix(".weight").split(".", 4)[4]  # after language_model.model.layers.N
+            if cal.SWITCH.lstrip(".") + "." in rel:
+                expert[rel.rpartition(".")[2]] = deq
+                continue
+            owner = module
+            for part in rel.split("."):
+                owner = getattr(owner, part)
+            undo.append((owner, owner.w))
+            owner.w = deq
+        if expert:
+            own = {
+                "gate_proj": sw.gate_up[:, :inter],
+                "up_proj": sw.gate_up[:, inter:],
+                "down_proj": sw.down,
+            } | expert
+            module.mlp.switch_mlp = NpSwitchGLU(
+                np.concatenate([own["gate_proj"], own["up_proj"]], 1), own["down_proj"]
+            )
+
+        def undo_all():
+            for owner, w in undo:
+                owner.w = w
+            module.mlp.switch_mlp = sw
+
+        return undo_all
+
+    def record(g: str, b: int, h: list) -> None:
+        result[g][b] = float(f"{ev.mean_kl(out, ref, h, seqs):.6g}")
+        if progress:
+            progress.advance(1)
+
+    for i, layer_groups in sorted(by_layer.items()):
+        cands = {}
+        if i == -1:  # the embeddings: a candidate's table looked up, then every layer
+            for g in layer_groups:
+                for b in bits[g]:
+                    if b != BF16:
+                        table = _dequantized(store, model, EMBED, role(EMBED, b), calibration)
+                        cands[g, b] = [mx.array(table[s]) for s in seqs]
+            start = 0
+        elif i >= n_layers:  # lm_head: the last layer's output through a candidate head
+            for g in layer_groups:
+                for b in bits[g]:
+                    if b != BF16:
+                        bf16 = out.lm_head
+                        deq = _dequantized(store, model, LM_HEAD, role(LM_HEAD, b), calibration)
+                        out.lm_head = NpLinear(deq)
+                        record(g, b, hs[-1])
+                        out.lm_head = bf16
+            continue
+        else:
+            module, _ = layer(i)
+            for g in layer_groups:
+                for b in bits[g]:
+                    if b != BF16:
+                        undo = swapped(module, groups[g], b)
+                        cands[g, b] = ev.run_layer(module, hs[i])
+                        undo()
+            start = i + 1
+        for k in range(start, n_layers):  # the later layers are bf16, read once for all
+            later = layer(k)[0]
+            cands = {c: ev.run_layer(later, h) for c, h in cands.items()}
+        for (g, b), h in cands.items():
+            record(g, b, h)
+    return result
+
+
+def stored_bits(entry: dict, role: Role) -> int:
+    """Bits a tensor takes stored under a role (mx.quantize: packed codes, plus a scale and a
+    bias per group in the weight's dtype)."""
+    n = 1
+    for d in entry["shape"]:
+        n *= d
+    if role.passthrough:
+        return 8 * ITEMSIZE[entry["dtype"]] * n
+    return n * role.bits + (n // role.group_size) * 2 * 8 * ITEMSIZE[entry["dtype"]]
+
+
+def _budgeted(
+    roles: dict[str, str], recipe_roles: dict[str, Role], measured: dict
+) -> dict[str, tuple[Role, list[str]]]:
+    """group -> (its role, its tensors) for the measured groups whose role has budget_bits."""
+    out = {}
+    for g, names in sorted(measured["groups"].items()):
+        rs = {roles.get(n) for n in names}
+        if None in rs or not any(recipe_roles[r].budget_bits for r in rs):
+            continue
+        if len(rs) > 1:
+            raise StepError(
+                f"the tensors of sensitivity group {g} have roles {sorted(rs)}: a group takes one "
+                "bits, so give them one role (or measure per tensor: granularity = 'tensor')"
+            )
+        out[g] = (recipe_roles[rs.pop()], names)
+    return out
+
+
+def _accounts(
+    tensors: dict[str, dict], roles: dict[str, str], recipe_roles: dict[str, Role], budgeted
+) -> tuple[int, int]:
+    """(source weights, stored bits of every tensor that is not budgeted)."""
+    inside = {n for _, names in budgeted.values() for n in names}
+    weights = fixed = 0
+    for n, e in tensors.items():
+        k = 1
+        for d in e["shape"]:
+            k *= d
+        weights += k
+        if n not in inside:
+            fixed += stored_bits(e, recipe_roles[roles[n]])
+    return weights, fixed
+
+
+def _cost(tensors: dict[str, dict], role: Role, names: list[str], bits: int) -> int:
+    r = role.at(bits)
+    return sum(stored_bits(tensors[n], r) for n in names)
+
+
+def _sens(sens: dict, group: str, bits: int) -> float | None:
+    """A group's measured sensitivity at ``bits``; bf16 is the source itself, 0."""
+    return 0.0 if bits == BF16 else sens[group].get(str(bits))
+
+
+def reachable(
+    tensors: dict[str, dict],
+    roles: dict[str, str],
+    recipe_roles: dict[str, Role],
+    measured: dict,
+) -> tuple[float, float]:
+    """(lowest, highest) bits per weight a budget can reach: every budgeted group at its
+    role's lowest, or highest, ``budget_bits``. ``measured``: a sensitivity artifact's meta."""
+    budgeted = _budgeted(roles, recipe_roles, measured)
+    weights, fixed = _accounts(tensors, roles, recipe_roles, budgeted)
+    return tuple(
+        (fixed + sum(_cost(tensors, r, ns, r.budget_bits[i]) for r, ns in budgeted.values()))
+        / weights
+        for i in (0, -1)
+    )
+
+
+def plan(
+    tensors: dict[str, dict],
+    roles: dict[str, str],
+    recipe_roles: dict[str, Role],
+    target_bpw: float,
+    measured: dict,
+) -> tuple[dict[str, int], dict]:
+    """(bits of each budgeted tensor, a summary) for ``target_bpw`` over all ``tensors``.
+    ``measured``: a sensitivity artifact's meta (``groups``: group -> tensors; ``sensitivity``:
+    group -> {str(bits): S}); the groups whose role has ``budget_bits`` are budgeted, every
+    other tensor is fixed by its role."""
+    budgeted = _budgeted(roles, recipe_roles, measured)
+    sens = measured["sensitivity"]
+    if not budgeted:
+        raise StepError(
+            "recipe.target_bpw is set but no tensor is budgeted: give the routed-expert role "
+            "budget_bits (e.g. [3, 4, 5, 6, 8]) and measure it in the sensitivity input"
+        )
+    for g, (role, _) in budgeted.items():
+        missing = [b for b in role.budget_bits if _sens(sens, g, b) is None]
+        if missing:
+            raise StepError(
+                f"sensitivity of {g} was not measured at bits {missing}: add them to the "
+                "sensitivity step's params.bits"
+            )
+    weights, fixed = _accounts(tensors, roles, recipe_roles, budgeted)
+    groups = list(budgeted)
+    cost = [[_cost(tensors, r, ns, b) for b in r.budget_bits] for r, ns in budgeted.values()]
+    floor = fixed + sum(c[0] for c in cost)
+    room = math.floor(target_bpw * weights) - floor
+    if room < 0:
+        lo, hi = reachable(tensors, roles, recipe_roles, measured)
+        raise StepError(
+            f"recipe.target_bpw {target_bpw} is below the lowest this recipe reaches, {lo:.4f} "
+            f"(every budgeted tensor at its lowest budget_bits; the highest is {hi:.4f}): raise it"
+        )
+    choice = _knapsack(
+        [[x - c[0] for x in c] for c in cost],
+        [[_sens(sens, g, b) for b in budgeted[g][0].budget_bits] for g in groups],
+        room,
+    )
+    group_bits = {g: budgeted[g][0].budget_bits[j] for g, j in zip(groups, choice, strict=True)}
+    used = floor + sum(c[j] - c[0] for c, j in zip(cost, choice, strict=True))
+    summary = {
+        "target_bpw": target_bpw,
+        "bits_per_weight": round(used / weights, 4),
+        "measure": MEASURE,
+        "bits": group_bits,
+        "sensitivity": {
+            g: sens[g] | ({str(BF16): 0.0} if BF16 in budgeted[g][0].budget_bits else {})
+            for g in groups
+        },
+        "total_sensitivity": float(f"{sum(_sens(sens, g, b) for g, b in group_bits.items()):.6g}"),
+    }
+    bits = {n: group_bits[g] for g, (_, names) in budgeted.items() for n in names}
+    return bits, summary
+
+
+def _knapsack(extra: list[list[int]], loss: list[list[float]], room: int) -> list[int]:
+    """The option j of each item that minimises Σ loss[i][j] with Σ extra[i][j] <= room
+    (extra[i][0] == 0: the cheapest option costs nothing extra). Exact in units of the costs'
+    greatest common divisor (for equal-sized tensors, one bit per weight of one tensor); if
+    that needs more than ``MAX_STATES`` cells, costs are rounded up to a coarser unit."""
+    unit = math.gcd(*(x for row in extra for x in row if x)) or 1
+    if room // unit >= MAX_STATES:
+        unit = -(-room // (MAX_STATES - 1))
+    cells = room // unit + 1
+    best = np.zeros(cells)  # least loss of the items so far within c units, for every c
+    picks = []
+    for ex, ls in zip(extra, loss, strict=True):
+        new = np.full(cells, np.inf)
+        pick = np.zeros(cells, np.int8)
+        for j, (x, v) in enumerate(zip(ex, ls, strict=True)):
+            k = -(-x // unit)
+            if k >= cells:
+                continue
+            cand = np.full(cells, np.inf)
+            cand[k:] = best[: cells - k] + v
+            better = cand < new  # strict: on a tie the cheaper option (lower j) stays
+            new[better], pick[better] = cand[better], j
+        best = new
+        picks.append(pick)
+    c, out = cells - 1, []
+    for ex, pick in zip(reversed(extra), reversed(picks), strict=True):
+        j = int(pick[c])
+        out.append(j)
+        c -= -(-ex[j] // unit)
+    return out[::-1]
