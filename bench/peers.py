@@ -1,13 +1,19 @@
 """Quality against mlx_lm's calibrated quantizers (issue 28; not in CI).
 
-On the trained fixture (``buildkit fixture --trained``), each method quantizes the routed experts
-to 4 bits, group size 64; every output directory is then graded the same way, by
+On a trained fixture (``buildkit fixture --trained [NAME]``; ``--fixture NAME``), each method
+quantizes the routed experts to 4 bits, group size 64 (``oq`` and ``dynamic_quant``: their own
+allocation at the same size); every output directory is then graded the same way, by
 ``buildkit eval DIR --source SRC --text TEXT`` (KL divergence against bf16 on the text's held-out
 lines, every 5th). Calibration for every method is the same text's other lines (calibration's
 split, ``calibration.split_lines``), tokenized with the source's tokenizer, in sequences of 128
 tokens (calibrate's ``seq_len``). The text defaults to the trained fixture's own held-out verses
-(``buildkit/data/trained/heldout.txt``; never trained on), so calibration and grading are in the
-fixture's domain and disjoint from each other.
+(``heldout.txt`` beside its weights; never trained on), so calibration and grading are in the
+fixture's domain and disjoint from each other. ``--calib-text`` calibrates on another text's
+lines instead (out of domain: ``buildkit/data/calibration.txt``); ``--calib-tokens N`` calibrates
+the experts (and trains dwq) on its first N tokens only, e.g. the fixture's tokens for the real
+model's routed rows per input (``buildkit.fixtures.trained.calibration_tokens``); the KL
+sensitivities of dynamic_quant and oq keep every token (they measure the model, not the
+experts' inputs).
 
 Methods (each a child process under ``/usr/bin/time -v``: wall, CPU, peak RSS):
 
@@ -17,6 +23,8 @@ Methods (each a child process under ``/usr/bin/time -v``: wall, CPU, peak RSS):
 - ``buildkit-gptq``: buildkit, the same with ``method = "gptq"`` (buildkit/gptq.py: a Hessian per
   expert) and calibrate's ``keep_inputs``; verify's 4-bit rel-L1 line raised to 0.2 (GPTQ moves
   weights to lower the output error).
+- ``oq``: buildkit's ``oq`` manifest (one budget over every quantizable role, bf16 a candidate,
+  data-aware experts) at ``target_bpw`` = xl-4bit's quantize step's bits per weight: equal size.
 - ``mlx_lm.<tool>`` as a user runs it: ``mlx_lm.<tool> --model SRC --mlx-path OUT``; each
   refuses here (the exact error is recorded): gptq, dynamic_quant and dwq download their
   calibration data (no network, and no option for a local file), awq has no qwen3_5_moe config.
@@ -35,11 +43,14 @@ Usage (from the repository root, with buildkit importable)::
     python bench/peers.py                       # all methods; work files in /tmp/buildkit-peers
     python bench/peers.py --only xl-4bit,gptq   # some of them
     python bench/peers.py --text buildkit/data/calibration.txt   # another text
+    python bench/peers.py --fixture austen --calib-tokens 96 --work /tmp/peers-austen
+    python bench/peers.py --fixture austen --calib-text buildkit/data/calibration.txt
 
 It prints a Markdown table (bench/RESULTS.md, "Against mlx_lm's quantizers") and writes
 ``peers.json`` in the work directory; results of methods not rerun are kept from earlier runs in
 the same directory. After the runs, every graded output is compared with xl-4bit position by
-position (KLD ratio, 90% block-bootstrap interval) and by held-out expert output error.
+position (KLD ratio, 90% block-bootstrap interval; also against dynamic_quant when it ran) and
+by held-out expert output error.
 """
 
 from __future__ import annotations
@@ -393,7 +404,8 @@ def drive_dwq(source: Path, text: Path, base: Path, out: Path, epochs: int, lr: 
 
 def oq_manifest(xl4_store: Path, calib_text: Path, calib_tokens: int) -> str:
     """``oq`` at xl-4bit's bits per weight (its quantize step's, vision tower included: the
-    same count as oq's budget), calibrated and measured on the same text and tokens."""
+    same count as oq's budget), calibrated on the same text and tokens as the others; its
+    sensitivity measured on that text's calibration lines as shipped (2048 tokens at most)."""
     from buildkit.store.store import Store
 
     store = Store(xl4_store)
@@ -403,7 +415,6 @@ def oq_manifest(xl4_store: Path, calib_text: Path, calib_tokens: int) -> str:
         'extends = "oq"\ndescription = "oq at xl-4bit\'s bits per weight"\n'
         f"[recipe]\ntarget_bpw = {quant.meta['bits_per_weight']}\n"
         f'[steps.calibrate]\nparams.text = "{calib_text}"\n{limit}'
-        f"[steps.sensitivity]\n{limit}"
     )
 
 
@@ -482,8 +493,11 @@ def main() -> None:
         # the console script a user runs (awq.py and dwq.py have no __main__ guard: -m is a no-op)
         cli = [str(Path(py).parent / f"mlx_lm.{tool}"), "--model", str(src)]
         plan[f"mlx_lm.{tool}"] = ([cli + ["--mlx-path", str(out / f"cli-{tool}")]], [])
+    # --calib-tokens limits what the experts are calibrated (or dwq trained) on; the KL
+    # sensitivities of dynamic_quant and oq measure the model, so they keep every token
     for m in ("gptq", "dynamic_quant", "dwq"):
-        plan[m][0][0][7:7] = [str(args.calib_tokens)]  # after the four paths
+        limit = 0 if m == "dynamic_quant" else args.calib_tokens
+        plan[m][0][0][7:7] = [str(limit)]  # after the four paths
     for method in only:
         argvs, outputs = plan[method]
         if method in ("gptq", "dynamic_quant", "dwq", "oq") and not base.exists():
