@@ -10,6 +10,11 @@ budget, each plan's bits, and what measuring cost.
 Usage::
 
     python bench/budget_bench.py [--dir build/budget-bench]
+    python bench/budget_bench.py --cold fixture:trained=austen   # issue 37: oq's cold build
+
+``--cold SOURCE`` instead builds ``xl`` and then ``oq`` (sensitivity included) from SOURCE, each
+as shipped (eval steps included) in an empty store, twice, alternating, and prints wall, CPU and
+peak RSS of each build and oq's ratio to xl (issue 37's target: <= 5x).
 """
 
 from __future__ import annotations
@@ -26,10 +31,39 @@ REPO = Path(__file__).resolve().parents[1]
 TRAINED = 'source = "fixture:trained"\n[steps.donor_fetch]\nparams.source = "fixture:trained"\n'
 
 
+def cold(root: Path, source: str, rounds: int = 2) -> None:
+    """xl and oq from ``source``, each cold (an empty store), alternating."""
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "manifests").mkdir(parents=True)
+    for f in (REPO / "manifests").glob("*.toml"):
+        shutil.copy(f, root / "manifests")
+    rows = {"xl": [], "oq": []}
+    for i in range(rounds):
+        for variant in rows:
+            store = root / f"cache-{variant}-{i}"
+            cli = [sys.executable, "-m", "buildkit.cli", "--store", str(store)]
+            argv = [*cli, "--manifests", "manifests", "build", variant, "--source", source]
+            rows[variant].append(timed([*argv, "--out", f"out/{variant}-{i}"], root)[:3])
+            shutil.rmtree(store)
+    print(f"cold builds from {source} ({rounds} of each, alternating), as shipped:\n")
+    print("| variant | wall s | CPU s | peak RSS MB |\n|---|---|---|---|")
+    for variant, runs in rows.items():
+        for w, c, r in runs:
+            print(f"| {variant} | {w:.1f} | {c:.1f} | {r:.0f} |")
+    mid = {v: sorted(runs)[len(runs) // 2] for v, runs in rows.items()}
+    print(
+        f"\noq / xl, median runs: wall {mid['oq'][0] / mid['xl'][0]:.2f}, "
+        f"CPU {mid['oq'][1] / mid['xl'][1]:.2f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=str(REPO / "build" / "budget-bench"))
+    ap.add_argument("--cold", metavar="SOURCE", help="oq's cold build against xl's from SOURCE")
     args = ap.parse_args()
+    if args.cold:
+        return cold(Path(args.dir), args.cold)
 
     from buildkit.store.store import Store
 
