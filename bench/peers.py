@@ -79,10 +79,17 @@ METHODS = (
     *(f"mlx_lm.{t}" for t in TOOLS),
     "gptq",
     "dynamic_quant",
+    "oq@dq",
     "dwq",
 )
 
-BUILDS = {"xl-4bit": "xl-4bit", "oq4e": "oq4e-xl", "buildkit-gptq": "gptq-xl", "oq": "oq-eq"}
+BUILDS = {
+    "xl-4bit": "xl-4bit",
+    "oq4e": "oq4e-xl",
+    "buildkit-gptq": "gptq-xl",
+    "oq": "oq-eq",
+    "oq@dq": "oq-dq",
+}
 MANIFESTS = {
     "xl-4bit": 'extends = "xl"\ndescription = "xl, 4-bit routed experts"\n'
     "[recipe.roles]\nrouted_expert = { bits = 4, group_size = 64 }\n",
@@ -395,25 +402,32 @@ def drive_dwq(source: Path, text: Path, base: Path, out: Path, epochs: int, lr: 
     k = 4 if len(seqs) >= 12 else 1
     train, valid = seqs[:-k] * epochs, seqs[-k:]  # dwq's validation: calibration lines too
     opt = optimizers.Adam(learning_rate=lr, bias_correction=True)
+    # float32 while it trains (mlx's CPU GatherMM, in the backward pass, is float32 only), then
+    # bf16 again: the scales and biases stored as xl-4bit stores them, at its size
+    student.set_dtype(mx.float32)
     dwq_quantize(student, lambda b, i, split: teacher(b), opt, train, valid, k, length, seed=123)
+    student.set_dtype(mx.bfloat16)
     save(out, source, student, tok, config)
 
 
 # ---- the whole comparison ---------------------------------------------------------------
 
 
-def oq_manifest(xl4_store: Path, calib_text: Path, calib_tokens: int) -> str:
+def oq_manifest(xl4_store: Path, calib_text: Path, calib_tokens: int, smaller: int = 0) -> str:
     """``oq`` at xl-4bit's bits per weight (its quantize step's, vision tower included: the
-    same count as oq's budget), calibrated on the same text and tokens as the others; its
-    sensitivity measured on that text's calibration lines as shipped (2048 tokens at most)."""
+    same count as oq's budget), or ``smaller`` bytes under it; calibrated on the same text and
+    tokens as the others; its sensitivity measured on that text's calibration lines as shipped
+    (2048 tokens at most)."""
     from buildkit.store.store import Store
 
     store = Store(xl4_store)
     quant = store.get_artifact(store.get_ref("xl-4bit")["nodes"]["quantize"]["outputs"]["out"])
+    weights = sum(r["params"] for r in quant.meta["role_table"].values())
+    target = quant.meta["bits_per_weight"] - 8 * smaller / weights
     limit = f"params.max_tokens = {calib_tokens}\n" if calib_tokens else ""
     return (
-        'extends = "oq"\ndescription = "oq at xl-4bit\'s bits per weight"\n'
-        f"[recipe]\ntarget_bpw = {quant.meta['bits_per_weight']}\n"
+        'extends = "oq"\ndescription = "oq at a given size"\n'
+        f"[recipe]\ntarget_bpw = {target:.6f}\n"
         f'[steps.calibrate]\nparams.text = "{calib_text}"\n{limit}'
     )
 
@@ -473,6 +487,10 @@ def main() -> None:
             [("buildkit-gptq", out / "buildkit-gptq")],
         ),
         "oq": ([buildkit("oq-eq", out / "oq")], [("oq", out / "oq")]),
+        "oq@dq": (
+            [buildkit("oq-dq", out / "oq-dq")],
+            [("oq at dynamic_quant's size", out / "oq-dq")],
+        ),
         "gptq": (
             [[py, me, "_gptq", str(src), str(calib_text), str(base), str(out / "gptq")]],
             [("gptq (tool's layout)", out / "gptq"), ("gptq-experts", out / "gptq-experts")],
@@ -505,6 +523,11 @@ def main() -> None:
         if method == "oq":  # the whole-model budget at xl-4bit's bits per weight
             (proj / "manifests" / "oq-eq.toml").write_text(
                 oq_manifest(proj / "store-xl-4bit", calib_text, args.calib_tokens)
+            )
+        if method == "oq@dq":  # ... and at dynamic_quant's, where its threshold fell short
+            dq, xl4 = (results[m]["outputs"][m]["bytes"] for m in ("dynamic_quant", "xl-4bit"))
+            (proj / "manifests" / "oq-dq.toml").write_text(
+                oq_manifest(proj / "store-xl-4bit", calib_text, args.calib_tokens, xl4 - dq)
             )
         # cold: no store, no earlier output
         fresh(*(d for _, d in outputs), out / f"cli-{method.removeprefix('mlx_lm.')}")

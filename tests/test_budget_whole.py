@@ -12,8 +12,9 @@ from buildkit.steps.quantize import QuantizeParams, RequantizeParams, resolved_p
 from buildkit.store.artifact import Artifact
 from buildkit.store.store import Store
 
-# the trained fixture: on random weights the outputs are near-uniform and a KL is noise
-SOURCE = "fixture:trained"
+# the trained fixture shaped like the real model (48 experts, top-4, experts 88% of the
+# weights): on random weights the outputs are near-uniform and a KL is noise
+SOURCE = "fixture:trained=austen"
 
 
 def _inputs():
@@ -110,7 +111,7 @@ def node(project: Project, variant: str, name: str, output: str = "out") -> Arti
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """oq on the trained fixture at xl-4bit's bits per weight (its baseline's), up to eval."""
+    """oq on the austen fixture at xl-4bit's bits per weight (its baseline's), up to eval."""
     project = Project(tmp_path_factory.mktemp("oq"))
     project.write_manifest("oq-base", f'extends = "oq"\nsource = "{SOURCE}"\n')
     project.build("oq-base", "--target", "eval_baseline")
@@ -123,7 +124,7 @@ def built(tmp_path_factory):
     return project, target
 
 
-def test_oq_moves_bits_between_roles_and_beats_xl_4bit_at_equal_bytes(built):
+def test_oq_moves_bits_between_roles_and_beats_xl_4bit_at_equal_bytes_on_the_new_fixture(built):
     project, target = built
     quant = node(project, "oq-eq", "quantize")
     b = quant.meta["budget"]

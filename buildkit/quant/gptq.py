@@ -17,7 +17,8 @@ calibration token reached keep mx.quantize's result and are counted, as in ``dat
 
 An expert's own rows are few beside its inputs on a real model (~128 rows an expert for 2048
 gate/up inputs), so each Hessian is first shrunk toward a prior (``regularize``): gate/up's
-toward the layer's pooled Hessian (every calibration row), down's toward its own diagonal.
+toward the layer's pooled Hessian (every calibration row; itself shrunk toward its diagonal,
+as a layer's rows may be fewer than its inputs too), down's toward its own diagonal.
 
 Cost, per expert with C inputs and n rows: the Hessian (n C² multiply-adds), the factor of
 its inverse (2C³/3: LAPACK's float32 potrf and trtri, through scipy) and the feedback
@@ -37,10 +38,12 @@ from buildkit.quant.dataaware import Tally, repack, stored_parts
 from buildkit.quant.roles import Role
 from buildkit.store.store import ROW_BLOCK_BYTES
 
-METHOD = "gptq-per-expert/3"  # bump when the output bytes (or meta) change
+METHOD = "gptq-per-expert/4"  # bump when the output bytes (or meta) change
 # 2: the weights' rel-L1 over every row recorded in quantize's meta (verify checks it)
 # 3: each expert's Hessian shrunk toward a prior (``regularize``) before its inverse; the
 #    inverse's factor from float32 potrf and trtri (was float64 inv), a compiled column loop
+# 4: gate/up's prior, the layer's pooled Hessian, itself shrunk toward its diagonal
+#    (``pooled_prior``; bench/RESULTS.md, "issue 37")
 DAMP = 0.01  # of the mean diagonal, added to H: GPTQ's (and mlx_lm's) damping
 # The prior's weight in pseudo-rows per input channel: an expert's Hessian from n rows gets the
 # prior's second moment times PRIOR_ROWS * C, a share C / (n + C) of the sum at 1.0
@@ -65,6 +68,17 @@ def regularize(h: np.ndarray, prior: np.ndarray, rows: float = PRIOR_ROWS) -> np
     rows do; the prior fills them. Its weight fades as the expert's own rows grow."""
     c = h.shape[-1]
     return np.asarray(h, dtype=np.float32) + np.float32(rows * c) * np.asarray(prior, np.float32)
+
+
+def pooled_prior(x: np.ndarray, rows: float = PRIOR_ROWS) -> np.ndarray:
+    """The layer's second moment per row of its calibration rows x [n, C], itself shrunk
+    toward its own diagonal by ``rows * C`` pseudo-rows: with fewer rows than inputs (the
+    real model's calibration gives a layer ~2 per input, a fixture at its rows per expert
+    fewer) it is rank-deficient too, and the prior it lends each expert must not be."""
+    n, c = x.shape
+    m = (x.T @ x) / np.float32(n)
+    k = np.float32(rows * c / (n + rows * c))
+    return (1 - k) * m + k * np.diag(np.diag(m))
 
 
 def inverse_factor(h: np.ndarray) -> np.ndarray:
@@ -277,7 +291,7 @@ def quantize_entries(
 
     # gate/up's prior: the layer's pooled Hessian per row, every calibration row (mlx_lm's one
     # Hessian a layer); down's inputs differ by expert, and pooling them measured worse
-    pooled = None if proj == "down_proj" else (x.T @ x) / np.float32(len(x))
+    pooled = None if proj == "down_proj" else pooled_prior(x)
 
     def hessian(e: int, gate_up) -> np.ndarray:
         xs = x[rows_of[e]]
