@@ -171,7 +171,11 @@ def test_a_source_names_a_trained_fixture(tmp_path, capsys):
     assert FetchParams(source="fixture:trained=austen").source == "fixture:trained=austen"
     with pytest.raises(ValueError, match=r"known ones: fixture:trained=kjv .*fixture:trained="):
         FetchParams(source="fixture:trained=nosuch")
-    p = Project(tmp_path)  # estimate reads the named fixture's shape
+    p = Project(tmp_path)
+    assert p.cli("plan", "xl", "--source", "fixture:trained=nosuch") == 2
+    err = capsys.readouterr().err
+    assert "no trained fixture 'nosuch'" in err and "fixture:trained=austen" in err
+    # estimate reads the named fixture's shape
     assert p.cli("estimate", "xl", "--source", "fixture:trained=austen", "--json") == 0
     roles = {r["role"]: r for r in json.loads(capsys.readouterr().out)["roles"]}
     s = AUSTEN.spec
