@@ -125,13 +125,12 @@ class Fetch(Step):
         if kind == "trained":
             from buildkit.fixtures.trained import data_digest, get, write_trained
 
-            name = trained_name(params.source)
-            fixture = get(name)
+            fixture = get(trained_name(params.source))
             path = ctx.store.root / "fixtures" / f"trained-{data_digest(fixture.data)}"
             if not (path / "config.json").exists():
                 ctx.log(f"writing the trained fixture checkpoint in {path}")
                 write_trained(path, fixture.data, spec=fixture.spec)
-            return path, {"type": "trained"} | ({"name": name} if name else {})
+            return path, {"type": "trained"}  # its identity is its files, as for a directory
         path = Path(params.source).expanduser()
         if not path.is_absolute():
             path = ctx.options.project_root / path
