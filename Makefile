@@ -36,7 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python -m compileall -q buildkit  # edits since install: time bytecode, not compiles
 	$(BIN)/python bench/bench.py
 	# issue 28's ratios: oq4e-mtp-xl (and its GPTQ twin) against xl, the search against mx.quantize
-	$(BIN)/python bench/oq4e_bench.py --builds --gptq --spec layers=31
+	$(BIN)/python bench/oq4e_bench.py --builds --search --spec layers=31
 
 # The real model's shapes (sparse source, ~65 GB free disk, ~10 min); not in CI.
 bench-35b: $(STAMP)

@@ -5,9 +5,10 @@ Two measurements, each printed as a table (the machine is shared: read ratios wi
 1. ``--builds``: cold builds of ``xl`` and ``oq4e-mtp-xl`` from the same generated fixture,
    each in an empty store, one after the other, with their eval steps and without them (what
    the build costs, not its grading); step times from the ``[done]`` lines, and the oq4e/xl
-   ratios of wall and CPU time (target: at most 3), with each build's peak RSS. ``--gptq``
-   adds oq4e-gptq-mtp-xl (GPTQ experts), without eval steps; should its verify fail, the
-   figures are up to the failure and the error is printed.
+   ratios of wall and CPU time (target: at most 3), with each build's peak RSS. ``--search``
+   adds oq4e-search-mtp-xl (the search's experts; oq4e-mtp-xl's are GPTQ since issue 37),
+   without eval steps; should its verify fail, the figures are up to the failure and the
+   error is printed.
 2. per-tensor microbenchmark (always): one routed-expert tensor [E, out, in] bf16, time per
    weight of ``mx.quantize`` against ``dataaware.search`` on the same tensor (target: search
    at most 2x), and the search's weighted error against data-agnostic.
@@ -18,7 +19,7 @@ Usage::
     python bench/oq4e_bench.py --builds                 # + cold builds on a 4-layer fixture
     python bench/oq4e_bench.py --builds --spec layers=31 # the 2 GB bench fixture's layer count
     python bench/oq4e_bench.py --builds --skip-eval     # only the builds without eval steps
-    python bench/oq4e_bench.py --builds --gptq          # + oq4e with GPTQ experts (no eval)
+    python bench/oq4e_bench.py --builds --search        # + oq4e with the search (no eval)
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def build(
     return wall, float(user) + float(sys_), int(rss), steps
 
 
-def builds(spec: dict, work: Path, with_eval: bool = True, gptq: bool = False) -> None:
+def builds(spec: dict, work: Path, with_eval: bool = True, other: bool = False) -> None:
     src = work / "fixture"
     argv = [sys.executable, "-m", "buildkit.cli", "fixture", str(src)]
     for k, v in spec.items():
@@ -110,9 +111,9 @@ def builds(spec: dict, work: Path, with_eval: bool = True, gptq: bool = False) -
         (work / "manifests" / f"{name}.toml").write_text(
             f'extends = "{parent}"\n[steps.publish]\ninputs = {{ eval = [] }}\n'
         )
-    # oq4e-gptq-mtp-xl (GPTQ experts instead of the search), donor and grading as above
-    (work / "manifests" / "bench-gptq-noeval.toml").write_text(
-        f'extends = "oq4e-gptq-mtp-xl"\n[steps.donor_fetch.params]\nsource = "{src}"\n'
+    # oq4e-search-mtp-xl (the search instead of GPTQ), donor and grading as above
+    (work / "manifests" / "bench-search-noeval.toml").write_text(
+        f'extends = "oq4e-search-mtp-xl"\n[steps.donor_fetch.params]\nsource = "{src}"\n'
         "[steps.publish]\ninputs = { eval = [] }\n"
     )
     with open("/proc/loadavg") as f:
@@ -121,8 +122,8 @@ def builds(spec: dict, work: Path, with_eval: bool = True, gptq: bool = False) -
     if with_eval:
         pairs = {"with eval steps": ("xl", "bench-oq4e"), **pairs}
     runs = {v: build(v, src, work) for pair in pairs.values() for v in pair}
-    if gptq:
-        runs["bench-gptq-noeval"] = build("bench-gptq-noeval", src, work, may_fail=True)
+    if other:
+        runs["bench-search-noeval"] = build("bench-search-noeval", src, work, may_fail=True)
     print(f"\nfixture {spec} ({size:.0f} MB); load average before: {' '.join(load)}")
     for label, (a, b) in pairs.items():
         print(f"\n{label}, wall s by step\n\n| step | xl | oq4e-mtp-xl |\n|---|---|---|")
@@ -134,20 +135,20 @@ def builds(spec: dict, work: Path, with_eval: bool = True, gptq: bool = False) -
         print(f"| {label}, wall s | {a[0]:.1f} | {b[0]:.1f} | {b[0] / a[0]:.2f} |")
         print(f"| {label}, CPU s | {a[1]:.1f} | {b[1]:.1f} | {b[1] / a[1]:.2f} |")
         print(f"| {label}, peak RSS MB | {a[2] / 1024:.0f} | {b[2] / 1024:.0f} | |")
-    if gptq:
-        x, g = runs["bench-xl-noeval"], runs["bench-gptq-noeval"]
-        print("\noq4e-gptq-mtp-xl (GPTQ experts), without eval steps, wall s by step\n")
-        print("| step | xl | GPTQ |\n|---|---|---|")
+    if other:
+        x, g = runs["bench-xl-noeval"], runs["bench-search-noeval"]
+        print("\noq4e-search-mtp-xl (the search), without eval steps, wall s by step\n")
+        print("| step | xl | search |\n|---|---|---|")
         for step in dict.fromkeys([*x[3], *g[3]]):
             if step != "failed":
                 print(f"| {step} | {x[3].get(step, '')} | {g[3].get(step, '')} |")
         print(
-            f"\n| GPTQ cold build | wall {g[0]:.1f} s ({g[0] / x[0]:.2f} x xl, "
+            f"\n| search cold build | wall {g[0]:.1f} s ({g[0] / x[0]:.2f} x xl, "
             f"{g[0] / runs['bench-oq4e-noeval'][0]:.2f} x oq4e) | CPU {g[1]:.1f} s "
             f"({g[1] / x[1]:.2f} x xl) | peak RSS {g[2] / 1024:.0f} MB |"
         )
         if "failed" in g[3]:
-            print(f"\nGPTQ build failed: {g[3]['failed']}")
+            print(f"\nsearch build failed: {g[3]['failed']}")
 
 
 def micro(experts: int, out: int, inp: int, bits: int, repeat: int) -> None:
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
         "--skip-eval", action="store_true", help="with --builds: only the builds without eval steps"
     )
     p.add_argument(
-        "--gptq", action="store_true", help="with --builds: also oq4e with GPTQ experts (slow)"
+        "--search", action="store_true", help="with --builds: also oq4e with the search's experts"
     )
     p.add_argument(
         "--spec", action="append", default=[], help="fixture dimension, e.g. layers=31 (repeatable)"
@@ -270,10 +271,10 @@ def main(argv=None) -> int:
         spec = BASE_SPEC | {k: int(v) for k, v in (s.split("=", 1) for s in args.spec)}
         if args.work:
             args.work.mkdir(parents=True, exist_ok=True)
-            builds(spec, args.work, not args.skip_eval, args.gptq)
+            builds(spec, args.work, not args.skip_eval, args.search)
         else:
             with tempfile.TemporaryDirectory(prefix="oq4e-bench-") as tmp:
-                builds(spec, Path(tmp), not args.skip_eval, args.gptq)
+                builds(spec, Path(tmp), not args.skip_eval, args.search)
     return 0
 
 

@@ -243,16 +243,17 @@ def test_gate_and_up_share_a_task_only_under_one_gptq_role():
 
 
 def test_shipped_gptq_variant_beats_the_search_on_the_trained_fixture(tmp_path):
-    """oq4e-gptq-mtp-xl as shipped (its calibration, verify limits, baseline, publish) against
-    oq4e-mtp-xl, the search, on the trained fixture's outputs at the same size."""
+    """oq4e-mtp-xl as shipped, GPTQ experts (its calibration, verify limits, baseline,
+    publish), against oq4e-search-mtp-xl, the search, on the trained fixture's outputs at the
+    same size."""
     p = Project(tmp_path)
     trained = 'source = "fixture:trained"\n[steps.donor_fetch]\nparams.source = "fixture:trained"\n'
-    for v in ("oq4e-mtp-xl", "oq4e-gptq-mtp-xl"):
+    for v in ("oq4e-search-mtp-xl", "oq4e-mtp-xl"):
         p.write_manifest(f"{v}-trained", f'extends = "{v}"\n{trained}')
         p.build(f"{v}-trained")
     search, ours = (
         json.loads((p.out / f"{v}-trained" / "eval.json").read_text())
-        for v in ("oq4e-mtp-xl", "oq4e-gptq-mtp-xl")
+        for v in ("oq4e-search-mtp-xl", "oq4e-mtp-xl")
     )
     base = ours["others"]["data-agnostic 4-bit (baseline)"]
     assert ours["size_bytes"] == search["size_bytes"] and ours["tokens"] == base["tokens"]
