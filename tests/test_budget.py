@@ -77,7 +77,9 @@ def test_budget_beats_uniform_bits_at_the_same_size(measured):
     a budget of the same bits per weight, both graded by eval (KL on the held-out lines, which
     the sensitivity never saw); the budget is met within 1%."""
     project, _ = measured
-    project.write_manifest("uniform", f'extends = "oq4e-mtp-xl"\n{TRAINED}')
+    project.write_manifest(
+        "uniform", f'extends = "oq4e-search-mtp-xl"\n{TRAINED}'
+    )  # oq-budget's quantizer
     project.build("uniform", "--target", "eval")
     _, quant = artifact(project, "uniform", "quantize")
     target = quant.meta["bits_per_weight"]

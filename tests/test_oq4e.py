@@ -1,4 +1,6 @@
-"""oq4e-mtp-xl: calibration, data-aware 4-bit routed experts, donor MTP graft."""
+"""oq4e: calibration, data-aware 4-bit routed experts, donor MTP graft, on the search's variant
+(oq4e-search-mtp-xl: what calibration's stop and the search do; oq4e-mtp-xl's GPTQ experts
+are tests/test_gptq.py's)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from buildkit.quant.roles import Recipe, Role
 from buildkit.steps.calibrate import Calibrate, CalibrateParams
 from buildkit.store.store import Store
 
-VARIANT = "oq4e-mtp-xl"
+VARIANT = "oq4e-search-mtp-xl"
 BUILTIN_TEXT = cal.text_path("builtin:calibration.txt", Path("."))
 LAYER0 = "language_model.model.layers.0.mlp.switch_mlp"
 
