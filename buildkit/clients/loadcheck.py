@@ -535,34 +535,11 @@ def check_vlm_loads(path: Path, image: bool = True, block: int = BLOCK) -> dict:
     Streamed, vision tower included, in float32 on the CPU, as ``check_loads``. Returns a
     summary and the logits."""
     import mlx.core as mx
-    from mlx_vlm.prompt_utils import apply_chat_template
-    from mlx_vlm.utils import load, prepare_inputs
+    from mlx_vlm.utils import load
 
     try:
         model, processor = load(str(path), lazy=True)
-        cfg = model.config
-        image_token = getattr(cfg, "image_token_id", None) or getattr(
-            cfg, "image_token_index", None
-        )
-        if image:
-            prompt = apply_chat_template(processor, cfg, "Describe the image.", num_images=1)
-            inputs = prepare_inputs(
-                processor, images=[_test_image()], prompts=prompt, image_token_index=image_token
-            )
-        else:
-            inputs = prepare_inputs(processor, prompts="Hello")
-        ids = inputs["input_ids"]
-        n_prompt = ids.shape[-1]
-        n_image = int((ids == image_token).sum().item()) if image_token is not None else 0
-        if image and n_image == 0:
-            raise StepError(
-                f"the image prompt holds no image token (id {image_token}): check the chat "
-                "template, preprocessor_config.json and the tokenizer's <|image_pad|> against "
-                "config.json"
-            )
-        if image:  # the forward runs the image's span: on a CPU each text token costs seconds
-            inputs = _image_span(inputs, image_token)
-            ids = inputs["input_ids"]
+        inputs, n_prompt, n_image = _vlm_inputs(processor, model.config, image)
         if mx.default_device() == mx.cpu:
             model.set_dtype(mx.float32)
         _stream(model, path, block)
@@ -571,6 +548,7 @@ def check_vlm_loads(path: Path, image: bool = True, block: int = BLOCK) -> dict:
             for k, v in inputs.items()
             if k not in ("input_ids", "pixel_values", "attention_mask")
         }
+        ids = inputs["input_ids"]
         out = model(ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra)
         logits = getattr(out, "logits", out)
         mx.eval(logits)
@@ -598,6 +576,33 @@ def check_vlm_loads(path: Path, image: bool = True, block: int = BLOCK) -> dict:
         f"{list(logits.shape)} logits, finite",
         "logits": logits,
     }
+
+
+def _vlm_inputs(processor, cfg, image: bool) -> tuple[dict, int, int]:
+    """(mlx_vlm's model inputs, the templated prompt's tokens, its image tokens) for the test
+    image's prompt (its image span only) or, without ``image``, a text prompt."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import prepare_inputs
+
+    image_token = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", None)
+    if image:
+        prompt = apply_chat_template(processor, cfg, "Describe the image.", num_images=1)
+        inputs = prepare_inputs(
+            processor, images=[_test_image()], prompts=prompt, image_token_index=image_token
+        )
+    else:
+        inputs = prepare_inputs(processor, prompts="Hello")
+    ids = inputs["input_ids"]
+    n_image = int((ids == image_token).sum().item()) if image_token is not None else 0
+    if image and n_image == 0:
+        raise StepError(
+            f"the image prompt holds no image token (id {image_token}): check the chat "
+            "template, preprocessor_config.json and the tokenizer's <|image_pad|> against "
+            "config.json"
+        )
+    if image:  # the forward runs the image's span: on a CPU each text token costs seconds
+        return _image_span(inputs, image_token), ids.shape[-1], n_image
+    return inputs, ids.shape[-1], n_image
 
 
 def _image_span(inputs: dict, image_token: int) -> dict:
