@@ -6,7 +6,7 @@ in memory at a time (its weights read, the layer run for every position, then fr
 float32 (mlx on CPU has no bf16 ``gather_mm``). The real source is 70 GB; memory is one
 layer, the embeddings or the output head, plus the hidden states of the text.
 
-Figures (definitions in DESIGN.md): KL(p_source || p_model) of next-token distributions
+Figures: KL(p_source || p_model) of next-token distributions
 (mean, median, 99th percentile), top-1 agreement, the perplexity of each, and, for a model
 with an MTP head, teacher-forced draft acceptance at depth 1: the head's argmax for token
 t+2 (from the trunk's hidden state at t, before the final norm, and the embedding of token
