@@ -39,7 +39,7 @@ from buildkit.store.store import Store
 
 VERSION = 1
 QUANT_KEYS = ("quantization", "quantization_config")
-MODULE = "mlx_lm.utils"  # what the check imports: ~1 s, mostly transformers
+MODULE = "mlx_lm.utils"  # what the check imports: slow, mostly transformers
 VLM_MODULES = ("mlx_vlm.utils", "mlx_vlm.speculative.drafters")
 IMAGE_SIDE = 64  # pixels: a 4x4 grid of 16-pixel patches, 4 image tokens after the 2x2 merge
 BOUND = ("language_model.model.embed_tokens", "language_model.lm_head")  # what the drafter binds to
@@ -166,7 +166,7 @@ _warming: list = []  # the futures of warm's imports, waited for before the chec
 
 
 def warm(modules: list[str] | None = None) -> None:
-    """Import mlx_lm (and mlx_vlm) on a spare thread (~1.2 s, mostly transformers) for a check to
+    """Import mlx_lm (and mlx_vlm) on a spare thread (slow: mostly transformers) for a check to
     come."""
     _warming.append(lazy.import_ahead(modules or [MODULE]))
 
@@ -477,7 +477,7 @@ def check_loads(path: Path, block: int = BLOCK) -> dict:
         if mx.default_device() == mx.cpu:
             model.set_dtype(mx.float32)  # floating-point parameters only (mlx's default predicate)
         _stream(model, path, block)
-        logits = model(mx.array([[1]]))  # one token: mlx on CPU costs ~2 s a token on a 2 GB model
+        logits = model(mx.array([[1]]))  # one token: each costs seconds on the CPU
         mx.eval(logits)
     except Exception as e:  # any failure to load is a failed publish, with mlx_lm's words
         raise StepError(f"mlx_lm cannot load the published model: {type(e).__name__}: {e}") from e
@@ -609,7 +609,7 @@ def _image_span(inputs: dict, image_token: int) -> dict:
     """The templated prompt cut to its image: the image tokens and the token on each side of
     them (the vision start and end markers), with the same pixels. The vision tower's features
     and the language model's image positions are the whole prompt's; the template's text (28
-    tokens of the 32 here, ~2.5 s of CPU each through the real model's 40 layers) is not run."""
+    tokens of the 32 here, each seconds of CPU through the real model) is not run."""
     import mlx.core as mx
     import numpy as np
 

@@ -138,8 +138,8 @@ def _silu(g: np.ndarray) -> np.ndarray:
 
 def _mm(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """``x @ w.T`` for a weight w [out, in] and a few rows x [n, in], computed as ``(w @ x.T).T``:
-    OpenBLAS's sgemm runs that shape 35% faster at 64 rows (60% at 32, 8% at 256), with the same
-    bytes here (bench/RESULTS.md, "oq4e speed")."""
+    OpenBLAS's sgemm runs that shape faster at a few rows, with the same bytes here
+    (bench/RESULTS.md)."""
     return (w @ x.T).T
 
 

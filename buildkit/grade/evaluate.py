@@ -281,7 +281,7 @@ def _logprobs(logits):
 
 
 def np_logprobs(logits: np.ndarray) -> np.ndarray:
-    """Log-probabilities of logits [..., V] in numpy (float32; mlx's CPU exp is ~10x slower)."""
+    """Log-probabilities of logits [..., V] in numpy (float32; mlx's CPU exp is slower)."""
     m = logits.max(axis=-1, keepdims=True)
     return logits - (m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)))
 

@@ -21,8 +21,8 @@ gets the mlx affine parameters (scale s, bias b, codes q in [0, 2^bits - 1],
    better, so no group is worse than data-agnostic quantization on the
    calibration objective.
 
-The loop over candidates is compiled (``groupsearch``, numba): 1.2x ``mx.quantize``'s
-time per weight on one CPU thread each (bench/RESULTS.md "oq4e speed").
+The loop over candidates is compiled (``groupsearch``, numba), near ``mx.quantize``'s time
+per weight (bench/RESULTS.md).
 
 No per-channel rescaling is folded anywhere (AWQ's equivalent transform needs a
 preceding per-expert op, and the experts share their input), so the output is
@@ -44,15 +44,8 @@ from buildkit.store.store import ROW_BLOCK_BYTES
 np = lazy("numpy", __name__)
 
 METHOD = "diag-weighted-affine-search/5"  # bump when the search changes its output or meta
-# 3: one fused numba loop (groupsearch.py); grids ranked by their error estimated from the
-# least-squares sums, the best one's exact error against data-agnostic; the 7 grids that did
-# best on the bench's tensor (was 9 evenly spaced): ~20x faster for the same weighted error
-# (bench/RESULTS.md "oq4e speed")
-# 4 (two branches, each its own 4): only the 3 best grids after one fit fit again, then the
-# best once more (11 fits, was 14), lower weighted error on the bench's tensor (0.7031 vs
-# 0.7047) in 0.6x the time; and the weights' rel-L1 over every row in quantize's meta
-# 5: both of those together
-# extra quantization steps over the min-max range
+# extra quantization steps over the min-max range: the grids that did best on the bench's
+# tensor (bench/RESULTS.md)
 GRID = [-1.0, -0.5, -0.25, 0.25, 0.5, 1.0, 1.75]
 TOP = 3  # the grids with the smallest estimates after one fit: fit once more
 REFINE = 1  # further fits of the best candidate after those

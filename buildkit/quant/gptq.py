@@ -11,7 +11,7 @@ are stored in before any code is chosen against them.
 mlx_lm's ``gptq`` sums one Hessian over all the experts of a layer; here each expert has its
 own, from the rows routed to it (gate/up: the MoE input; down: that expert's own
 ``silu(gate x) * up x``), which measured lower KL divergence on the trained fixture
-(bench/RESULTS.md, "Against mlx_lm's quantizers"). The inputs are the calibration stream's
+(bench/RESULTS.md). The inputs are the calibration stream's
 routed rows, which the calibrate step keeps with ``params.keep_inputs = true``. Experts no
 calibration token reached keep mx.quantize's result and are counted, as in ``dataaware``.
 
@@ -38,13 +38,10 @@ from buildkit.quant.roles import Role
 from buildkit.store.store import ROW_BLOCK_BYTES
 
 METHOD = "gptq-per-expert/3"  # bump when the output bytes (or meta) change
-# 2: the weights' rel-L1 over every row recorded in quantize's meta (verify checks it)
-# 3: each expert's Hessian shrunk toward a prior (``regularize``) before its inverse; the
-#    inverse's factor from float32 potrf and trtri (was float64 inv), a compiled column loop
 DAMP = 0.01  # of the mean diagonal, added to H: GPTQ's (and mlx_lm's) damping
 # The prior's weight in pseudo-rows per input channel: an expert's Hessian from n rows gets the
 # prior's second moment times PRIOR_ROWS * C, a share C / (n + C) of the sum at 1.0
-# (bench/RESULTS.md, "GPTQ with few rows an expert": 0.25-4 measured alike, 1.0 kept)
+# (bench/RESULTS.md)
 PRIOR_ROWS = 1.0
 PROJS_IN = ("gate_proj", "up_proj")  # what makes down_proj's inputs
 
@@ -75,7 +72,7 @@ def inverse_factor(h: np.ndarray) -> np.ndarray:
     No inverse of H is formed: with J the reversal, JHJ = L Lᵀ gives H⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J),
     and J L⁻¹ J is upper. One float32 Cholesky and one triangular inverse (LAPACK potrf and
     trtri, 2C³/3 flops) in place of float64 inv and a second Cholesky (7C³/3)."""
-    from scipy.linalg import lapack  # potrf here is 3x faster than numpy's cholesky
+    from scipy.linalg import lapack  # potrf here is faster than numpy's cholesky
 
     h = np.array(h[:, ::-1, ::-1], dtype=np.float32)
     diag = np.einsum("ecc->ec", h)  # a view: writes go to h
@@ -164,10 +161,9 @@ def quantize(
     mx.quantize's min-max as GPTQ's paper has it. The earlier groups' feedback into a group is
     one product (sgemm); inside a group it is a compiled loop.
 
-    The search's scales lowered held-out expert error by 14% on the trained fixture and turned
-    GPTQ from worse than the search to better on the bench fixture's deep layers, whose random
-    inputs are near isotropic: there error feedback has no correlation to use, and what wins is
-    the better grid (bench/RESULTS.md, "GPTQ with few rows an expert")."""
+    The search's scales matter where inputs are near isotropic (the bench fixture's deep
+    layers): there error feedback has no correlation to use, and what wins is the better grid
+    (bench/RESULTS.md)."""
     from buildkit.quant.affine import rows_params
 
     w = np.ascontiguousarray(w, dtype=np.float32)

@@ -38,7 +38,7 @@ class CalibrateParams(Params):
     keep_inputs: bool = False
     # A layer's experts run the fewest whole sequences of the calibration lines that route this
     # many rows to every one of them (the rest skip that layer's experts and every later
-    # layer): the search's statistics have settled by then (bench/RESULTS.md, "oq4e speed").
+    # layer): the search's statistics have settled by then (bench/RESULTS.md).
     # 0: every token. Not with keep_inputs: GPTQ's per-expert Hessians want every row.
     rows_per_expert: int = Field(default=128, ge=0)
 
@@ -46,12 +46,7 @@ class CalibrateParams(Params):
 @register
 class Calibrate(Step):
     kind = "calibrate"
-    # 2: the forward's matmuls in numpy's BLAS, statistics summed per expert as rows pass;
-    # 3: a layer stops at rows_per_expert routed rows an expert (meta.tokens_by_layer);
-    # 4: decided from the router's choices on whole sequences, the stream in one batch;
-    # 5: the held-out stream stops alike at calibration.HELDOUT_ROWS rows an expert (what
-    #    verify compares each expert on)
-    version = 5
+    version = 5  # bump when either output's bytes change
     Params = CalibrateParams
     inputs = {"model": Slot()}
     outputs = ("out", "heldout")

@@ -272,9 +272,8 @@ def quantize_artifact(
 @register
 class Quantize(Step):
     kind = "quantize"
-    # 2: tensors written into packs, the shards publish links (buildkit/packs.py); 3: meta.rel_l1
-    # by buildkit's float32 dequantization (qerror.py), not mx.dequantize's bf16-rounded one.
-    # Data-aware bytes are versioned by dataaware.METHOD, in key_params' data_aware
+    # bump when the output's bytes change; the search's and GPTQ's are versioned by their
+    # METHOD, in key_params
     version = 3
     Params = QuantizeParams
     # calibration: a calibrate output; sensitivity: a sensitivity output (for recipe.target_bpw)
@@ -319,5 +318,5 @@ class Requantize(Quantize):
     """The same role allocation applied to a grafted head (inherited rules need not all match)."""
 
     kind = "requantize"
-    version = 3  # 2: the head's tensors in a pack of their own (packs.py); 3: as quantize's
+    version = 3  # as quantize's
     Params = RequantizeParams
