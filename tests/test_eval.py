@@ -184,7 +184,7 @@ def test_text_is_keyed_by_content_not_path(built, capsys):
         p, capsys, "plan", "xl-text", "--source", str(src), "--out", str(p.out / "xl"), "--json"
     )
     step = {s["step"]: s for s in plan["steps"]}["eval"]
-    assert not step["fresh"] and "evaluation text changed" in step["reasons"][0]
+    assert not step["fresh"] and "source changed: text" in step["reasons"][0]
 
 
 def test_a_gate_fails_a_release_build_with_a_clear_message(built, tmp_path):

@@ -155,7 +155,7 @@ def test_changing_the_calibration_text_reruns_only_calibrated_nodes(built):
     text.write_text(text.read_text().replace("lighthouse keeper", "harbour master"))
     proc = project.build(name)
     assert set(ran(proc)) == downstream
-    assert "calibration text changed" in proc.stderr
+    assert "source changed: text" in proc.stderr
 
     # the same content under another name is the same calibration
     shutil.copy(BUILTIN_TEXT, project.root / "copy.txt")

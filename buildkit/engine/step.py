@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,6 +30,142 @@ class Slot:
 
     required: bool = True
     many: bool = False
+
+
+class Step:
+    """A step kind: a pure function of (params, input artifacts) -> output artifacts.
+
+    A step author sets five things and writes ``run``::
+
+        class UpperParams(Params):
+            suffix: str = "!"
+
+        @register
+        class Upper(Step):
+            kind, version = "upper", 1  # bump version whenever the output bytes change
+            Params = UpperParams
+            inputs = {"model": Slot()}  # manifest: inputs.model = "sanitize"
+
+            def run(self, ctx, params, inputs):
+                model = inputs["model"][0]
+                return {"out": Artifact(tensors=model.tensors, meta={"suffix": params.suffix})}
+
+    Everything that changes the output bytes must be in the key: the params (``key_params``,
+    all of them by default), the input artifacts, ``libraries()`` and ``reads()`` (files
+    outside the store, such as a calibration text, by content). The hooks below the line are
+    for the two steps that touch the world: fetch (a source tree) and publish (a directory).
+    """
+
+    kind: ClassVar[str]
+    version: ClassVar[int]
+    Params: ClassVar[type[Params]] = Params
+    inputs: ClassVar[dict[str, Slot]] = {}
+    outputs: ClassVar[tuple[str, ...]] = ("out",)
+    uses_recipe: ClassVar[bool] = False  # params get the manifest's recipe as params.recipe
+
+    def run(
+        self, ctx: Context, params: Params, inputs: dict[str, list[Artifact]]
+    ) -> dict[str, Artifact]:
+        raise NotImplementedError
+
+    def reads(self, params: Params, ctx: Context) -> dict[str, Path]:
+        """Files outside the store this step reads, by name: their content digests enter the
+        key, a change reruns the step ("source changed: <name>"), and a no-op
+        build checks their stat (``uptodate``)."""
+        return {}
+
+    def key_params(self, params: Params, inputs: Mapping[str, list[Artifact]]) -> dict:
+        """The params as they enter the key (all of them, defaults filled in; leave out a
+        path that ``reads`` covers by content). ``inputs`` are the input artifacts, for params
+        that mean something only against them (quantize resolves rules to a per-tensor plan)."""
+        return params.model_dump(mode="json")
+
+    def libraries(self) -> dict[str, str]:
+        """Versions of libraries that change this step's output bytes (part of the key)."""
+        return {}
+
+    def check_request(self, params: Params, ctx: Context) -> None:
+        """Raise UsageError if this invocation cannot succeed (publish: an unusable output
+        path), so the build fails before any step runs rather than after hours of work."""
+
+    # ---- for steps that touch the world (fetch, publish); ``register`` checks the pairing
+
+    def fingerprint(self, params: Params, ctx: Context) -> Any:
+        """Key ingredients observed outside the store; by default the digests of ``reads``."""
+        files = self.reads(params, ctx)
+        if not files:
+            return None
+        digest = ctx.store.sources.digest_file
+        return {name: digest(path, rehash=ctx.options.rehash) for name, path in files.items()}
+
+    def describe_fingerprint_change(self, old: Any, new: Any) -> str:
+        """Which of the fingerprint's names changed, for the plan's reason."""
+        old, new = old or {}, new or {}
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        more = f" (+{len(changed) - 5} more)" if len(changed) > 5 else ""
+        return ", ".join(changed[:5]) + more
+
+    def outdated(self, params: Params, outputs: dict[str, Artifact], ctx: Context) -> str | None:
+        """For steps with side effects: a reason to re-run despite a cache hit, or None."""
+        return None
+
+    def watch(self, params: Params, ctx: Context) -> tuple[list[Path], list[Path]] | None:
+        """Files outside the store this step reads and writes, whose stat vouches that a build
+        that changed none of them would change nothing (``uptodate``); None if a stat cannot
+        tell. By default what ``reads`` names."""
+        return list(self.reads(params, ctx).values()), []
+
+
+REGISTRY: dict[str, type[Step]] = {}
+_plugins: list = []  # the entry points loaded, once
+
+
+def register(cls: type[Step]) -> type[Step]:
+    """Add a step kind to the registry (a class decorator)."""
+    if cls.kind in REGISTRY:
+        raise RuntimeError(f"step kind {cls.kind!r} registered twice")
+    looks_outside = cls.fingerprint is not Step.fingerprint or cls.outdated is not Step.outdated
+    if looks_outside and cls.watch is Step.watch:
+        # uptodate would trust stats that say nothing of what the step looked at
+        raise RuntimeError(
+            f"step kind {cls.kind!r} overrides fingerprint or outdated: override watch too, "
+            "naming the files those look at (or returning None if a stat cannot tell)"
+        )
+    REGISTRY[cls.kind] = cls
+    return cls
+
+
+def kinds() -> dict[str, type[Step]]:
+    """Every registered kind. Steps are plugins: each ``buildkit.steps`` entry point (the
+    built-in kinds' is in pyproject.toml) names a module that registers its kinds on import,
+    so the engine never imports a step."""
+    if not _plugins:
+        plugins = _plugins[:] = entry_points(group="buildkit.steps")
+        if not plugins:
+            raise UsageError(
+                "no step kinds are registered: buildkit is not installed "
+                "(run `pip install -e .` in its checkout, or `make install`)"
+            )
+        for plugin in plugins:
+            plugin.load()
+    return REGISTRY
+
+
+def get_step(kind: str) -> Step:
+    registry = kinds()
+    try:
+        return registry[kind]()
+    except KeyError:
+        raise UsageError(
+            f"unknown step kind {kind!r}{did_you_mean(kind, registry)}; "
+            f"known kinds: {', '.join(sorted(registry))}"
+        ) from None
+
+
+def library_version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
 
 
 @dataclass
@@ -107,93 +243,3 @@ class Context:
             self.log_sink(self.node, msg)
         else:
             print(f"[{self.node}] {msg}", file=sys.stderr)
-
-
-class Step:
-    """A registered step kind: a pure function of (params, input artifacts) -> output artifacts.
-
-    Subclasses set ``kind``, ``version`` (bump it whenever output bytes change),
-    ``Params``, ``inputs`` and ``outputs`` and implement ``run``.
-    """
-
-    kind: ClassVar[str]
-    version: ClassVar[int]
-    Params: ClassVar[type[Params]] = Params
-    inputs: ClassVar[dict[str, Slot]] = {}
-    outputs: ClassVar[tuple[str, ...]] = ("out",)
-    uses_recipe: ClassVar[bool] = False
-
-    def libraries(self) -> dict[str, str]:
-        """Versions of libraries that change this step's output bytes (part of the key)."""
-        return {}
-
-    def key_params(self, params: Params, inputs: Mapping[str, list[Artifact]]) -> dict:
-        """The params as they enter the key (all of them, defaults filled in). ``inputs`` are
-        the input artifacts, for a step whose params mean something only against them (the
-        quantizing steps resolve their rules to a per-tensor plan)."""
-        return params.model_dump(mode="json")
-
-    def fingerprint(self, params: Params, ctx: Context) -> Any:
-        """Extra key ingredients observed outside the store (e.g. source file digests)."""
-        return None
-
-    def describe_fingerprint_change(self, old: Any, new: Any) -> str:
-        return "fingerprint differs"
-
-    def check_request(self, params: Params, ctx: Context) -> None:
-        """Raise UsageError if this invocation cannot succeed (publish: an unusable output
-        path), so the build fails before any step runs rather than after hours of work."""
-
-    def outdated(self, params: Params, outputs: dict[str, Artifact], ctx: Context) -> str | None:
-        """For steps with side effects: a reason to re-run despite a cache hit, or None."""
-        return None
-
-    def run(
-        self, ctx: Context, params: Params, inputs: dict[str, list[Artifact]]
-    ) -> dict[str, Artifact]:
-        raise NotImplementedError
-
-    def watch(self, params: Params, ctx: Context) -> tuple[list[Path], list[Path]] | None:
-        """Files outside the store this step reads (inputs) and writes (outputs), whose stat
-        vouches that a build that changed none of them would change nothing (``uptodate.py``);
-        None if a stat cannot tell. A step that reads only its inputs watches nothing; one
-        with a fingerprint or an ``outdated`` check looks outside and must say where."""
-        own = type(self)
-        if own.fingerprint is not Step.fingerprint or own.outdated is not Step.outdated:
-            return None
-        return [], []
-
-
-REGISTRY: dict[str, type[Step]] = {}
-
-
-def register(cls: type[Step]) -> type[Step]:
-    if cls.kind in REGISTRY:
-        raise RuntimeError(f"step kind {cls.kind!r} registered twice")
-    REGISTRY[cls.kind] = cls
-    return cls
-
-
-def kinds() -> dict[str, type[Step]]:
-    """Every registered kind. The built-in steps are plugins: they register themselves when
-    ``buildkit.steps`` is imported, which this does by name so that no engine module imports
-    a step (the layering runs engine -> steps, never back)."""
-    importlib.import_module("buildkit.steps")
-    return REGISTRY
-
-
-def get_step(kind: str) -> Step:
-    registry = kinds()
-    try:
-        return registry[kind]()
-    except KeyError:
-        raise UsageError(
-            f"unknown step kind {kind!r}{did_you_mean(kind, registry)}; "
-            f"known kinds: {', '.join(sorted(registry))}"
-        ) from None
-
-
-def library_version(name: str) -> str:
-    from importlib.metadata import version
-
-    return version(name)

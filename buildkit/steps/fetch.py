@@ -170,11 +170,6 @@ class Fetch(Step):
         dirs = {root, *(p.parent for p in files)}
         return sorted(dirs) + files, []
 
-    def describe_fingerprint_change(self, old, new) -> str:
-        old, new = old or {}, new or {}
-        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        return ", ".join(changed[:5]) + (f" (+{len(changed) - 5} more)" if len(changed) > 5 else "")
-
     def run(self, ctx: Context, params: FetchParams, inputs) -> dict[str, Artifact]:
         root, meta = self.resolve(params, ctx)
         art = Artifact(meta={"source": meta})

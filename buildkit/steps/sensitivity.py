@@ -13,6 +13,7 @@ re-measuring. The figures are in ``meta`` (no tensors); the numerics are in
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -58,15 +59,8 @@ class Sensitivity(Step):
     def key_params(self, params: SensitivityParams, inputs=None) -> dict:
         return params.model_dump(mode="json", exclude={"text"})
 
-    def fingerprint(self, params: SensitivityParams, ctx: Context) -> dict:
-        path = cal.text_path(params.text, ctx.options.project_root)
-        return {"text": ctx.store.sources.digest_file(path, rehash=ctx.options.rehash)}
-
-    def describe_fingerprint_change(self, old, new) -> str:
-        return "calibration text changed"
-
-    def watch(self, params: SensitivityParams, ctx: Context):
-        return [cal.text_path(params.text, ctx.options.project_root)], []
+    def reads(self, params: SensitivityParams, ctx: Context) -> dict[str, Path]:
+        return {"text": cal.text_path(params.text, ctx.options.project_root)}
 
     def run(self, ctx: Context, params: SensitivityParams, inputs) -> dict[str, Artifact]:
         model = inputs["model"][0]
