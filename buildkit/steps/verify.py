@@ -6,6 +6,9 @@ mlx_lm's sanitize does), passthrough tensors byte for byte, quantized tensors
 by dequantizing and measuring rel-L1 against the source, fused experts by
 reassembling them. The report is the step's output (``verify.json``); any
 failed check fails the build and names the tensors.
+
+Each check is a function of a ``Subject`` listed in ``CHECKS``, in report order: a new check
+is one function and one entry there.
 """
 
 from __future__ import annotations
