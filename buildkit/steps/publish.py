@@ -34,7 +34,7 @@ from pathlib import Path
 from pydantic import Field
 
 from .. import checkpoint as ckpt
-from .. import keys, loadcheck, packs
+from .. import drafting, keys, loadcheck, packs
 from ..allocator import libc
 from ..artifact import Artifact
 from ..errors import StepError, UsageError
@@ -355,6 +355,7 @@ def model_card(
                 )
     if evals:
         lines += ["", "## Evaluation", "", *eval_table(evals)]
+        lines += drafting.card_lines(evals, evals.get("text"))
     return "\n".join(lines + usage(cfg is not None, has_vision, has_mtp)) + "\n"
 
 
