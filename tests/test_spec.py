@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import Project
 
@@ -159,3 +160,29 @@ def test_trunk_eval_key_is_unchanged_by_the_head_params():
     assert "speculative" in Eval().key_params(
         EvalParams(scope="head", speculative=spec.SpeculativeParams())
     )
+
+
+def test_chain_is_the_drafters_incremental_loop(built, tmp_path):
+    """The batched chain (one head pass per depth, masked) drafts what the runtime's loop
+    drafts: the head's cache filled with the true entries 0..t, then one token at a time."""
+    from mlx_lm.models.cache import KVCache
+
+    src = ev.DirWeights(write_trained(tmp_path / "trained"))
+    mod = ev.DirWeights(built.out / "xl-mtp-spec")
+    tokens = heldout_tokens(TEXT.read_text(), 5, src.tokenizer_json(), 64)
+    _, (_, tm) = ev.evaluate(src, mod, tokens, 64, head=False)
+    depth = 3
+    drafts = drafting.chains(mod, tm, depth)
+    head, out = drafting._load_head(mod), ev.Output(mod)
+    x0, h = tm.x0[0], tm.h[0]
+    for t in (0, 17, 40, h.shape[1] - 2):
+        cache = [KVCache()]
+        o = drafting._head_pass(head, x0[:, 1 : t + 2], h[:, : t + 1], cache[0], "causal")
+        o = o[:, -1:]
+        got = [int(mx.argmax(out(o), axis=-1).item())]
+        for _ in range(depth - 1):
+            e = ev.embed(mod, [np.array([[got[-1]]], np.int32)])[0]
+            o = drafting._head_pass(head, e, o, cache[0], None)
+            got.append(int(mx.argmax(out(o), axis=-1).item()))
+        want = [int(drafts[0][d][0, t].item()) for d in range(depth)]
+        assert got == want, t
