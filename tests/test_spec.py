@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from conftest import Project
 
-from buildkit import drafting
-from buildkit import evaluate as ev
-from buildkit import speculative as spec
+from buildkit.clients import speculative as spec
+from buildkit.fixtures.trained import write_trained
+from buildkit.grade import drafting
+from buildkit.grade import evaluate as ev
 from buildkit.steps.eval import EvalParams, gate_failures, heldout_tokens
-from buildkit.trained import write_trained
 
 TEXT = Path(__file__).resolve().parents[1] / "buildkit" / "data" / "calibration.txt"
 SPEC = "[steps.eval_head]\nparams.speculative = {}\n"
@@ -173,16 +173,16 @@ def test_chain_is_the_drafters_incremental_loop(built, tmp_path):
     _, (_, tm) = ev.evaluate(src, mod, tokens, 64, head=False)
     depth = 3
     drafts = drafting.chains(mod, tm, depth)
-    head, out = drafting._load_head(mod), ev.Output(mod)
+    head, out = ev.load_head(mod), ev.Output(mod)
     x0, h = tm.x0[0], tm.h[0]
     for t in (0, 17, 40, h.shape[1] - 2):
         cache = [KVCache()]
-        o = drafting._head_pass(head, x0[:, 1 : t + 2], h[:, : t + 1], cache[0], "causal")
+        o = drafting.head_pass(head, x0[:, 1 : t + 2], h[:, : t + 1], cache[0], "causal")
         o = o[:, -1:]
         got = [int(mx.argmax(out(o), axis=-1).item())]
         for _ in range(depth - 1):
             e = ev.embed(mod, [np.array([[got[-1]]], np.int32)])[0]
-            o = drafting._head_pass(head, e, o, cache[0], None)
+            o = drafting.head_pass(head, e, o, cache[0], None)
             got.append(int(mx.argmax(out(o), axis=-1).item()))
         want = [int(drafts[0][d][0, t].item()) for d in range(depth)]
         assert got == want, t
