@@ -37,10 +37,11 @@ def clock(fn, *a, **kw):
 
 
 def fixture(work: Path) -> list[tuple[str, float, float]]:
-    from buildkit import drafting, speculative
-    from buildkit import evaluate as ev
+    from buildkit.clients import speculative
+    from buildkit.fixtures.trained import write_trained
+    from buildkit.grade import drafting
+    from buildkit.grade import evaluate as ev
     from buildkit.steps.eval import heldout_tokens
-    from buildkit.trained import write_trained
 
     out = work / "xl-mtp"
     subprocess.run(
