@@ -229,7 +229,7 @@ def card_lines(evals: dict, text: str | None = None) -> list[str]:
     if spec:
         lines.append(
             "| mlx_vlm, float32: tokens per round | "
-            + " | ".join(f"{x:.2f}" for x in spec["tokens_per_round"])
+            + " | ".join("-" if x is None else f"{x:.2f}" for x in spec["tokens_per_round"])
             + " |"
         )
     lines += [

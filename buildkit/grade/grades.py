@@ -23,7 +23,7 @@ COLUMNS = (  # (key, heading, format)
         "speculative",
         "mlx_vlm tok/round",
         lambda v: (
-            "/".join(f"{x:.2f}" for x in v["tokens_per_round"])
+            "/".join("-" if x is None else f"{x:.2f}" for x in v["tokens_per_round"])
             + ("" if v["lossless"] else " NOT LOSSLESS")
         ),
     ),
