@@ -8,9 +8,9 @@ mlx_vlm's speculative run (``speculative.run`` with its defaults, float32 and bf
 
 ``--real-shapes``: one MTP head layer with the real model's dimensions (2048 hidden, 256
 experts top-8, moe_intermediate 512; experts 6-bit, attention 8-bit, as xl-mtp quantizes it;
-random weights: the cost does not depend on the values) over a [8, 127] batch, and the output
-head (vocab 248320 x 2048, float32 as eval runs it) over the same positions: a depth costs one
-of each per model per batch of 8 x 128 tokens.
+random weights: the cost does not depend on the values) over one sequence of 127 positions,
+and the output head (vocab 248320 x 2048, float32 as eval runs it) over the same positions: a
+depth costs one of each per model per sequence of 128 tokens.
 
 Usage::
 
@@ -96,7 +96,7 @@ def real_shapes() -> list[tuple[str, float, float]]:
     )
     layer.set_dtype(mx.float32)
     mx.eval(layer.parameters())
-    x = mx.random.normal((8, 127, 2048))
+    x = mx.random.normal((1, 127, 2048))
     rows = []
 
     def run_layer():
@@ -104,7 +104,7 @@ def real_shapes() -> list[tuple[str, float, float]]:
 
     for _ in range(2):  # the first run pays for the kernels' set-up
         _, w, c = clock(run_layer)
-    rows.append(("real shapes: one head layer pass, [8, 127] positions", w, c))
+    rows.append(("real shapes: one head layer pass, 127 positions", w, c))
     layer = None
     head = mx.random.normal((248320, 2048)) * 0.02
     mx.eval(head)
@@ -114,7 +114,7 @@ def real_shapes() -> list[tuple[str, float, float]]:
 
     for _ in range(2):
         _, w, c = clock(run_head)
-    rows.append(("real shapes: output head + argmax, [8, 127] positions, float32", w, c))
+    rows.append(("real shapes: output head + argmax, 127 positions, float32", w, c))
     return rows
 
 
