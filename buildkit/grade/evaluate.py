@@ -404,6 +404,15 @@ def head_acceptance(w: Weights, t: Trunk) -> dict:
     return {"positions": total, "acceptance": hits / total if total else float("nan")}
 
 
+def load_head(w: Weights):
+    """``w``'s MTP head, quantized and loaded as ``head_acceptance`` runs it."""
+    args = build_model(w.config).language_model.args
+    head = _head_class()(args)
+    _quantize(head, w, HEAD)
+    _load(head, w, HEAD)
+    return head
+
+
 # ---- one measurement -------------------------------------------------------------------
 
 
