@@ -249,7 +249,11 @@ def card_lines(evals: dict, text: str | None = None) -> list[str]:
             f"output {ok} plain greedy decoding; rounds {spec['rounds']}, accepted "
             f"{spec['accepted']}, drafted {spec['drafted']}; wall-clock against plain decoding "
             f"on a CPU (not a Metal figure): "
-            + ", ".join(f"{x:.2f}x" for x in spec["wall_ratio_cpu"])
+            + (
+                ", ".join(f"{x:.2f}x" for x in spec["wall_ratio_cpu"])
+                if "wall_ratio_cpu" in spec
+                else "not kept in a build (`buildkit eval --speculative` measures it)"
+            )
             + f". In bf16, {spec['bf16_divergent_prompts']} of {spec['prompts']} prompts "
             "diverge from plain greedy"
             + (

@@ -240,6 +240,12 @@ class Eval(Step):
             ctx.store, inputs["model"], inputs["source"][0], ctx.store.layout.tmp
         ) as d:
             out = spec.run(d, prompts, params.depth, p)
+        # the clock varies run to run: logged, never in the artifact (locks must reproduce)
+        wall = out.pop("wall_ratio_cpu")
+        ctx.log(
+            "mlx_vlm speculative, wall-clock against plain decoding on this CPU: "
+            + ", ".join(f"{x:.2f}x" for x in wall)
+        )
         if not out["lossless"]:
             raise StepError(
                 "speculative decoding is not lossless: with the mtp/ drafter, mlx_vlm's greedy "
