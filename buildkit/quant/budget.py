@@ -175,7 +175,7 @@ def measure(
     """S(b) for each group and bits b (``bits``: one list for every group, or a list per
     group): the mean KL on ``tokens`` with that group's tensors alone quantized (the routed
     experts data-aware if ``calibration`` is given; 16, bf16, is the source itself: 0). The
-    layers' matmuls run in numpy (calibrate's modules: mlx's CPU BLAS is 10-20x slower), the
+    layers' matmuls run in numpy (calibrate's modules: mlx's CPU BLAS is much slower), the
     candidate tensors dequantized, so the reference and every candidate share one arithmetic
     and differ only by the group."""
     import mlx.core as mx
