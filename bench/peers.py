@@ -25,6 +25,8 @@ Methods (each a child process under ``/usr/bin/time -v``: wall, CPU, peak RSS):
   weights to lower the output error).
 - ``oq``: buildkit's ``oq`` manifest (one budget over every quantizable role, bf16 a candidate,
   data-aware experts) at ``target_bpw`` = xl-4bit's quantize step's bits per weight: equal size.
+- ``oq@dq``: the same at dynamic_quant's size (run after it), where dynamic_quant's threshold
+  search, whose candidates are whole layers at 4 or 8 bits, lands away from the target.
 - ``mlx_lm.<tool>`` as a user runs it: ``mlx_lm.<tool> --model SRC --mlx-path OUT``; each
   refuses here (the exact error is recorded): gptq, dynamic_quant and dwq download their
   calibration data (no network, and no option for a local file), awq has no qwen3_5_moe config.
