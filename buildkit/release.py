@@ -188,14 +188,7 @@ def push(sched, states, repo_id: str) -> None:
             continue
         node = sched.m.nodes[st.name]
         path = out_dir(node.params, sched.context(st.name))
-        from huggingface_hub import HfApi
+        from .hub import upload
 
-        api = HfApi()
-        api.create_repo(repo_id, exist_ok=True)
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=path,
-            ignore_patterns=[".*"],
-            commit_message=f"buildkit {sched.m.name} {keys.short(st.key)}",
-        )
-        print(f"uploaded {path} to {info}")
+        url = upload(path, repo_id, f"buildkit {sched.m.name} {keys.short(st.key)}")
+        print(f"uploaded {path} to {url}")
