@@ -48,7 +48,7 @@ def download(repo: str, rev: str, patterns: list[str], store, log=print) -> Path
             path = Path(snapshot_download(repo, revision=rev, allow_patterns=patterns))
         except Exception as e:  # hub errors come in many types: each says what to do
             raise explain(e, f"cannot fetch {source}", repo, rev) from e
-    checked = verify_snapshot(path, store, source)
+    checked = verify_snapshot(path, store, source, repo, log)
     if checked:
         log(f"verified {checked} downloaded files of {source} against the Hub's sha256/etag")
     return path
@@ -78,21 +78,52 @@ def _expected(link: Path) -> tuple[Path, str, str] | None:
     return None
 
 
-def verify_snapshot(root: Path, store, source: str) -> int:
-    """Check every file under ``root`` (an HF cache snapshot) against its blob's etag; returns
+def _from_tree(repo: str, commit: str, source: str) -> dict[str, tuple[str, str]]:
+    """path -> (hash, algorithm) as the Hub's tree listing of ``commit`` gives them."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    try:
+        entries = HfApi().list_repo_tree(repo, revision=commit, recursive=True)
+        return {
+            f.path: (f.lfs.sha256, "sha256") if f.lfs else (f.blob_id, "git-sha1")
+            for f in entries
+            if isinstance(f, RepoFile)
+        }
+    except Exception as e:
+        raise explain(e, f"cannot check {source} against the Hub", repo, commit) from e
+
+
+def verify_snapshot(root: Path, store, source: str, repo: str, log=print) -> int:
+    """Check every file under ``root`` (an HF cache snapshot) against its blob's etag, or the
+    Hub's tree listing for a file that is no blob link (a cache without symlinks); returns
     how many were hashed (not remembered from an earlier check). A mismatch is removed from
     the cache and raised as a SourceError naming the file."""
+    from huggingface_hub import constants
+
     files = sorted(p for p in root.rglob("*") if p.is_file())
-    unnamed = [str(p.relative_to(root)) for p in files if _expected(p) is None]
-    if unnamed:
-        raise SourceError(
-            f"{source}: {', '.join(unnamed[:3])} in {root} are not links to the HF cache's blobs, "
-            "so their Hub hashes are unknown: let huggingface_hub download into its cache "
-            "(unset HF_HUB_DISABLE_SYMLINKS) or pass --source with a local directory"
+    expected = {p: _expected(p) for p in files}
+    unnamed = [p for p, e in expected.items() if e is None]
+    if unnamed and constants.HF_HUB_OFFLINE:
+        log(
+            f"warning: {len(unnamed)} files of {source} in {root} are not links to the HF "
+            "cache's blobs and HF_HUB_OFFLINE is set: they are used unchecked"
         )
+    elif unnamed:
+        tree = _from_tree(repo, root.name, source)
+        for p in unnamed:
+            rel = p.relative_to(root).as_posix()
+            if rel not in tree:
+                raise SourceError(
+                    f"{source}: {rel} is in {root} but not in the Hub's listing of that commit: "
+                    "remove it from the HF cache and run the build again"
+                )
+            expected[p] = (p, *tree[rel])
     todo = []
-    for p in files:
-        blob, etag, algo = _expected(p)
+    for p, e in expected.items():
+        if e is None:
+            continue
+        blob, etag, algo = e
         key = keys.digest_json(MEMO, [str(blob), etag, stat_ident(blob.stat())])
         if store.get_memo(MEMO, key) is None:
             todo.append((p, blob, etag, algo, key))

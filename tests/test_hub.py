@@ -229,3 +229,25 @@ def test_a_server_gone_mid_download_says_so_and_leaves_nothing(project, hub, sma
     assert leftovers == [] and hub.files("org/tiny")[SHARD1].sha256 not in {
         b.name for b in hf_cache_blobs(home)
     }
+
+
+def test_a_cached_file_that_is_no_blob_link_is_checked_against_the_hubs_tree(
+    project, hub, small, tmp_path
+):
+    """A snapshot file put in place by other means (no symlink to a blob named by its etag) is
+    checked against the Hub's tree listing; one that differs is refused and removed."""
+    sha = hub.upload_dir("org/tiny", small)
+    env = client_env(hub, tmp_path / "hf")
+    src = f"hf://org/tiny@{sha}"
+    build(project, "xl", "--source", src, "--target", "fetch", env=env)
+    (snap,) = (tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots").iterdir()
+    tok = snap / "tokenizer.json"
+    data = tok.read_bytes()
+    tok.unlink()
+    tok.write_bytes(data.replace(b"<|im_end|>", b"<|im_fin|>"))
+    r = build(project, "xl", "--source", src, "--target", "fetch", env=env, check=False)
+    assert r.returncode == 1 and f"{src}: tokenizer.json: its bytes do not match" in r.stderr
+    assert ("GET", f"/api/models/org/tiny/tree/{sha}", None) in hub.requests[-3:]
+    assert not tok.exists()
+    tok.write_bytes(data)  # the right bytes, still no link: checked against the tree, taken
+    build(project, "xl", "--source", src, "--target", "fetch", env=env)
