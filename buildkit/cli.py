@@ -342,6 +342,31 @@ def cmd_forget(args) -> int:
     return 0
 
 
+def _built_by_others(m, store, remote, last: dict[str, dict]) -> dict:
+    """A variant with no build of its own, planned as it would build: fresh or stale when other
+    builds made some of its nodes (and which builds share them), else nothing to add."""
+    from .plan import Planner
+    from .steps.base import BuildOptions
+
+    states = Planner(m, store, BuildOptions(project_root=Path.cwd(), remote=remote)).plan()
+    fresh = [s for s in states if s.fresh]
+    if not fresh:
+        return {}
+    made = {s.key for s in fresh}
+    by = sorted(
+        v
+        for v, root in last.items()
+        if made & {n.get("key") for n in (root.get("nodes") or {}).values()}
+    )
+    note = f"{len(fresh)} of {len(states)} steps in the store" + (
+        f", shared with {', '.join(by)}" if by else ""
+    )
+    stale = [s for s in states if not s.fresh]
+    if stale:
+        return {"state": "stale", "reason": f"{stale[0].name}: {stale[0].reasons[0]} ({note})"}
+    return {"state": "fresh", "reason": note, "built_by": by}
+
+
 def cmd_status(args) -> int:
     from . import grades, manifest
     from .plan import Planner
@@ -360,6 +385,8 @@ def cmd_status(args) -> int:
             if root is None:
                 m = manifest.load(str(p), args.manifests)
                 row.update(state="never built", reason="never built")
+                if last:  # other builds may have made its nodes (xl's, by xl-mtp's build)
+                    row.update(_built_by_others(m, store, remote, last))
             else:
                 req = root["request"]
                 m = manifest.load(str(p), args.manifests, source=req.get("source"))
