@@ -23,7 +23,7 @@ PINNED = {  # kind: (variant, node, key)
     "quantize": ("xl", "quantize", "xxh3_128:93953489f377ad04f1443fedb5baaaa4"),
     "verify": ("xl", "verify", "xxh3_128:54afec8f29f87a20b1df405f2e0c9e7f"),
     "eval": ("xl", "eval", "xxh3_128:eb2f5fda28eec708360e95af0bac9b5d"),
-    "publish": ("xl", "publish", "xxh3_128:2e4f3dce7df132460be12ccb6bb0c343"),
+    "publish": ("xl", "publish", "xxh3_128:78e4bb2e3dfd7d8a6a3c19629f0fde51"),
     "graft": ("xl-mtp", "graft", "xxh3_128:20d6bacd0ead79548a85fcde403ec078"),
     "requantize": ("xl-mtp", "requantize", "xxh3_128:de3a3e3ed07ef446a477175807904c2a"),
     "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:86dea1898be128df9a9fcb60e08db174"),
