@@ -13,10 +13,10 @@ from conftest import REPO, ran
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from buildkit import manifest
-from buildkit.plan import Planner
-from buildkit.steps.base import BuildOptions
-from buildkit.store import Store
+from buildkit.engine import manifest
+from buildkit.engine.plan import Planner
+from buildkit.engine.step import BuildOptions
+from buildkit.store.store import Store
 
 XL = (REPO / "manifests" / "xl.toml").read_text()
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from conftest import Project
 
-from buildkit import manifest
-from buildkit.estimate import estimate
-from buildkit.fixture import PRESETS, FixtureSpec, generate
-from buildkit.store import Store
-from buildkit.tensors import read_header
+from buildkit.engine import manifest
+from buildkit.engine.estimate import estimate
+from buildkit.fixtures.generated import PRESETS, FixtureSpec, generate
+from buildkit.formats.tensors import read_header
+from buildkit.store.store import Store
 
 
 def published_bytes(out: Path) -> int:

@@ -15,7 +15,7 @@ import pytest
 from conftest import Project, cached, ran
 from hubserver import Hub
 
-from buildkit.fixture import FixtureSpec, generate
+from buildkit.fixtures.generated import FixtureSpec, generate
 
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 BIG = FixtureSpec(experts=192)  # shards of ~24 MB: past huggingface_hub's 10 MiB read chunk

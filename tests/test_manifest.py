@@ -7,11 +7,11 @@ import argparse
 
 import pytest
 
-from buildkit import manifest
-from buildkit.artifact import Artifact
-from buildkit.cli import main, parser
-from buildkit.errors import ManifestError
-from buildkit.steps import REGISTRY
+from buildkit.cli.main import main, parser
+from buildkit.core.errors import ManifestError
+from buildkit.engine import manifest
+from buildkit.engine.step import REGISTRY
+from buildkit.store.artifact import Artifact
 
 # name -> (files to write, variant to plan, substrings the error must contain). "{d}" is the
 # resolved manifests directory: every message names the file, the line where the manifest has

@@ -14,9 +14,9 @@ import pytest
 from conftest import HEAD_NORMS, Project, cached, ran, shard_parts
 from safetensors import safe_open
 
-from buildkit.fixture import FixtureSpec, generate
-from buildkit.store import Store
-from buildkit.tensors import bf16_to_f32, f32_to_bf16, read_header, read_tensor
+from buildkit.fixtures.generated import FixtureSpec, generate
+from buildkit.formats.tensors import bf16_to_f32, f32_to_bf16, read_header, read_tensor
+from buildkit.store.store import Store
 
 
 def tensors_of(out: Path) -> dict[str, np.ndarray]:
@@ -149,7 +149,7 @@ def test_sanitize_matches_mlx_lm_sanitize(built):
     """Our sanitized trunk is exactly what mlx_lm's qwen3_5_moe sanitize makes of the source."""
     from mlx_lm.utils import _get_classes, load_config
 
-    from buildkit.store import Store
+    from buildkit.store.store import Store
 
     p, *_ = built
     src_dir = next((p.store / "fixtures").iterdir())

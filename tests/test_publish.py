@@ -12,24 +12,23 @@ from pathlib import Path
 import pytest
 from conftest import Project, shard_parts
 
-from buildkit.artifact import Artifact
-from buildkit.errors import StepError, UsageError
-from buildkit.packs import plan_shards
-from buildkit.steps.base import BuildOptions, Context, Progress
-from buildkit.steps.fetch import parse_fixture
+from buildkit.clients.card import card_origin
+from buildkit.core.errors import StepError, UsageError
+from buildkit.engine.source import parse_fixture
+from buildkit.engine.step import BuildOptions, Context, Progress
+from buildkit.quant.quantize import quantization_config
 from buildkit.steps.publish import (
     STAMP,
     Publish,
     PublishParams,
     Staged,
-    card_origin,
-    clear_leftovers,
-    exchange,
     merge_reports,
     out_dir,
-    quantization_config,
 )
-from buildkit.store import Store
+from buildkit.store.artifact import Artifact
+from buildkit.store.packs import plan_shards
+from buildkit.store.store import Store
+from buildkit.store.swap import clear_leftovers, exchange
 
 
 def context(tmp_path, out: Path | None = None) -> Context:
@@ -358,7 +357,7 @@ def test_an_existing_empty_directory_is_published_into(project, seed):
 def test_publish_copies_only_the_files_a_model_directory_needs(project, tmp_path):
     """Tokenizer, processor configs, chat template and generation config come from the source;
     a source's other files (a README.txt, a held-out text, notes in a folder) stay behind."""
-    from buildkit.fixture import FixtureSpec, generate
+    from buildkit.fixtures.generated import FixtureSpec, generate
 
     src = generate(tmp_path / "src", FixtureSpec())
     own = {p.name for p in src.iterdir() if not p.name.endswith(".safetensors")}

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO, Project
 
-from buildkit import keys
-from buildkit.cli import main
-from buildkit.release import machine, tool_versions
-from buildkit.store import Store
+from buildkit.cli.main import main
+from buildkit.core import keys
+from buildkit.engine.release import machine, tool_versions
+from buildkit.store.store import Store
 
 DEFAULTS = ("xl", "xl-mtp", "oq4e-mtp-xl")
 ZERO = keys.PREFIX + "0" * 32

@@ -1,0 +1,447 @@
+"""Evaluation: how far a quantized model's outputs are from its bf16 source, on a held-out text.
+
+Both models run the same tokens through mlx_lm's own ``qwen3_5_moe`` classes, quantized
+per path exactly as ``mlx_lm.load`` quantizes the published directory, one decoder layer
+in memory at a time (its weights read, the layer run for every position, then freed), in
+float32 (mlx on CPU has no bf16 ``gather_mm``). The real source is 70 GB; memory is one
+layer, the embeddings or the output head, plus the hidden states of the text.
+
+Figures (definitions in DESIGN.md): KL(p_source || p_model) of next-token distributions
+(mean, median, 99th percentile), top-1 agreement, the perplexity of each, and, for a model
+with an MTP head, teacher-forced draft acceptance at depth 1: the head's argmax for token
+t+2 (from the trunk's hidden state at t, before the final norm, and the embedding of token
+t+1) against its own trunk's argmax at t+1.
+
+Weights come from a ``Weights``: the store (the eval step's artifacts) or a directory
+(``buildkit eval``: an MLX directory, or a bf16 source in Hugging Face layout converted
+tensor by tensor as sanitize does). Both name tensors as MLX does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from buildkit.core.errors import SourceError, UsageError
+from buildkit.core.lazy import lazy
+from buildkit.formats import checkpoint as ckpt
+from buildkit.formats.convert import (
+    mlx_layout,  # the conversion sanitize does, as verify recomputes it
+)
+from buildkit.formats.tensors import read_header, read_tensor, to_mlx
+from buildkit.grade.calibration import batches, build_model
+
+np = lazy("numpy", __name__)
+
+HEAD = "language_model.mtp."
+FLOATS = ("BF16", "F16", "F32")
+
+
+# ---- where weights come from ---------------------------------------------------------
+
+
+class Weights:
+    """A model's config, its quantization (as mlx_lm reads it from config.json) and its
+    tensors by MLX name, read one at a time as numpy storage arrays."""
+
+    config: dict
+    quantization: dict | None
+    names: dict[str, str]  # MLX name -> safetensors dtype
+
+    def read(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def has_head(self) -> bool:
+        return any(n.startswith(HEAD) for n in self.names)
+
+    def tokenizer_json(self) -> bytes:
+        raise SourceError("no tokenizer.json")
+
+    def bytes(self, part: Callable[[str], bool] = lambda n: True) -> int:
+        return sum(_nbytes(self, n) for n in self.names if part(n))
+
+
+def _nbytes(w: Weights, name: str) -> int:
+    return int(np.prod(w.shapes[name])) * {"BF16": 2, "F16": 2, "F32": 4, "U32": 4, "I32": 4}.get(
+        w.names[name], 4
+    )
+
+
+class StoreWeights(Weights):
+    """Artifacts in the store (sanitize:model, graft, quantize, requantize)."""
+
+    def __init__(
+        self, store, arts, config: dict, quantization: dict | None, tokenizer: str | None = None
+    ):
+        self.store, self.config, self.quantization, self.tok = (
+            store,
+            config,
+            quantization,
+            tokenizer,
+        )
+        self.entries = {k: v for a in arts for k, v in a.tensors.items()}
+        self.names = {k: v["dtype"] for k, v in self.entries.items()}
+        self.shapes = {k: v["shape"] for k, v in self.entries.items()}
+
+    def read(self, name):
+        return self.store.read_tensor(self.entries[name])
+
+    def tokenizer_json(self):
+        if self.tok is None:
+            raise SourceError(
+                "the source artifact has no tokenizer.json; "
+                "evaluation tokenizes with the source's own"
+            )
+        return self.store.get_blob(self.tok)
+
+
+class DirWeights(Weights):
+    """A directory of safetensors shards: an MLX model, or (``hf=True``) a Hugging Face bf16
+    checkpoint whose tensors are converted to the MLX layout as they are read."""
+
+    def __init__(self, path: Path, hf: bool | None = None):
+        self.path = Path(path)
+        try:
+            self.config = json.loads((self.path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(
+                f"{self.path}: no readable config.json ({e}); point at a model directory"
+            ) from None
+        self.quantization = self.config.get("quantization")
+        self.where: dict[str, tuple] = {}  # MLX name -> (hf name, path, info, slice, shape)
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise UsageError(f"{self.path}: no *.safetensors files")
+        for f in files:
+            for name, info in read_header(f).tensors.items():
+                if hf is None:
+                    hf = (
+                        name.startswith(("model.language_model.", "mtp."))
+                        or name == "lm_head.weight"
+                    )
+                if not hf:
+                    self.where[name] = (None, f, info, None, tuple(info.shape))
+                elif not name.startswith("model.visual."):
+                    for mlx, shape, slc in ckpt.split_experts(name, info.shape):
+                        self.where[mlx] = (name, f, info, slc, shape)
+        self.hf = bool(hf)
+        self.names = {k: v[2].dtype for k, v in self.where.items()}
+        self.shapes = {k: v[4] for k, v in self.where.items()}
+
+    def read(self, name):
+        hf, path, info, slc, shape = self.where[name]
+        raw = read_tensor(info, path)
+        return raw if hf is None else mlx_layout(hf, raw, info.dtype, slc, shape)
+
+    def tokenizer_json(self):
+        p = self.path / "tokenizer.json"
+        if not p.is_file():
+            raise UsageError(
+                f"{self.path}: no tokenizer.json; evaluation tokenizes with the source's own"
+            )
+        return p.read_bytes()
+
+
+# ---- mlx_lm's model, quantized as mlx_lm.load does, loaded a module at a time ----------
+
+
+def _quantize(module, w: Weights, prefix: str) -> None:
+    """nn.quantize with mlx_lm's predicate: a per-path entry of config["quantization"], else
+    its defaults for a module whose ``.scales`` are stored; others stay unquantized."""
+    import mlx.nn as nn
+
+    q = w.quantization
+    if not q:
+        return
+    default = {k: q[k] for k in ("group_size", "bits", "mode") if k in q}
+
+    def predicate(path, m):
+        path = prefix + path
+        if isinstance(q.get(path), dict):
+            return q[path]
+        return hasattr(m, "to_quantized") and f"{path}.scales" in w.names and default
+
+    nn.quantize(
+        module,
+        group_size=default.get("group_size", 64),
+        bits=default.get("bits", 4),
+        mode=default.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def _load(module, w: Weights, prefix: str) -> None:
+    """Read the module's tensors (floating ones widened to float32; packed weights as stored)."""
+    import mlx.core as mx
+
+    arrays = []
+    for name in sorted(n for n in w.names if n.startswith(prefix)):
+        a = to_mlx(w.read(name), w.names[name])
+        arrays.append((name[len(prefix) :], a.astype(mx.float32) if w.names[name] in FLOATS else a))
+    module.load_weights(arrays, strict=True)
+    mx.eval(module.parameters())
+
+
+def _mask(layer, h):
+    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+    return create_ssm_mask(h, None) if layer.is_linear else create_attention_mask(h, None)
+
+
+@dataclass
+class Trunk:
+    """One model's pass over the text: per batch of sequences, the embeddings x0 and the last
+    decoder layer's output h (before the final norm), float32 [B, L, H]; and per sequence its
+    argmax per position."""
+
+    x0: list = field(default_factory=list)
+    h: list = field(default_factory=list)
+    argmax: list = field(default_factory=list)
+
+
+def embed(w: Weights, seqs: list[np.ndarray]) -> list:
+    """The embeddings [B, L, H] of each batch of token ids, float32."""
+    import mlx.core as mx
+
+    model = build_model(w.config)
+    _quantize(model, w, "")
+    module = model.language_model.model.embed_tokens
+    _load(module, w, "language_model.model.embed_tokens.")
+    x0 = [module(mx.array(s)) for s in seqs]
+    mx.eval(x0)
+    return x0
+
+
+def decoder_layer(w: Weights, i: int, args):
+    """Decoder layer ``i`` alone (mlx_lm's class, ``args`` the text model's), quantized and
+    loaded from ``w``."""
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+
+    layer = DecoderLayer(args, i)
+    prefix = f"language_model.model.layers.{i}."
+    _quantize(layer, w, prefix)
+    _load(layer, w, prefix)
+    return layer
+
+
+def run_layer(layer, hs: list) -> list:
+    """One decoder layer over each batch of hidden states (no cache: whole sequences)."""
+    import mlx.core as mx
+
+    out = [layer(h, mask=_mask(layer, h), cache=None) for h in hs]
+    mx.eval(out)
+    return out
+
+
+def run_trunk(w: Weights, seqs: list[np.ndarray], progress=None) -> Trunk:
+    """Every layer over every batch of ``seqs`` ([B, L] token ids), one layer in memory."""
+    import mlx.core as mx
+
+    model = build_model(w.config)
+    text = model.language_model.model
+    _quantize(model, w, "")
+    _load(text.embed_tokens, w, "language_model.model.embed_tokens.")
+    x0 = [text.embed_tokens(mx.array(s)) for s in seqs]
+    mx.eval(x0)
+    text.embed_tokens = None  # free it; only the decoder layers are used from here on
+    h = list(x0)
+    layers = text.layers
+    for i in range(len(layers)):
+        layer = layers[i]
+        _load(layer, w, f"language_model.model.layers.{i}.")
+        for j in range(len(h)):
+            h[j] = layer(h[j], mask=_mask(layer, h[j]), cache=None)
+            mx.eval(h[j])
+        layers[i] = None  # free this layer's weights before loading the next
+        if progress:
+            progress.advance(1)
+    return Trunk(x0, h)
+
+
+class Output:
+    """The final norm and lm_head of a model (mlx_lm's modules, quantized as published)."""
+
+    def __init__(self, w: Weights):
+        model = build_model(w.config)
+        _quantize(model, w, "")
+        self.norm, self.lm_head = model.language_model.model.norm, model.language_model.lm_head
+        _load(self.norm, w, "language_model.model.norm.")
+        _load(self.lm_head, w, "language_model.lm_head.")
+
+    def __call__(self, h):
+        return self.lm_head(self.norm(h))
+
+
+def _logprobs(logits):
+    import mlx.core as mx
+
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def np_logprobs(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities of logits [..., V] in numpy (float32; mlx's CPU exp is ~10x slower)."""
+    m = logits.max(axis=-1, keepdims=True)
+    return logits - (m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)))
+
+
+def reference_logprobs(out: Output, h: list, seqs: list[np.ndarray]) -> list[np.ndarray]:
+    """Log-probabilities of each sequence (``rows``' order) from final hidden states ``h``."""
+    return [np_logprobs(np.array(out(h[j][r]))) for j, r, _ in rows(seqs)]
+
+
+def mean_kl(out: Output, ref: list[np.ndarray], h: list, seqs: list[np.ndarray]) -> float:
+    """Mean KL(ref || model) over the positions that have a next token (as
+    ``compare_outputs`` counts them), of final hidden states ``h`` against ``ref``
+    (``reference_logprobs``)."""
+    total, n = 0.0, 0
+    for lp_ref, (j, r, s) in zip(ref, rows(seqs), strict=True):
+        m = len(s) - 1
+        lp = np_logprobs(np.array(out(h[j][r])[:m]))
+        k = (np.exp(lp_ref[:m]) * (lp_ref[:m] - lp)).sum(axis=-1)
+        total, n = total + float(np.maximum(k, 0.0).astype(np.float64).sum()), n + m
+    return total / max(n, 1)
+
+
+def rows(seqs: list[np.ndarray]):
+    """(batch index, row, token ids [L]) of every sequence: logits are made one sequence at a
+    time (the real vocabulary makes a batch's logits gigabytes)."""
+    return [(j, r, b[r]) for j, b in enumerate(seqs) for r in range(b.shape[0])]
+
+
+def compare_outputs(
+    src: Weights, mod: Weights, ts: Trunk, tm: Trunk, seqs: list[np.ndarray]
+) -> dict:
+    """KL, top-1 agreement and perplexities over every position that has a next token; fills
+    each Trunk's ``argmax``."""
+    import mlx.core as mx
+
+    heads = (Output(src), Output(mod))
+    kl, agree, nll_s, nll_m = [], [], [], []
+    for j, r, s in rows(seqs):
+        s = s[None]
+        lp = [_logprobs(o(t.h[j][r])) for o, t in zip(heads, (ts, tm), strict=False)]
+        am = [mx.argmax(x, axis=-1) for x in lp]
+        k = mx.sum(mx.exp(lp[0]) * (lp[0] - lp[1]), axis=-1)
+        nxt = mx.array(s[0, 1:])[:, None]
+        nl = [-mx.take_along_axis(x[:-1], nxt, axis=-1)[:, 0] for x in lp]
+        mx.eval(k, *am, *nl)
+        ts.argmax.append(np.array(am[0]))
+        tm.argmax.append(np.array(am[1]))
+        n = s.shape[1] - 1
+        kl.append(np.maximum(np.array(k[:n]), 0.0))  # clip float rounding below zero
+        agree.append(np.array(am[0][:n]) == np.array(am[1][:n]))
+        nll_s.append(np.array(nl[0]))
+        nll_m.append(np.array(nl[1]))
+    kl_all, agree_all = np.concatenate(kl).astype(np.float64), np.concatenate(agree)
+    return {
+        "positions": int(len(kl_all)),
+        "kld_mean": float(kl_all.mean()),
+        "kld_median": float(np.median(kl_all)),
+        "kld_p99": float(np.percentile(kl_all, 99)),
+        "top1_agreement": float(agree_all.mean()),
+        "ppl_source": float(np.exp(np.concatenate(nll_s).astype(np.float64).mean())),
+        "ppl_model": float(np.exp(np.concatenate(nll_m).astype(np.float64).mean())),
+    }
+
+
+# ---- the MTP head ----------------------------------------------------------------------
+
+
+def _head_class():
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+
+    class Head(nn.Module):
+        """``language_model.mtp.*``: fc(cat([norm_e(embed(t+1)), norm_h(h_t)])) -> a
+        full-attention decoder layer (mlx_lm's) -> norm; the trunk's lm_head predicts t+2.
+        The norms are stored shifted (runtime weights), as mlx_lm's RMSNorm takes them."""
+
+        def __init__(self, args):
+            super().__init__()
+            H, eps = args.hidden_size, args.rms_norm_eps
+            self.fc = nn.Linear(2 * H, H, bias=False)
+            self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=eps)
+            self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps)
+            self.layers = [DecoderLayer(args, args.full_attention_interval - 1)]
+            self.norm = nn.RMSNorm(H, eps=eps)
+
+        def __call__(self, emb, hidden):
+            x = self.fc(
+                mx.concatenate(
+                    [self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], axis=-1
+                )
+            )
+            for layer in self.layers:
+                x = layer(x, mask=_mask(layer, x), cache=None)
+            return self.norm(x)
+
+    return Head
+
+
+def head_acceptance(w: Weights, t: Trunk) -> dict:
+    """Teacher-forced depth-1 draft acceptance of ``w``'s head on its own trunk ``t``."""
+    import mlx.core as mx
+
+    if not w.has_head():
+        raise SourceError("the model has no MTP head (no language_model.mtp.* tensors)")
+    args = build_model(w.config).language_model.args
+    head = _head_class()(args)
+    _quantize(head, w, HEAD)
+    _load(head, w, HEAD)
+    out = Output(w)
+    hits = total = 0
+    ams = iter(t.argmax)
+    for x0, h in zip(t.x0, t.h, strict=False):
+        pred = mx.argmax(out(head(x0[:, 1:], h[:, :-1])), axis=-1)  # token t+2 for t = 0..L-2
+        mx.eval(pred)
+        for r in range(h.shape[0]):
+            want = mx.array(next(ams)[1:])  # the trunk's own argmax at t+1
+            hits += int(mx.sum(pred[r, :-1] == want[:-1]).item())  # t+2 inside the text
+            total += max(h.shape[1] - 2, 0)
+    return {"positions": total, "acceptance": hits / total if total else float("nan")}
+
+
+# ---- one measurement -------------------------------------------------------------------
+
+
+def sequences(tokens: list[int], seq_len: int) -> list[np.ndarray]:
+    """The token ids in batches [B, L]: sequences of ``seq_len``, then the remainder (if 2 or
+    more tokens)."""
+    out = [b for b in batches(tokens, seq_len) if b.shape[1] >= 2]
+    if not out:
+        raise UsageError(f"{len(tokens)} tokens: too few to evaluate (need at least 2)")
+    return out
+
+
+def evaluate(
+    src: Weights, mod: Weights, tokens: list[int], seq_len: int, head: bool = True, progress=None
+):
+    """(figures, trunks): the trunk figures and, if ``head`` and both models have one, the
+    acceptance of each head on its own trunk."""
+    import mlx.core  # noqa: F401  (so that its buffer cache can be turned off before the first layer)
+
+    from buildkit.core.allocator import tune_imported
+
+    tune_imported()  # freed layers go back to malloc, not to a second reserve in mlx
+    seqs = sequences(tokens, seq_len)
+    n_layers = ckpt.text_config(src.config)["num_hidden_layers"]
+    if progress:
+        progress.start(2 * n_layers, "layers")
+    ts = run_trunk(src, seqs, progress)
+    tm = run_trunk(mod, seqs, progress)
+    fig = {"tokens": len(tokens), **compare_outputs(src, mod, ts, tm, seqs)}
+    if head and mod.has_head() and src.has_head():
+        fig |= heads(src, mod, ts, tm)
+    return fig, (ts, tm)
+
+
+def heads(src: Weights, mod: Weights, ts: Trunk, tm: Trunk) -> dict:
+    a, b = head_acceptance(mod, tm), head_acceptance(src, ts)
+    return {
+        "acceptance": a["acceptance"],
+        "acceptance_source": b["acceptance"],
+        "acceptance_positions": a["positions"],
+    }
