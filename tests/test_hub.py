@@ -204,6 +204,11 @@ def test_errors_say_what_to_do(project, hub, small, tmp_path):
         )
         assert f"accept the terms at {hub.url}/org/gated" in r.stderr and "set HF_TOKEN" in r.stderr
 
+    r = project.run(
+        "estimate", "xl", "--source", "hf://org/gated@main", env=client_env(hub, home), check=False
+    )
+    assert r.returncode == 1 and "cannot estimate from hf://org/gated@main" in r.stderr
+    assert f"accept the terms at {hub.url}/org/gated" in r.stderr
     r = fetch_error(project, client_env(hub, home), f"hf://org/absent@{sha}")
     assert r.returncode == 2 and f"no repository org/absent at {hub.url}" in r.stderr
     assert "check the name" in r.stderr and "set HF_TOKEN" in r.stderr
