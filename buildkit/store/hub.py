@@ -164,7 +164,14 @@ def upload(folder: Path, repo_id: str, message: str) -> str:
 
 def _is_connection_error(e: BaseException) -> bool:
     names = {c.__name__ for c in type(e).__mro__}
-    net = {"ConnectError", "RemoteProtocolError", "TimeoutException", "NetworkError"}
+    net = {  # httpx's (huggingface_hub 1.x+) and requests' (older) names for a broken link
+        "ConnectError",
+        "ConnectionError",
+        "NetworkError",
+        "RemoteProtocolError",
+        "Timeout",
+        "TimeoutException",
+    }
     return bool(names & net) or isinstance(e, ConnectionError | TimeoutError)
 
 
@@ -174,14 +181,16 @@ def explain(
     """A Hub failure as an error that says what to do: a token, a gated repo's terms, a wrong
     name or revision, the network."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RemoteEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
+    from huggingface_hub import errors as hf
+
+    GatedRepoError, HfHubHTTPError = hf.GatedRepoError, hf.HfHubHTTPError
+    RepositoryNotFoundError, RevisionNotFoundError = (
+        hf.RepositoryNotFoundError,
+        hf.RevisionNotFoundError,
     )
+    LocalEntryNotFoundError = hf.LocalEntryNotFoundError
+    # before 1.0 a missing remote file was an EntryNotFoundError
+    RemoteEntryNotFoundError = getattr(hf, "RemoteEntryNotFoundError", hf.EntryNotFoundError)
 
     endpoint = constants.ENDPOINT.rstrip("/")
     page = f"{endpoint}/{repo}"
@@ -238,7 +247,4 @@ def explain(
             "stay in the HF cache and are not fetched twice). Offline? Set HF_HUB_OFFLINE=1 to "
             "use the local HF cache, or pass --source with a local directory"
         )
-    return SourceError(
-        f"{what}: {type(e).__name__}: {e}. Offline? Set HF_HUB_OFFLINE=1 to use the local HF "
-        "cache, or pass --source with a local directory"
-    )
+    return SourceError(f"{what}: {type(e).__name__}: {e}")
