@@ -217,6 +217,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
             return
+        self._read = False
         url = urlsplit(self.path)
         parts = [unquote(p) for p in url.path.split("/")[1:]]
         with hub._lock:
@@ -224,6 +225,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._route(method, parts, parse_qs(url.query))
         except HubError as e:
+            if method in ("POST", "PUT") and not self._read:
+                self._body()  # the next request on this connection starts after it
             headers = {"X-Error-Message": e.message}
             if e.code:
                 headers["X-Error-Code"] = e.code
@@ -234,6 +237,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(e.status, body, headers, head=method == "HEAD")
 
     def _body(self) -> bytes:
+        self._read = True
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             out = bytearray()
             while True:
