@@ -256,3 +256,13 @@ def test_a_cached_file_that_is_no_blob_link_is_checked_against_the_hubs_tree(
     assert not tok.exists()
     tok.write_bytes(data)  # the right bytes, still no link: checked against the tree, taken
     build(project, "xl", "--source", src, "--target", "fetch", env=env)
+
+
+def test_a_branch_resolves_to_its_commit_through_the_revision_api(project, hub, small, tmp_path):
+    sha = hub.upload_dir("org/tiny", small)
+    r = build(project, "xl", "--source", "hf://org/tiny@main", "--target", "fetch",
+              env=client_env(hub, tmp_path / "hf"))  # fmt: skip
+    assert ran(r) == ["fetch"] and "hf://org/tiny@main is not pinned to a commit" in r.stderr
+    assert ("GET", "/api/models/org/tiny/revision/main", None) in hub.requests
+    snaps = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots"
+    assert [p.name for p in snaps.iterdir()] == [sha]
