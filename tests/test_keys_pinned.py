@@ -26,7 +26,7 @@ PINNED = {  # kind: (variant, node, key)
     "publish": ("xl", "publish", "xxh3_128:d96511a85add0a2dbd19137b0fbfa02b"),
     "graft": ("xl-mtp", "graft", "xxh3_128:795eecd020d2de0742c584a6b1df5df9"),
     "requantize": ("xl-mtp", "requantize", "xxh3_128:07926dc069fe99b39ca90a44c052fa0d"),
-    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:d638b9001a6d4b170c0d64cb742959d6"),
+    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:e1df428417c2aadb35ecaa4af8789928"),
     "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:481ab0a279569e8b28a081c65d515e74"),
 }
 
