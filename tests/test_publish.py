@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import Project, shard_parts
 
+from buildkit.clients.card import card_origin
 from buildkit.core.errors import StepError, UsageError
 from buildkit.engine.source import parse_fixture
 from buildkit.engine.step import BuildOptions, Context, Progress
@@ -21,15 +22,13 @@ from buildkit.steps.publish import (
     Publish,
     PublishParams,
     Staged,
-    card_origin,
-    clear_leftovers,
-    exchange,
     merge_reports,
     out_dir,
 )
 from buildkit.store.artifact import Artifact
 from buildkit.store.packs import plan_shards
 from buildkit.store.store import Store
+from buildkit.store.swap import clear_leftovers, exchange
 
 
 def context(tmp_path, out: Path | None = None) -> Context:

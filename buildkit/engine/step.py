@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -117,6 +117,7 @@ class Step:
 
 
 REGISTRY: dict[str, type[Step]] = {}
+_plugins: list = []  # the entry points loaded, once
 
 
 def register(cls: type[Step]) -> type[Step]:
@@ -135,10 +136,18 @@ def register(cls: type[Step]) -> type[Step]:
 
 
 def kinds() -> dict[str, type[Step]]:
-    """Every registered kind. The built-in steps are plugins: they register themselves when
-    ``buildkit.steps`` is imported, which this does by name so that no engine module imports
-    a step (the layering runs engine -> steps, never back)."""
-    importlib.import_module("buildkit.steps")
+    """Every registered kind. Steps are plugins: each ``buildkit.steps`` entry point (the
+    built-in kinds' is in pyproject.toml) names a module that registers its kinds on import,
+    so the engine never imports a step."""
+    if not _plugins:
+        plugins = _plugins[:] = entry_points(group="buildkit.steps")
+        if not plugins:
+            raise UsageError(
+                "no step kinds are registered: buildkit is not installed "
+                "(run `pip install -e .` in its checkout, or `make install`)"
+            )
+        for plugin in plugins:
+            plugin.load()
     return REGISTRY
 
 
