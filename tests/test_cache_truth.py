@@ -322,7 +322,7 @@ def test_status_shows_every_variant_with_its_last_build(project, seed):
     assert (
         rows["xl"]["built"]
         and rows["xl"]["state"] == "fresh"
-        and rows["xl"]["source"] == "fixture:seed=0"
+        and rows["xl"]["source"] == "fixture:trained"
     )
     assert rows["oq4e-mtp-xl"]["state"] == "never built"
     xl = project.manifests / "xl.toml"

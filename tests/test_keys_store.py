@@ -269,7 +269,7 @@ def test_gc_frees_what_only_a_deleted_variant_used(project, seed, capsys):
     mtp_only = mtp - xl
     assert mtp_only and _objects(store) == xl | mtp
     assert project.cli("forget", "xl-mtp") == 0
-    assert "forgot build xl-mtp (source fixture:seed=0, out default)" in capsys.readouterr().out
+    assert "forgot build xl-mtp (source fixture:trained, out default)" in capsys.readouterr().out
 
     assert project.cli("gc", "--dry-run") == 0
     dry = capsys.readouterr().out

@@ -205,8 +205,8 @@ def test_extends_inherits_and_deep_merges(project):
         "source": ["fetch"],
         "base": ["quantize"],
     }
-    assert mtp.source == xl.source == "fixture:seed=0"
-    assert mtp.nodes["fetch"].params.source == "fixture:seed=0"
+    assert mtp.source == xl.source == "fixture:trained"
+    assert mtp.nodes["fetch"].params.source == "fixture:trained"
     # the recipe deep-merges: xl's roles and rules plus xl-mtp's mtp_fc role
     roles = mtp.nodes["requantize"].params.recipe.roles
     assert roles["mtp_fc"].passthrough and roles["routed_expert"].bits == 6

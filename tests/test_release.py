@@ -73,7 +73,7 @@ def test_release_writes_a_lock_with_every_node_source_and_tool(released):
         assert lock["tools"] == tool_versions() and lock["platform"] == machine()
         assert lock["nodes"]["quantize"]["libraries"] == {"mlx": version("mlx")}
         fetch = lock["sources"]["fetch"]
-        assert fetch["source"] == {"type": "fixture", "spec": fetch["source"]["spec"]}
+        assert fetch["source"] == {"type": "trained"}
         assert "config.json" in fetch["files"] and all(map(keys.is_digest, fetch["files"].values()))
     assert lock_of(released, "oq4e-mtp-xl")["sources"]["donor_fetch"]["source"]["spec"]["seed"] == 1
 

@@ -22,6 +22,11 @@ def card_origin(params, source: dict) -> tuple[str | None, str]:
             "Built from a **generated test fixture** (`qwen3_5_moe` layout, random weights, "
             f"spec `{json.dumps(source.get('spec'), sort_keys=True)}`): not a real model."
         )
+    if source.get("type") == "trained":
+        return None, (
+            "Built from buildkit's small **trained test checkpoint** (`qwen3_5_moe` layout, "
+            "trained on a public-domain text): not a real model."
+        )
     return None, "Built from a local checkpoint directory."
 
 
