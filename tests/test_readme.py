@@ -39,16 +39,13 @@ def test_the_complete_manifest_plans_and_its_rules_cover_the_checkpoint(tmp_path
     assert p.cli("plan", "my-4bit") == 0
     assert "my-4bit: 6 steps, 6 to run" in capsys.readouterr().out
     # estimate assigns every tensor a role as quantize does: an unmatched tensor or rule fails
-    # (the generator's checkpoint has the trained one's names; see the xfail below)
-    assert p.cli("estimate", "my-4bit", "--source", "fixture:seed=0") == 0
+    assert p.cli("estimate", "my-4bit") == 0
     assert "bits per weight:" in capsys.readouterr().out
 
 
-@pytest.mark.xfail(
-    strict=True, reason="engine/estimate.py's source_layout has no branch for fixture:trained"
-)
 def test_the_estimate_example_runs_on_the_default_source(tmp_path, capsys):
     assert Project(tmp_path).cli("estimate", "xl-3bit") == 0
+    assert "bits per weight:" in capsys.readouterr().out
 
 
 def commands() -> list[list[str]]:

@@ -14,10 +14,11 @@ head, which is reported on its own.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from buildkit.core.errors import SourceError, UsageError
-from buildkit.engine.source import HF_RE, parse_fixture, source_kind
+from buildkit.engine.source import HF_RE, parse_fixture, source_kind, trained_name
 from buildkit.formats import checkpoint as ckpt
 from buildkit.formats.checkpoint import check_layout
 from buildkit.formats.convert import mlx_pieces
@@ -36,10 +37,15 @@ def source_layout(source: str) -> tuple[dict, dict[str, tuple[str, tuple[int, ..
     reads of the headers; no weights are downloaded). ``fixture:...``: the generator's plan.
     """
     kind = source_kind(source)
-    if kind == "fixture":
+    if kind in ("fixture", "trained"):
         from buildkit.fixtures.generated import layout
+        from buildkit.fixtures.trained import get
 
-        config, shapes = layout(parse_fixture(source))
+        try:
+            spec = parse_fixture(source) if kind == "fixture" else get(trained_name(source)).spec
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        config, shapes = layout(spec)
         return config, {n: ("BF16", tuple(s)) for n, s in shapes.items()}
     if kind == "hf":
         from huggingface_hub import HfApi, hf_hub_download
@@ -137,36 +143,43 @@ def estimate(m) -> dict:
         roles = assign_roles(sorted(given), node.params)
         if b := _budget(node, given, roles):
             budgets.append(b)
-        rows: dict[str, dict] = {}
-        for name, role_name in sorted(roles.items()):
-            role = node.params.recipe.roles[role_name]
-            t = given[name]
-            n = 1
-            for d in t["shape"]:
-                n *= d
-            # what quantize stores for it (a shape it cannot quantize refused as quantize does)
-            size = sum(nbytes(d, s) for d, s in output_shapes(name, t, role).values())
-            row = rows.setdefault(
-                role_name,
-                {
-                    "step": node.name,
-                    "role": role_name,
-                    "bits": None if role.passthrough else role.bits,
-                    "group_size": None if role.passthrough else role.group_size,
-                    "tensors": 0,
-                    "params": 0,
-                    "bytes": 0,
-                },
-            )
-            row["tensors"] += 1
-            row["params"] += n
-            row["bytes"] += size
-            part = parts[ckpt.model_part(name)]
-            part["params"] += n
-            part["bytes"] += size
-            tensors += 1
-        roles_rows += sorted(rows.values(), key=lambda r: -r["bytes"])
+        roles_rows += _role_rows(node, given, roles, parts)
+        tensors += len(roles)
+    return _summary(m, parts, tensors, roles_rows, budgets)
 
+
+def _role_rows(node, given: dict, roles: dict[str, str], parts: dict) -> list[dict]:
+    """One quantizing node's rows, a role each, largest first; each tensor's params and the
+    bytes quantize stores for it are also added to its part of the model in ``parts``."""
+    rows: dict[str, dict] = {}
+    for name, role_name in sorted(roles.items()):
+        role = node.params.recipe.roles[role_name]
+        t = given[name]
+        n = math.prod(t["shape"])
+        # what quantize stores for it (a shape it cannot quantize refused as quantize does)
+        size = sum(nbytes(d, s) for d, s in output_shapes(name, t, role).values())
+        row = rows.setdefault(
+            role_name,
+            {
+                "step": node.name,
+                "role": role_name,
+                "bits": None if role.passthrough else role.bits,
+                "group_size": None if role.passthrough else role.group_size,
+                "tensors": 0,
+                "params": 0,
+                "bytes": 0,
+            },
+        )
+        row["tensors"] += 1
+        row["params"] += n
+        row["bytes"] += size
+        part = parts[ckpt.model_part(name)]
+        part["params"] += n
+        part["bytes"] += size
+    return sorted(rows.values(), key=lambda r: -r["bytes"])
+
+
+def _summary(m, parts: dict, tensors: int, roles_rows: list, budgets: list) -> dict:
     def bpw(names) -> float:
         p = sum(parts[n]["params"] for n in names)
         return round(8 * sum(parts[n]["bytes"] for n in names) / p, 4) if p else 0.0
