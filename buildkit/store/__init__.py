@@ -2,6 +2,7 @@
 
 Objects and action records (``store``), artifacts (``artifact``), the on-disk fan-out
 (``layout``), source-file stat caches (``sources``, ``uptodate``), durable file I/O (``fsio``),
-packs written in place (``packs``) and the remote cache (``remote``).
+packs written in place (``packs``), a directory swapped in one rename (``swap``), the
+remote cache (``remote``) and Hugging Face Hub downloads and uploads, verified (``hub``).
 May import core and formats.
 """
