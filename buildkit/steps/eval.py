@@ -86,7 +86,7 @@ def weights(ctx: Context, inputs) -> tuple[ev.StoreWeights, ev.StoreWeights]:
 
 
 def _put_trunks(store, trunks, tokens: list[int]) -> Artifact:
-    art = Artifact(meta={"tokens": len(tokens)})
+    art = Artifact(meta={"tokens": len(tokens), "groups": trunks[0].groups})
     art.tensors["tokens"] = store.put_tensor("I32", np.array(tokens, np.int32))
     for who, t in zip(("source", "model"), trunks, strict=False):
         for j, (x0, h) in enumerate(zip(t.x0, t.h, strict=False)):
@@ -112,6 +112,7 @@ def _get_trunks(store, art: Artifact) -> tuple[ev.Trunk, ev.Trunk]:
         am = store.read_tensor(art.tensors[f"{who}.argmax"])
         L = [b.shape[1] for b in t.h for _ in range(b.shape[0])]
         t.argmax = np.split(am, np.cumsum(L)[:-1])
+        t.groups = art.meta.get("groups") or [""] * len(t.h)
         out.append(t)
     return out[0], out[1]
 
