@@ -315,14 +315,21 @@ class Broken(ev.DirWeights):
         super().__init__(path)
         self.how = how
 
-    def read(self, name):
-        head = name.startswith(ev.HEAD)
-        if head and self.how == "gate_up" and ".switch_mlp." in name:
-            name = (
+    def swapped(self, name):
+        if name.startswith(ev.HEAD) and self.how == "gate_up" and ".switch_mlp." in name:
+            return (
                 name.replace("gate_proj", "\0")
                 .replace("up_proj", "gate_proj")
                 .replace("\0", "up_proj")
             )
+        return name
+
+    def iter_rows(self, name, rows):  # the experts are read in blocks of rows
+        yield from super().iter_rows(self.swapped(name), rows)
+
+    def read(self, name):
+        head = name.startswith(ev.HEAD)
+        name = self.swapped(name)
         a = super().read(name)
         if (
             head
