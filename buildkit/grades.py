@@ -76,6 +76,22 @@ def last_results(store: Store, variant: str) -> list[dict]:
     return rows
 
 
+def with_domains(rows: list[dict]) -> list[dict]:
+    """Each row followed by one row per domain text it was graded on (named "  name")."""
+    out = []
+    for r in rows:
+        out.append(r)
+        out += [{"variant": f"  {n}", **d} for n, d in sorted((r.get("domains") or {}).items())]
+    return out
+
+
+def domain_line(name: str, d: dict) -> str:
+    """One domain's figures in a line (``buildkit status``)."""
+    return f"{name}: " + ", ".join(
+        f"{h} {f(d[k])}" for k, h, f in COLUMNS if isinstance(d.get(k), (int, float))
+    )
+
+
 def table(rows: list[dict]) -> str:
     heads = ["variant", *(h for _, h, _ in COLUMNS)]
     cells = [
@@ -86,7 +102,7 @@ def table(rows: list[dict]) -> str:
                 for k, _, f in COLUMNS
             ),
         ]
-        for r in rows
+        for r in with_domains(rows)
     ]
     width = [max(len(x) for x in col) for col in zip(heads, *cells)]
 

@@ -123,6 +123,55 @@ def test_buildkit_eval_grades_an_mlx_lm_convert_directory(built, capsys, tmp_pat
     )  # 6/8-bit beats 4-bit
 
 
+def n_sequences(tokens: list[int]) -> int:
+    return sum(b.shape[0] for b in ev.sequences(tokens, 128))
+
+
+def test_eval_text_grades_every_line_of_the_file(built, capsys, tmp_path):
+    """A user's own text is graded whole: its '#' lines, blank lines and every other line."""
+    from tokenizers import Tokenizer
+
+    p, src, *_ = built
+    lines = ["# a header line, graded too", ""] + [
+        f"line {i}: the {'quick' if i % 2 else 'lazy'} fox number {i * 7}" for i in range(40)
+    ]
+    text = "\n".join(lines) + "\n"
+    (tmp_path / "mine.txt").write_text(text)
+    e = cli_json(
+        p,
+        capsys,
+        "eval",
+        str(src),
+        "--source",
+        str(src),
+        "--text",
+        str(tmp_path / "mine.txt"),
+        "--json",
+        "--max-tokens",
+        "100000",
+    )
+    tok = Tokenizer.from_str((src / "tokenizer.json").read_text())
+    want = tok.encode(text, add_special_tokens=False).ids
+    assert e["tokens"] == e["text_tokens"] == len(want) > 256
+    assert e["positions"] == len(want) - n_sequences(want)  # all but each sequence's last
+    held = heldout_tokens(text, 5, (src / "tokenizer.json").read_bytes(), 100000)
+    assert e["tokens"] > 4 * len(held)  # not the held-out fifth
+    capped = cli_json(
+        p,
+        capsys,
+        "eval",
+        str(src),
+        "--source",
+        str(src),
+        "--text",
+        str(tmp_path / "mine.txt"),
+        "--json",
+        "--max-tokens",
+        "200",
+    )
+    assert capped["tokens"] == 200 and capped["text_tokens"] == len(want)
+
+
 def _mlx_lm_ppl(model, tokens: list[int]) -> float:
     nll = []
     for b in ev.sequences(tokens, 128):
@@ -223,6 +272,34 @@ def test_oq4e_grades_a_data_agnostic_baseline_beside_itself(built, tmp_path, cap
         "oq4e-mtp-xl [data-agnostic 4-bit (baseline)]",
     ]
     assert rows[1]["size_bytes"] == rows[0]["size_bytes"]  # the same bits, other bytes
+
+    # calibration skew: each domain text graded whole, for the model and its baseline
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str((src / "tokenizer.json").read_text())
+    texts = Path(ev.__file__).parent / "data" / "texts"
+    for figs in (e, base):
+        assert set(figs["domains"]) == {"prose", "code", "fr"}
+        for name, d in figs["domains"].items():
+            whole = tok.encode((texts / f"{name}.txt").read_text(), add_special_tokens=False)
+            assert d["tokens"] == min(len(whole.ids), 1024), name
+            assert math.isfinite(d["kld_mean"]) and 0 <= d["top1_agreement"] <= 1, name
+            assert d["positions"] == d["tokens"] - n_sequences(whole.ids[:1024])
+    assert all(0 <= d["acceptance"] <= 1 for d in e["domains"].values())  # its head, per domain
+    assert e["text"] == "builtin:calibration.txt"
+    card = (p.out / "oq4e-mtp-xl" / "README.md").read_text()
+    assert "held-out lines of builtin:calibration.txt" in card
+    for name, d in e["domains"].items():
+        ratio = d["kld_mean"] / base["domains"][name]["kld_mean"]
+        assert f"| {name} | {d['tokens']} | {d['kld_mean']:.5f} |" in card
+        assert f"| {ratio:.3f} |" in card
+    assert rows[0]["domains"]["code"]["kld_mean"] == e["domains"]["code"]["kld_mean"]
+    capsys.readouterr()
+    assert p.cli("compare", "oq4e-mtp-xl") == 0
+    table = [ln.split()[0] for ln in capsys.readouterr().out.splitlines()[1:]]
+    assert table == ["oq4e-mtp-xl", "code", "fr", "prose", "oq4e-mtp-xl", "code", "fr", "prose"]
+    status = {r["variant"]: r for r in cli_json(p, capsys, "status", "--json")}
+    assert set(status["oq4e-mtp-xl"]["eval"]["domains"]) == {"prose", "code", "fr"}
 
 
 # ---- with the trained fixture (buildkit/trained.py, from the trained-fixture branch) ------------

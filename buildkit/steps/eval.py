@@ -36,6 +36,8 @@ GATES = ("max_kld_mean", "min_acceptance")
 
 class EvalParams(Params):
     text: str = "builtin:calibration.txt"  # identity is the content digest, not this path
+    # domain name -> text graded whole beside ``text`` (keyed by name and content digest)
+    texts: dict[str, str] = Field(default_factory=dict)
     heldout_every: int = Field(default=5, ge=2)
     seq_len: int = Field(default=128, ge=2)
     max_tokens: int = Field(default=1024, ge=2)
@@ -120,7 +122,7 @@ def _get_trunks(store, art: Artifact) -> tuple[ev.Trunk, ev.Trunk]:
 @register
 class Eval(Step):
     kind = "eval"
-    version = 1
+    version = 2  # 2: streamed forward, KL by running log-sum-exp; text name; domains
     Params = EvalParams
     inputs = {
         "model": Slot(many=True),  # the quantized model's artifacts
@@ -133,17 +135,24 @@ class Eval(Step):
         return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
 
     def key_params(self, params: EvalParams, inputs=None) -> dict:
-        return params.model_dump(mode="json", exclude={"text", *GATES})
+        return params.model_dump(mode="json", exclude={"text", "texts", *GATES})
 
     def fingerprint(self, params: EvalParams, ctx: Context) -> dict:
-        path = cal.text_path(params.text, ctx.options.project_root)
-        return {"text": ctx.store.sources.digest_file(path, rehash=ctx.options.rehash)}
+        def digest(spec: str) -> str:
+            path = cal.text_path(spec, ctx.options.project_root)
+            return ctx.store.sources.digest_file(path, rehash=ctx.options.rehash)
+
+        fp = {"text": digest(params.text)}
+        if params.texts:
+            fp["texts"] = {name: digest(spec) for name, spec in sorted(params.texts.items())}
+        return fp
 
     def describe_fingerprint_change(self, old, new) -> str:
         return "evaluation text changed"
 
     def watch(self, params: EvalParams, ctx: Context):
-        return [cal.text_path(params.text, ctx.options.project_root)], []
+        specs = [params.text, *params.texts.values()]
+        return [cal.text_path(t, ctx.options.project_root) for t in specs], []
 
     def outdated(
         self, params: EvalParams, outputs: dict[str, Artifact], ctx: Context
@@ -176,7 +185,18 @@ class Eval(Step):
             trunk = Artifact(meta={"tokens": report["tokens"]})
         else:
             tokens = self._tokens(ctx, params, src)
-            report, trunks = ev.evaluate(src, mod, tokens, params.seq_len, progress=ctx.progress)
+            domains = {
+                name: whole_tokens(
+                    read_text(cal.text_path(spec, ctx.options.project_root)),
+                    src.tokenizer_json(),
+                    params.max_tokens,
+                )[0]
+                for name, spec in sorted(params.texts.items())
+            }
+            report, trunks = ev.evaluate(
+                src, mod, tokens, params.seq_len, progress=ctx.progress, domains=domains
+            )
+            report["text"] = text_name(params.text)
             report |= model_size(inputs["model"])
             trunk = _put_trunks(ctx.store, trunks, tokens)
         report = {"scope": params.scope, "label": params.label, **report}
@@ -204,12 +224,30 @@ class Eval(Step):
 
     @staticmethod
     def _tokens(ctx: Context, params: EvalParams, src: ev.StoreWeights) -> list[int]:
-        path = cal.text_path(params.text, ctx.options.project_root)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise StepError(f"evaluation text {path}: not UTF-8 ({e})") from None
+        text = read_text(cal.text_path(params.text, ctx.options.project_root))
         return heldout_tokens(text, params.heldout_every, src.tokenizer_json(), params.max_tokens)
+
+
+def read_text(path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise StepError(f"evaluation text {path}: not UTF-8 ({e}); give a UTF-8 file") from None
+
+
+def text_name(spec: str) -> str:
+    """How the card names the graded text: a builtin one by its name (its content is buildkit's
+    own), a project file as such (its path is not in the key, only its content)."""
+    return spec if spec.startswith(cal.BUILTIN) else "a project file"
+
+
+def whole_tokens(text: str, tokenizer_json: bytes, max_tokens: int) -> tuple[list[int], int]:
+    """(the first ``max_tokens`` token ids of a whole text, every line and character of it, as
+    the source's tokenizer reads it; the text's full token count)."""
+    tokens = cal.tokenize(tokenizer_json, [text], len(text.encode("utf-8")) + 1)
+    if len(tokens) < 2:
+        raise StepError(f"the text has {len(tokens)} tokens; evaluation needs at least 2")
+    return tokens[:max_tokens], len(tokens)
 
 
 def heldout_tokens(
