@@ -71,7 +71,7 @@ BUILDKIT_ROOT = Path(buildkit.__file__).resolve().parents[1]
 BUILDKIT = [
     sys.executable,
     "-c",
-    "from buildkit.cli import entry; entry()",
+    "from buildkit.cli.main import entry; entry()",
 ]  # as the `buildkit` script runs
 RESULTS = REPO / "bench" / "RESULTS.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -233,27 +233,27 @@ def fixture_spec(args) -> dict:
 
 
 def _fixture_spec(args) -> dict:
-    from buildkit.fixture import FixtureSpec, _plan
+    from buildkit.fixtures.generated import FixtureSpec, tensor_plan
 
     dims = dict(DEFAULT_DIMS)
     dims.update({k: getattr(args, k) for k in DIM_FLAGS if getattr(args, k) is not None})
     if args.layers is None:  # fewest layers that reach --size-gb
         dims["layers"] = 4
         while (
-            sum(t.nbytes for t, _ in _plan(FixtureSpec(**{**dims, "shards": 1})))
+            sum(t.nbytes for t, _ in tensor_plan(FixtureSpec(**{**dims, "shards": 1})))
             < args.size_gb * GB
         ):
             dims["layers"] += 1
     if args.shards is None:
-        total = sum(t.nbytes for t, _ in _plan(FixtureSpec(**{**dims, "shards": 1})))
+        total = sum(t.nbytes for t, _ in tensor_plan(FixtureSpec(**{**dims, "shards": 1})))
         dims["shards"] = max(2, round(total / (512 * MB)))
     return FixtureSpec(**dims).model_dump()
 
 
 def tensor_facts(spec: dict) -> dict:
-    from buildkit.fixture import FixtureSpec, _plan
+    from buildkit.fixtures.generated import FixtureSpec, tensor_plan
 
-    plan = [t for t, _ in _plan(FixtureSpec(**spec))]
+    plan = [t for t, _ in tensor_plan(FixtureSpec(**spec))]
     return {
         "bytes": sum(t.nbytes for t in plan),
         "largest": max(t.nbytes for t in plan),
@@ -341,7 +341,7 @@ def plain_xxh3(paths: list[Path], bufsize: int = 4 << 20) -> float:
 def buildkit_digest(paths: list[Path], store: Path) -> float:
     """Seconds for buildkit's own source hashing, as a build does it (Store.digest_files:
     several files at once), re-hashing."""
-    from buildkit.store import Store
+    from buildkit.store.store import Store
 
     s = Store(store)
     t0 = time.perf_counter()

@@ -151,7 +151,7 @@ def du(path: Path, apparent: bool = False) -> int:
 
 def tensor_bytes(out: Path) -> int:
     sys.path.insert(0, str(ROOT))
-    from buildkit.tensors import read_header
+    from buildkit.formats.tensors import read_header
 
     return sum(i.nbytes for f in out.glob("*.safetensors") for i in read_header(f).tensors.values())
 

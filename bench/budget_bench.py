@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--dir", default=str(REPO / "build" / "budget-bench"))
     args = ap.parse_args()
 
-    from buildkit.store import Store
+    from buildkit.store.store import Store
 
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)

@@ -111,7 +111,7 @@ def per_task(work: Path, src: Path, env: dict) -> tuple[dict, list[dict]]:
         times = Times()
         cluster.scheduler.add_plugin(times, name="dask-bench-times")
         r = build(work, "dask-tcp", src, env, "--dask", cluster.scheduler_address)
-    from buildkit.store import Store
+    from buildkit.store.store import Store
 
     art = Store(r["store"]).get_artifact(r["outputs"]["sanitize"]["model"])
     tasks = []
@@ -128,9 +128,9 @@ def per_task(work: Path, src: Path, env: dict) -> tuple[dict, list[dict]]:
 def task_cpu(store_dir: Path, outputs: dict) -> list[dict]:
     """Each routed-expert quantize task run here, one at a time: CPU seconds (process time) and
     wall, the figures an estimate can scale (a loaded machine stretches wall, not CPU)."""
-    from buildkit.roles import Role
-    from buildkit.steps.quantize import quantize_entry
-    from buildkit.store import Store
+    from buildkit.quant.quantize import quantize_entry
+    from buildkit.quant.roles import Role
+    from buildkit.store.store import Store
 
     store = Store(store_dir)
     art = store.get_artifact(outputs["sanitize"]["model"])

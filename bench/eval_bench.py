@@ -56,9 +56,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1024)
     args = ap.parse_args()
 
-    from buildkit.checkpoint import text_config
-    from buildkit.fixture import FixtureSpec, generate
-    from buildkit.tensors import read_header
+    from buildkit.fixtures.generated import FixtureSpec, generate
+    from buildkit.formats.checkpoint import text_config
+    from buildkit.formats.tensors import read_header
 
     root = Path(args.dir).absolute()
     shutil.rmtree(root, ignore_errors=True)

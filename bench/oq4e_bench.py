@@ -154,8 +154,8 @@ def micro(experts: int, out: int, inp: int, bits: int, repeat: int) -> None:
     import mlx.core as mx
     import numpy as np
 
-    from buildkit import dataaware
-    from buildkit.tensors import from_mlx, to_float32
+    from buildkit.formats.tensors import from_mlx, to_float32
+    from buildkit.quant import dataaware
 
     g = 64
     rng = np.random.default_rng(0)
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
         help="try the search with this many further fits of the best (not the shipped setting)",
     )
     args = p.parse_args(argv)
-    from buildkit import dataaware
+    from buildkit.quant import dataaware
 
     if args.grids:
         dataaware.GRID = (

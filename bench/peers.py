@@ -142,7 +142,7 @@ def timed(argv: list[str], log: Path, timeout: float | None = None) -> dict:
 def trunk_size(model_dir: Path, source: Path) -> dict:
     """Bytes of the language model's tensors (no vision tower, no MTP head: what mlx_lm loads)
     and bits per weight over the bf16 source's trunk weights, from safetensors headers."""
-    from buildkit.tensors import read_header
+    from buildkit.formats.tensors import read_header
 
     def tensors(d: Path):
         for f in sorted(d.glob("*.safetensors")):
@@ -171,10 +171,10 @@ def grade(model_dir: Path, source: Path, text: Path, log: Path) -> dict:
 
 def per_position_kl(source: Path, dirs: dict[str, Path], text: Path) -> dict:
     """KL(p_source || p_model) at every graded position, per model directory: eval's own
-    numerics (buildkit.evaluate), kept per position so methods can be compared paired."""
+    numerics (buildkit.grade.evaluate), kept per position so methods can be compared paired."""
     import mlx.core as mx
 
-    from buildkit import evaluate as ev
+    from buildkit.grade import evaluate as ev
     from buildkit.steps.eval import EvalParams, heldout_tokens
 
     p = EvalParams()
@@ -204,7 +204,7 @@ def expert_output_error(source: Path, dirs: dict[str, Path], text: Path) -> dict
     import mlx.core as mx
     import mlx.nn as nn
 
-    from buildkit import calibration as cal
+    from buildkit.grade import calibration as cal
     from buildkit.steps.eval import EvalParams
 
     model = load_f32(source)[0]
@@ -277,7 +277,7 @@ def ratio_interval(kl: np.ndarray, base: np.ndarray, block: int = 16, n: int = 4
 
 def calibration_tokens(source: Path, text: Path, seq_len: int) -> list[list[int]]:
     """The calibration split of the text in whole sequences of ``seq_len`` tokens."""
-    from buildkit import calibration as cal
+    from buildkit.grade import calibration as cal
 
     calib, _ = cal.split_lines(text.read_text(encoding="utf-8"), HELDOUT_EVERY)
     ids = cal.tokenize((source / "tokenizer.json").read_bytes(), calib, 1 << 20)
@@ -397,7 +397,7 @@ def main() -> None:
     out.mkdir(exist_ok=True)
     logs.mkdir(exist_ok=True)
     if not src.exists():
-        from buildkit.trained import write_trained
+        from buildkit.fixtures.trained import write_trained
 
         write_trained(src)
     proj = work / "project"

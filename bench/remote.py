@@ -154,7 +154,7 @@ def main() -> None:
         t_pull, out = bk(b_, "pull", "--remote", "s3://bkbench/cache", extra_env=s3env)
         got = int(re.search(r": (\d+) bytes in", out)[1])
 
-        from buildkit.remote import THREADS, S3Backend
+        from buildkit.store.remote import THREADS, S3Backend
 
         cfg: TransferConfig = S3Backend("s3://rawbench", "rawbench", "").transfer
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from buildkit.checkpoint import model_part
-from buildkit.cli import main
-from buildkit.tensors import read_header
+from buildkit.cli.main import main
+from buildkit.formats.checkpoint import model_part
+from buildkit.formats.tensors import read_header
 
 REPO = Path(__file__).resolve().parents[1]
 

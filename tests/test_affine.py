@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from buildkit import affine, qerror
-from buildkit.tensors import dequantize, from_mlx, to_float32, to_mlx
+from buildkit.formats.tensors import dequantize, from_mlx, to_float32, to_mlx
+from buildkit.quant import affine, qerror
 
 RNG = np.random.default_rng(0)
 CASES = {  # float32 values, made bf16 below: the spreads a checkpoint and its edges have

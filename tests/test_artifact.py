@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from buildkit import keys
-from buildkit.artifact import Artifact
+from buildkit.core import keys
+from buildkit.store.artifact import Artifact
 
 D = "xxh3_128:" + "ab" * 16
 

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from conftest import Project
 
-from buildkit import keys
-from buildkit.errors import SourceError
-from buildkit.fixture import FixtureSpec, generate
-from buildkit.steps.base import BuildOptions, Context, Progress
+from buildkit.core import keys
+from buildkit.core.errors import SourceError
+from buildkit.engine.step import BuildOptions, Context, Progress
+from buildkit.fixtures.generated import FixtureSpec, generate
+from buildkit.formats.tensors import header_bytes, read_header, read_tensor
 from buildkit.steps.fetch import Fetch, FetchParams
-from buildkit.store import Store
-from buildkit.tensors import header_bytes, read_header, read_tensor
+from buildkit.store.store import Store
 
 INDEX = "model.safetensors.index.json"
 GATE = "model.language_model.layers.0.mlp.gate.weight"

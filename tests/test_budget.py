@@ -7,11 +7,12 @@ import json
 import pytest
 from conftest import Project, cached, ran
 
-from buildkit import budget, manifest
-from buildkit.errors import StepError
-from buildkit.roles import Role
-from buildkit.steps.quantize import assign_roles
-from buildkit.store import Store
+from buildkit.core.errors import StepError
+from buildkit.engine import manifest
+from buildkit.quant import budget
+from buildkit.quant.quantize import assign_roles
+from buildkit.quant.roles import Role
+from buildkit.store.store import Store
 
 # oq-budget on the trained fixture (buildkit/trained.py), the donor head from it too: on random
 # weights the outputs are near-uniform and a KL sensitivity is noise.

@@ -13,10 +13,10 @@ from conftest import REPO, ran
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from buildkit import manifest
-from buildkit.plan import Planner
-from buildkit.steps.base import BuildOptions
-from buildkit.store import Store
+from buildkit.engine import manifest
+from buildkit.engine.plan import Planner
+from buildkit.engine.step import BuildOptions
+from buildkit.store.store import Store
 
 XL = (REPO / "manifests" / "xl.toml").read_text()
 
@@ -322,7 +322,7 @@ def test_status_shows_every_variant_with_its_last_build(project, seed):
     assert (
         rows["xl"]["built"]
         and rows["xl"]["state"] == "fresh"
-        and rows["xl"]["source"] == "fixture:seed=0"
+        and rows["xl"]["source"] == "fixture:trained"
     )
     assert rows["oq4e-mtp-xl"]["state"] == "never built"
     xl = project.manifests / "xl.toml"

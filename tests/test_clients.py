@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import HEAD_NORMS, Project
 
-from buildkit import keys
-from buildkit.fixture import SPECIAL_TOKENS, FixtureSpec
+from buildkit.fixtures.generated import SPECIAL_TOKENS
 
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_vlm")
@@ -33,11 +32,8 @@ def built(seed: Project, tmp_path_factory) -> Project:
 
 
 def fixture_dir(p: Project) -> Path:
-    return (
-        p.store
-        / "fixtures"
-        / keys.short(keys.digest_json("fixture", FixtureSpec().model_dump()), 16)
-    )
+    (src,) = (p.store / "fixtures").glob("trained-*")  # the default manifests' source
+    return src
 
 
 def an_image(side: int = 64):
@@ -376,8 +372,8 @@ def test_new_head_bits_rerun_only_the_drafter_part_of_the_client_check(built: Pr
 def test_the_client_check_fails_a_drafter_whose_norms_mlx_vlm_would_shift_again(
     built: Project, tmp_path
 ):
-    from buildkit import loadcheck
-    from buildkit.errors import StepError
+    from buildkit.clients import loadcheck
+    from buildkit.core.errors import StepError
 
     d = shutil.copytree(built.out / "xl-mtp", tmp_path / "m")
     w = mx.load(str(d / "mtp" / "model.safetensors"))
@@ -426,9 +422,9 @@ def test_the_cards_mlx_vlm_command_runs_an_image_prompt_with_the_drafter(built: 
 
 
 def test_without_mlx_vlm_the_check_says_what_it_did_not_check(built: Project, monkeypatch):
-    from buildkit import loadcheck
+    from buildkit.clients import loadcheck
     from buildkit.steps.publish import Publish
-    from buildkit.store import Store
+    from buildkit.store.store import Store
 
     monkeypatch.setattr(loadcheck, "vlm_importable", lambda: False)
     store = Store(built.store)

@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 from conftest import Project
 
-from buildkit import keys
-from buildkit.cli import main
+from buildkit.cli.main import main
+from buildkit.core import keys
 from buildkit.steps.publish import STAMP
-from buildkit.store import Store
+from buildkit.store.store import Store
 
 VARIANT, OLD = "xl-mtp", "xl"  # each round publishes VARIANT over a directory holding OLD
 INDEX = "model.safetensors.index.json"
@@ -242,7 +242,7 @@ def test_a_kill_while_a_source_file_is_remembered_leaves_it_resolvable(tmp_path)
         root = tmp_path / f"store{done}"
         hook = (
             "import os, signal, sys\n"
-            "from buildkit.store import Store\n"
+            "from buildkit.store.store import Store\n"
             f"store, n = Store({str(root)!r}), 0\n"
             "def hook(event, args):\n"
             "    global n\n"
@@ -278,7 +278,7 @@ def test_two_processes_remembering_copies_of_one_file_both_keep_theirs(tmp_path)
             "-c",
             (
                 "import os, sys, time\n"
-                "from buildkit.store import Store\n"
+                "from buildkit.store.store import Store\n"
                 f"store = Store({str(root)!r})\n"
                 "def hook(event, args):\n"
                 "    if event == 'os.rename' and "

@@ -16,10 +16,10 @@ import threading
 
 import pytest
 
-from buildkit.distributed import DaskExecutor
-from buildkit.roles import Role
-from buildkit.steps.quantize import quantize_entry
-from buildkit.store import Store
+from buildkit.engine.distributed import DaskExecutor
+from buildkit.quant.quantize import quantize_entry
+from buildkit.quant.roles import Role
+from buildkit.store.store import Store
 
 distributed = pytest.importorskip("distributed")
 from distributed.diagnostics.plugin import SchedulerPlugin  # noqa: E402

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from conftest import Project
 
-from buildkit import manifest
-from buildkit.estimate import estimate
-from buildkit.fixture import PRESETS, FixtureSpec, generate
-from buildkit.store import Store
-from buildkit.tensors import read_header
+from buildkit.engine import manifest
+from buildkit.engine.estimate import estimate
+from buildkit.fixtures.generated import PRESETS, FixtureSpec, generate
+from buildkit.formats.tensors import read_header
+from buildkit.store.store import Store
 
 
 def published_bytes(out: Path) -> int:
@@ -73,7 +73,8 @@ def test_estimate_reads_headers_only(project, capsys, tmp_path):
     read = rchar() - before
     assert again == full and read < shards / 10, (read, shards)
     # the fixture: source plans from the generator without writing it, to the same figures
-    assert run_json(project, capsys, "xl-mtp") == {**full, "source": "fixture:seed=0"}
+    fixture = run_json(project, capsys, "xl-mtp", "--source", "fixture:seed=0")
+    assert fixture == {**full, "source": "fixture:seed=0"}
     shutil.rmtree(src)
 
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from conftest import Project, cached, ran
 
-from buildkit import evaluate as ev
-from buildkit.fixture import FixtureSpec, generate
+from buildkit.fixtures.generated import FixtureSpec, generate
+from buildkit.grade import evaluate as ev
 from buildkit.steps.eval import heldout_tokens
-from buildkit.store import Store
+from buildkit.store.store import Store
 
 TEXT = Path(__file__).resolve().parents[1] / "buildkit" / "data" / "calibration.txt"
 FIGURES = (
@@ -233,7 +233,7 @@ def test_text_is_keyed_by_content_not_path(built, capsys):
         p, capsys, "plan", "xl-text", "--source", str(src), "--out", str(p.out / "xl"), "--json"
     )
     step = {s["step"]: s for s in plan["steps"]}["eval"]
-    assert not step["fresh"] and "evaluation text changed" in step["reasons"][0]
+    assert not step["fresh"] and "source changed: text" in step["reasons"][0]
 
 
 def test_a_gate_fails_a_release_build_with_a_clear_message(built, tmp_path):
@@ -277,7 +277,7 @@ def test_oq4e_grades_a_data_agnostic_baseline_beside_itself(built, tmp_path, cap
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str((src / "tokenizer.json").read_text())
-    texts = Path(ev.__file__).parent / "data" / "texts"
+    texts = Path(ev.__file__).parents[1] / "data" / "texts"
     for figs in (e, base):
         assert set(figs["domains"]) == {"prose", "code", "fr"}
         for name, d in figs["domains"].items():
@@ -306,11 +306,11 @@ def test_oq4e_grades_a_data_agnostic_baseline_beside_itself(built, tmp_path, cap
 
 
 def _trained_here() -> bool:
-    """buildkit.trained in this checkout (an editable install elsewhere may resolve it from
+    """buildkit.fixtures.trained in this checkout (an editable install elsewhere may resolve it from
     there)."""
     import buildkit
 
-    spec = importlib.util.find_spec("buildkit.trained")
+    spec = importlib.util.find_spec("buildkit.fixtures.trained")
     return (
         spec is not None
         and spec.origin is not None
@@ -321,7 +321,7 @@ def _trained_here() -> bool:
 TRAINED = _trained_here()
 needs_trained = pytest.mark.skipif(
     not TRAINED,
-    reason="needs the trained fixture (buildkit.trained, branch "
+    reason="needs the trained fixture (buildkit.fixtures.trained, branch "
     "trained-fixture): on random weights these figures mean nothing",
 )
 
@@ -329,14 +329,14 @@ needs_trained = pytest.mark.skipif(
 def trained_text() -> tuple[Path, int]:
     """The trained fixture's own held-out verses (every other line of them), else the
     builtin text."""
-    from buildkit.trained import DATA
+    from buildkit.fixtures.trained import DATA
 
     return (DATA / "heldout.txt", 2) if (DATA / "heldout.txt").is_file() else (TEXT, 5)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from buildkit.trained import write_trained
+    from buildkit.fixtures.trained import write_trained
 
     root = tmp_path_factory.mktemp("trained")
     src = write_trained(root / "src")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from buildkit.fixture import FixtureSpec, generate
-from buildkit.tensors import read_header
+from buildkit.fixtures.generated import FixtureSpec, generate
+from buildkit.formats.tensors import read_header
 
 SPEC = FixtureSpec()
 MTP_KEYS = {
@@ -276,8 +276,8 @@ def test_crash_leaves_nothing(tmp_path):
 
 def test_sparse_35b_preset_from_the_command_line(tmp_path, capsys):
     """The real model's names and shapes, large tensors a first 4 KiB of values and a hole."""
-    from buildkit.cli import main
-    from buildkit.fixture import PRESETS, SPARSE_HEAD_BYTES
+    from buildkit.cli.main import main
+    from buildkit.fixtures.generated import PRESETS, SPARSE_HEAD_BYTES
 
     out = tmp_path / "35b"
     assert main(["fixture", str(out), "--preset", "qwen3.6-35b-a3b", "--sparse"]) == 0

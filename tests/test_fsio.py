@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from buildkit.fsio import (
+from buildkit.store.fsio import (
     RACY_TICK_NS,
     DirectFile,
     DirectRange,
@@ -21,7 +21,7 @@ from buildkit.fsio import (
     settle,
     write_temp,
 )
-from buildkit.store import Store
+from buildkit.store.store import Store
 
 # ---- atomic_write and write_temp -------------------------------------------------------------
 

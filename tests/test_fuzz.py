@@ -19,10 +19,10 @@ import numpy as np
 from conftest import REPO
 from hypothesis import HealthCheck, given, settings
 
-from buildkit import graph, manifest
-from buildkit.errors import BuildkitError, SourceError
-from buildkit.steps import REGISTRY
-from buildkit.tensors import DTYPES, read_header, read_tensor
+from buildkit.core.errors import BuildkitError, SourceError
+from buildkit.engine import graph, manifest
+from buildkit.engine.step import REGISTRY
+from buildkit.formats.tensors import DTYPES, read_header, read_tensor
 
 # Fixed examples (derandomize) so CI is repeatable; no example database written into the tree.
 SETTINGS = settings(

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from conftest import Project
 
-from buildkit import gptq
-from buildkit.dataaware import pack
-from buildkit.roles import Role
+from buildkit.formats.tensors import f32_to_bf16
+from buildkit.quant import gptq
+from buildkit.quant.dataaware import pack
+from buildkit.quant.roles import Role
 from buildkit.steps.calibrate import Calibrate, CalibrateParams
-from buildkit.store import Store
-from buildkit.tensors import f32_to_bf16
+from buildkit.store.store import Store
 
 TRAINED_TEXT = Path(__file__).resolve().parents[1] / "buildkit" / "data" / "trained" / "heldout.txt"
 
@@ -188,7 +188,7 @@ def manifests(p: Project) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from buildkit.trained import write_trained
+    from buildkit.fixtures.trained import write_trained
 
     root = tmp_path_factory.mktemp("gptq")
     src = write_trained(root / "src")
@@ -222,7 +222,7 @@ def test_trained_gptq_kld_is_below_round_to_nearest_at_the_same_size(trained):
 
 
 def test_gate_and_up_share_a_task_only_under_one_gptq_role():
-    from buildkit.roles import Recipe
+    from buildkit.quant.roles import Recipe
     from buildkit.steps.quantize import task_units
 
     sw = "language_model.model.layers.{}.mlp.switch_mlp.{}_proj.weight"

@@ -8,9 +8,9 @@ import re
 import pytest
 from conftest import XL_MTP
 
-from buildkit import graph as graphs
-from buildkit import manifest
-from buildkit.errors import ManifestError
+from buildkit.core.errors import ManifestError
+from buildkit.engine import graph as graphs
+from buildkit.engine import manifest
 
 MTP_EDGES = {
     ("fetch", "sanitize", "source"),

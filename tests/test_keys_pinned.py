@@ -15,7 +15,7 @@ from importlib.metadata import version
 import pytest
 from conftest import REPO
 
-from buildkit.steps import REGISTRY
+from buildkit.engine.step import REGISTRY
 
 PINNED = {  # kind: (variant, node, key)
     "fetch": ("xl", "fetch", "xxh3_128:d8c66f549e3f38a5fda93ce1c13603e6"),

@@ -14,10 +14,10 @@ import pytest
 import xxhash
 from conftest import cached, ran
 
-from buildkit import keys
-from buildkit.artifact import Artifact, objects
-from buildkit.errors import StoreMiss
-from buildkit.store import Store
+from buildkit.core import keys
+from buildkit.core.errors import StoreMiss
+from buildkit.store.artifact import Artifact, objects
+from buildkit.store.store import Store
 
 # ---- keys ----------------------------------------------------------------------------------
 
@@ -269,7 +269,7 @@ def test_gc_frees_what_only_a_deleted_variant_used(project, seed, capsys):
     mtp_only = mtp - xl
     assert mtp_only and _objects(store) == xl | mtp
     assert project.cli("forget", "xl-mtp") == 0
-    assert "forgot build xl-mtp (source fixture:seed=0, out default)" in capsys.readouterr().out
+    assert "forgot build xl-mtp (source fixture:trained, out default)" in capsys.readouterr().out
 
     assert project.cli("gc", "--dry-run") == 0
     dry = capsys.readouterr().out
@@ -318,8 +318,8 @@ def test_store_check_finds_and_removes_a_corrupt_object(project, seed):
 
 
 def test_gc_refuses_while_a_build_holds_the_store(tmp_path):
-    from buildkit.errors import StoreError
-    from buildkit.store import Store
+    from buildkit.core.errors import StoreError
+    from buildkit.store.store import Store
 
     store = Store(tmp_path / "cache")
     with store.in_use():  # what a running build holds
@@ -333,7 +333,7 @@ def test_gc_refuses_while_a_build_holds_the_store(tmp_path):
 
 def _source(tmp_path, tensors: dict[str, np.ndarray]):
     """A safetensors file of bf16 bit patterns (uint16 arrays), hashed into a new store."""
-    from buildkit.tensors import header_bytes
+    from buildkit.formats.tensors import header_bytes
 
     path = tmp_path / "src.safetensors"
     with open(path, "wb") as f:
@@ -358,9 +358,9 @@ def test_quantizing_in_blocks_of_rows_gives_the_whole_tensors_bytes(tmp_path, bl
     whose rows are not its source's (read whole, handed out in blocks)."""
     import mlx.core as mx
 
-    from buildkit.roles import Role
-    from buildkit.steps.quantize import quantize_entry
-    from buildkit.tensors import from_mlx, to_mlx
+    from buildkit.formats.tensors import from_mlx, to_mlx
+    from buildkit.quant.quantize import quantize_entry
+    from buildkit.quant.roles import Role
 
     rng = np.random.default_rng(block_rows)
     fused, plain = _bf16(rng, (7, 10, 128)), _bf16(rng, (11, 192))
@@ -422,8 +422,8 @@ def test_quantizing_in_blocks_of_rows_gives_the_whole_tensors_bytes(tmp_path, bl
 def test_a_corrupt_object_read_in_blocks_is_removed_and_nothing_is_stored(tmp_path, capsys):
     """A store object whose bytes changed is found out by its digest as its blocks pass: the
     quantize fails with a store miss, the object is quarantined and no output is left behind."""
-    from buildkit.roles import Role
-    from buildkit.steps.quantize import quantize_entry
+    from buildkit.quant.quantize import quantize_entry
+    from buildkit.quant.roles import Role
 
     store = Store(tmp_path / "cache")
     entry = store.put_tensor("BF16", _bf16(np.random.default_rng(0), (8, 128)))

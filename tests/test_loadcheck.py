@@ -9,10 +9,10 @@ import shutil
 import pytest
 from conftest import Project, ran
 
-from buildkit import loadcheck
-from buildkit.errors import StepError
+from buildkit.clients import loadcheck
+from buildkit.core.errors import StepError
 from buildkit.steps.publish import Publish
-from buildkit.store import Store
+from buildkit.store.store import Store
 
 RAN = "load check: mlx_lm loaded the model and ran a token"
 SKIPPED = "load check: not run again"

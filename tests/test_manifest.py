@@ -7,11 +7,11 @@ import argparse
 
 import pytest
 
-from buildkit import manifest
-from buildkit.artifact import Artifact
-from buildkit.cli import main, parser
-from buildkit.errors import ManifestError
-from buildkit.steps import REGISTRY
+from buildkit.cli.main import main, parser
+from buildkit.core.errors import ManifestError
+from buildkit.engine import manifest
+from buildkit.engine.step import REGISTRY
+from buildkit.store.artifact import Artifact
 
 # name -> (files to write, variant to plan, substrings the error must contain). "{d}" is the
 # resolved manifests directory: every message names the file, the line where the manifest has
@@ -205,8 +205,8 @@ def test_extends_inherits_and_deep_merges(project):
         "source": ["fetch"],
         "base": ["quantize"],
     }
-    assert mtp.source == xl.source == "fixture:seed=0"
-    assert mtp.nodes["fetch"].params.source == "fixture:seed=0"
+    assert mtp.source == xl.source == "fixture:trained"
+    assert mtp.nodes["fetch"].params.source == "fixture:trained"
     # the recipe deep-merges: xl's roles and rules plus xl-mtp's mtp_fc role
     roles = mtp.nodes["requantize"].params.recipe.roles
     assert roles["mtp_fc"].passthrough and roles["routed_expert"].bits == 6

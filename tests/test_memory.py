@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import Project
 
-from buildkit.fixture import FixtureSpec, _plan, generate
+from buildkit.fixtures.generated import FixtureSpec, generate, tensor_plan
 
 MB = 1 << 20
 # Small tensors (the largest, an experts.gate_up_proj, is 4.2 MB) and many layers, so the
@@ -115,7 +115,8 @@ def child_peak_rss(argv: list[str], cwd: Path, out) -> tuple[int, int]:
 CHECK = """
 import sys
 from pathlib import Path
-from buildkit import allocator, loadcheck
+from buildkit.core import allocator
+from buildkit.clients import loadcheck
 allocator.tune()  # as a build process is
 part, path = sys.argv[1], Path(sys.argv[2])
 if part == "mlx_lm":
@@ -139,7 +140,7 @@ def peak_rss_of_check(published: Path, part: str) -> int:
 
 
 def model_facts(spec: FixtureSpec) -> tuple[int, int]:
-    tensors = [t for t, _ in _plan(spec)]
+    tensors = [t for t, _ in tensor_plan(spec)]
     return sum(t.nbytes for t in tensors), max(t.nbytes for t in tensors)
 
 
@@ -250,7 +251,7 @@ class Mallinfo2(ctypes.Structure):
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = Mallinfo2
 if sys.argv[1] == "cli":
-    from buildkit.cli import main
+    from buildkit.cli.main import main
     assert main(sys.argv[2:]) == 0
 a = np.ones(16 << 20, np.uint8)  # a block of rows: above glibc's initial 128 KiB threshold
 mapped = libc.mallinfo2().hblkhd  # bytes in blocks served by mmap of their own
@@ -295,7 +296,7 @@ def test_a_build_process_keeps_freed_buffers_for_reuse(tmp_path):
 
 MLX_CACHE = """
 import json, sys
-from buildkit.cli import main
+from buildkit.cli.main import main
 assert main(sys.argv[1:]) == 0
 import mlx.core as mx
 print(json.dumps({"cached": mx.get_cache_memory(), "limit": mx.set_cache_limit(1 << 30)}))

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from conftest import REPO, Project, cached, ran
 
-from buildkit import calibration as cal
-from buildkit import dataaware
-from buildkit.errors import StepError
-from buildkit.roles import Recipe, Role
+from buildkit.core.errors import StepError
+from buildkit.formats.tensors import from_mlx, nbytes, to_float32, to_mlx
+from buildkit.grade import calibration as cal
+from buildkit.quant import dataaware
+from buildkit.quant.roles import Recipe, Role
 from buildkit.steps.calibrate import Calibrate, CalibrateParams
-from buildkit.store import Store
-from buildkit.tensors import from_mlx, nbytes, to_float32, to_mlx
+from buildkit.store.store import Store
 
 VARIANT = "oq4e-mtp-xl"
 BUILTIN_TEXT = cal.text_path("builtin:calibration.txt", Path("."))
@@ -155,7 +155,7 @@ def test_changing_the_calibration_text_reruns_only_calibrated_nodes(built):
     text.write_text(text.read_text().replace("lighthouse keeper", "harbour master"))
     proc = project.build(name)
     assert set(ran(proc)) == downstream
-    assert "calibration text changed" in proc.stderr
+    assert "source changed: text" in proc.stderr
 
     # the same content under another name is the same calibration
     shutil.copy(BUILTIN_TEXT, project.root / "copy.txt")
@@ -264,7 +264,7 @@ def test_search_is_never_worse_than_data_agnostic_on_its_objective():
 SEARCH_UNDER_THE_INTERPRETER = """
 import sys
 import numpy as np
-from buildkit import dataaware
+from buildkit.quant import dataaware
 z = np.load(sys.argv[1])
 out = {}
 for i in range(int(z["cases"])):
@@ -326,7 +326,7 @@ def test_compiled_search_gives_the_bytes_of_its_python(tmp_path, monkeypatch):
 def test_search_rounds_scales_as_they_are_stored(storage):
     """The compiled loop rounds (scale, bias) by bit operations; they must be numpy's casts,
     normal, subnormal and overflowing values alike."""
-    from buildkit import groupsearch
+    from buildkit.quant import groupsearch
 
     rng = np.random.default_rng(2)
     x = (rng.standard_normal(50_000) * np.exp2(rng.uniform(-30, 18, 50_000))).astype(np.float32)

@@ -14,9 +14,9 @@ import pytest
 from conftest import HEAD_NORMS, Project, cached, ran, shard_parts
 from safetensors import safe_open
 
-from buildkit.fixture import FixtureSpec, generate
-from buildkit.store import Store
-from buildkit.tensors import bf16_to_f32, f32_to_bf16, read_header, read_tensor
+from buildkit.fixtures.generated import FixtureSpec, generate
+from buildkit.formats.tensors import bf16_to_f32, f32_to_bf16, read_header, read_tensor
+from buildkit.store.store import Store
 
 
 def tensors_of(out: Path) -> dict[str, np.ndarray]:
@@ -149,7 +149,7 @@ def test_sanitize_matches_mlx_lm_sanitize(built):
     """Our sanitized trunk is exactly what mlx_lm's qwen3_5_moe sanitize makes of the source."""
     from mlx_lm.utils import _get_classes, load_config
 
-    from buildkit.store import Store
+    from buildkit.store.store import Store
 
     p, *_ = built
     src_dir = next((p.store / "fixtures").iterdir())
@@ -189,10 +189,14 @@ def test_verify_report_and_model_card(built):
     # qkv/proj/linear_fc1, the merger's two), each dequantized against its source
     assert checks["dequant_rel_l1"]["figure"]["6-bit"]["tensors"] == 12 + 2 * 3 + 2
     card = (p.out / "xl-mtp" / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: mlx\n")  # a generated fixture has no base model
-    assert "generated test fixture" in card and "random weights" in card
+    assert card.startswith("---\nlibrary_name: mlx\n")  # a test checkpoint has no base model
+    assert "trained test checkpoint" in card and "not a real model" in card
     assert "| trunk | routed_expert | 6 | 64 |" in card and "mtp" in card
     assert "bits per weight" in card and "base_identical" in card
+    # built from the trained checkpoint, a newcomer's first card shows real figures: the
+    # native head drafts well above chance (a random head: well under 1%)
+    evals = json.loads((p.out / "xl-mtp" / "eval.json").read_text())
+    assert evals["acceptance"] > 0.40 and f"{evals['acceptance']:.2%}" in card
 
 
 def test_shards_have_mlx_metadata_and_index_parity(built):

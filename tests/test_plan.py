@@ -7,11 +7,11 @@ import copy
 
 import pytest
 
-from buildkit import manifest
-from buildkit.errors import UsageError
-from buildkit.plan import MISSING, Planner, action_key, why_changed
-from buildkit.steps.base import BuildOptions
-from buildkit.store import Store
+from buildkit.core.errors import UsageError
+from buildkit.engine import manifest
+from buildkit.engine.plan import MISSING, Planner, action_key, why_changed
+from buildkit.engine.step import BuildOptions
+from buildkit.store.store import Store
 
 D1, D2, D3 = (f"xxh3_128:{c * 32}" for c in "123")
 T = "language_model.model.layers.{}.mlp.switch_mlp.{}_proj.weight"

@@ -12,24 +12,23 @@ from pathlib import Path
 import pytest
 from conftest import Project, shard_parts
 
-from buildkit.artifact import Artifact
-from buildkit.errors import StepError, UsageError
-from buildkit.packs import plan_shards
-from buildkit.steps.base import BuildOptions, Context, Progress
-from buildkit.steps.fetch import parse_fixture
+from buildkit.clients.card import card_origin
+from buildkit.core.errors import StepError, UsageError
+from buildkit.engine.source import parse_fixture
+from buildkit.engine.step import BuildOptions, Context, Progress
+from buildkit.quant.quantize import quantization_config
 from buildkit.steps.publish import (
     STAMP,
     Publish,
     PublishParams,
     Staged,
-    card_origin,
-    clear_leftovers,
-    exchange,
     merge_reports,
     out_dir,
-    quantization_config,
 )
-from buildkit.store import Store
+from buildkit.store.artifact import Artifact
+from buildkit.store.packs import plan_shards
+from buildkit.store.store import Store
+from buildkit.store.swap import clear_leftovers, exchange
 
 
 def context(tmp_path, out: Path | None = None) -> Context:

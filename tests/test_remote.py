@@ -256,7 +256,7 @@ def test_trusted_keys_refuse_unsigned_and_wrongly_signed_records(uploaded, tmp_p
     env["body"]["record"]["stats"]["seconds"] = 0.5
     import hashlib
 
-    from buildkit.keys import canonical_json
+    from buildkit.core.keys import canonical_json
 
     env["sha256"] = hashlib.sha256(canonical_json(env["body"])).hexdigest()
     rec_path.write_bytes(canonical_json(env))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from buildkit.errors import StepError
-from buildkit.roles import Recipe, Role
+from buildkit.core.errors import StepError
+from buildkit.quant.roles import Recipe, Role
 
 ATTN = "language_model.model.layers.0.self_attn.q_proj.weight"
 GATE = "language_model.model.layers.0.mlp.gate.weight"

@@ -15,9 +15,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import XL, XL_MTP, cached, ran, waves
 
-from buildkit.plan import action_key
-from buildkit.steps import REGISTRY
-from buildkit.steps.base import library_version
+from buildkit.engine.plan import action_key
+from buildkit.engine.step import REGISTRY, library_version
 from buildkit.steps.quantize import Quantize
 
 XL4 = 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 4, group_size = 64 }\n'

@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from buildkit import keys
-from buildkit.errors import SourceError
-from buildkit.layout import fan
-from buildkit.store import Store
+from buildkit.core import keys
+from buildkit.core.errors import SourceError
+from buildkit.store.layout import fan
+from buildkit.store.store import Store
 
 
 def old(path, seconds: float = 10) -> None:

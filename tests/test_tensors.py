@@ -10,8 +10,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from buildkit.errors import SourceError
-from buildkit.tensors import (
+from buildkit.core.errors import SourceError
+from buildkit.formats.tensors import (
     ITEMSIZE,
     bf16_to_f32,
     f32_to_bf16,
@@ -273,7 +273,7 @@ def test_numpy_dequantize_matches_mlx(bits):
     """verify's own dequantization agrees with mx.dequantize (which rounds its output to bf16)."""
     import mlx.core as mx
 
-    from buildkit.tensors import dequantize
+    from buildkit.formats.tensors import dequantize
 
     w = mx.random.normal((3, 16, 256), key=mx.random.key(bits)).astype(mx.bfloat16)
     wq, s, b = mx.quantize(w, group_size=64, bits=bits)

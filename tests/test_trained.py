@@ -19,9 +19,9 @@ from conftest import Project
 from mlx.utils import tree_map
 from tokenizers import Tokenizer
 
-from buildkit.cli import main
-from buildkit.fixture import FixtureSpec, generate
-from buildkit.trained import DATA, SPEC, write_trained
+from buildkit.cli.main import main
+from buildkit.fixtures.generated import FixtureSpec, generate
+from buildkit.fixtures.trained import DATA, SPEC, write_trained
 
 
 def heldout_text() -> str:

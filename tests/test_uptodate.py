@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import XL, Project, cached, ran, waves
 
-from buildkit.artifact import objects as artifact_objects
-from buildkit.fixture import generate
-from buildkit.store import Store
+from buildkit.fixtures.generated import generate
+from buildkit.store.artifact import objects as artifact_objects
+from buildkit.store.store import Store
 
 UP_TO_DATE = "(up to date: "
 
@@ -46,7 +46,7 @@ def build(project: Project, src: Path, *extra: str) -> subprocess.CompletedProce
 def test_a_build_with_nothing_to_do_reads_only_stats_and_imports_neither_pydantic_nor_numpy(built):
     project, src = built
     code = (
-        "import sys; from buildkit.cli import main; rc = main(sys.argv[1:]); "
+        "import sys; from buildkit.cli.main import main; rc = main(sys.argv[1:]); "
         "print(rc, sorted(m for m in ('pydantic', 'numpy', 'mlx', 'networkx') if m in sys.modules))"
     )
     p = subprocess.run(

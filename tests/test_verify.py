@@ -8,10 +8,10 @@ import copy
 import pytest
 from conftest import Project
 
-from buildkit.errors import VerifyError
-from buildkit.steps.base import BuildOptions, Context, Progress
+from buildkit.core.errors import VerifyError
+from buildkit.engine.step import BuildOptions, Context, Progress
 from buildkit.steps.verify import Verify, VerifyParams
-from buildkit.store import Store
+from buildkit.store.store import Store
 
 LAYER = "language_model.model.layers.1.mlp.switch_mlp"
 

@@ -16,14 +16,14 @@ other processes shared):
 The preload is only for speed: the ``mlx[cpu]`` wheel's bundled reference BLAS makes a step
 ~2.5x slower here (measured on one step: 6.0 s against 2.5 s). Seeds fix the initialisation and
 the batches; the floating-point sums depend on the BLAS and its thread count, so a rerun with
-another BLAS gives close but not bit-identical weights. ``buildkit.trained.write_trained`` is
+another BLAS gives close but not bit-identical weights. ``fixtures.trained.write_trained`` is
 deterministic from the committed files, which is what tests and builds use.
 
 What it does, seeded (mlx and numpy seeds; batch order and initialisation are fixed):
 1. One line per verse; every 20th verse is held out, the rest trains. A byte-level BPE of 2048
-   ids is trained on the training verses (``buildkit.fixture.train_tokenizer``).
+   ids is trained on the training verses (``buildkit.fixtures.generated.train_tokenizer``).
 2. mlx_lm's own ``qwen3_5_moe`` classes in float32 for the trunk, of the shape of
-   ``buildkit.trained.SPEC``; an MTP head built from mlx_lm's ``DecoderLayer`` (full attention,
+   ``fixtures.trained.SPEC``; an MTP head built from mlx_lm's ``DecoderLayer`` (full attention,
    MoE) run as the runtime runs it: ``fc(cat([norm_e(embed(t+1)), norm_h(h_t)]))`` with h_t the
    trunk's hidden state before the final norm, the decoder layer, ``norm``, the trunk's ``lm_head``.
 3. AdamW, warm-up then cosine decay. Loss: next-token cross-entropy of the trunk, plus the head's
@@ -33,7 +33,7 @@ What it does, seeded (mlx and numpy seeds; batch order and initialisation are fi
 4. Writes ``weights.safetensors`` (text and ``mtp.*`` tensors, Hugging Face names and layout,
    bf16: fused gate-first experts, conv1d [C,1,K], offset norms stored as w - 1),
    ``tokenizer.json``, ``heldout.txt`` (the first held-out verses, for tests) and ``meta.json``.
-5. Round trip: writes the full checkpoint with ``buildkit.trained.write_trained`` to a temporary
+5. Round trip: writes the full checkpoint with ``fixtures.trained.write_trained`` to a temporary
    directory, loads it through mlx_lm's sanitize, and measures on the held-out verses, from those
    bf16 weights: trunk loss and perplexity, routed-token counts per expert per layer, and the
    head's teacher-forced depth-1 draft acceptance (share of positions t where the head's argmax
@@ -62,8 +62,9 @@ from mlx_lm.models import qwen3_5_moe
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
-from buildkit import fixture, trained
-from buildkit.tensors import f32_to_bf16, header_bytes
+from buildkit.fixtures import generated as fixture
+from buildkit.fixtures import trained
+from buildkit.formats.tensors import f32_to_bf16, header_bytes
 
 HELDOUT_EVERY = 20
 HELDOUT_SHIPPED = 120  # verses written to heldout.txt for the tests

@@ -15,14 +15,16 @@ output error on).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
-from .. import calibration as cal
-from ..artifact import Artifact
-from ..errors import StepError
-from ..lazy import lazy
-from ..tensors import f32_to_bf16
-from .base import Context, Params, Slot, Step, library_version, register
+from buildkit.core.errors import StepError
+from buildkit.core.lazy import lazy
+from buildkit.engine.step import Context, Params, Slot, Step, library_version, register
+from buildkit.formats.tensors import f32_to_bf16
+from buildkit.grade import calibration as cal
+from buildkit.store.artifact import Artifact
 
 np = lazy("numpy", __name__)
 
@@ -65,15 +67,8 @@ class Calibrate(Step):
         drop = {"rows_per_expert"} if params.keep_inputs else {"keep_inputs"}
         return params.model_dump(mode="json", exclude={"text"} | drop)
 
-    def fingerprint(self, params: CalibrateParams, ctx: Context) -> dict:
-        path = cal.text_path(params.text, ctx.options.project_root)
-        return {"text": ctx.store.sources.digest_file(path, rehash=ctx.options.rehash)}
-
-    def describe_fingerprint_change(self, old, new) -> str:
-        return "calibration text changed"
-
-    def watch(self, params: CalibrateParams, ctx: Context):
-        return [cal.text_path(params.text, ctx.options.project_root)], []
+    def reads(self, params: CalibrateParams, ctx: Context) -> dict[str, Path]:
+        return {"text": cal.text_path(params.text, ctx.options.project_root)}
 
     def run(self, ctx: Context, params: CalibrateParams, inputs) -> dict[str, Artifact]:
         model = inputs["model"][0]

@@ -4,7 +4,7 @@ Sources: a local directory; ``hf://org/repo@revision`` (huggingface_hub
 ``snapshot_download``, which honours HF_HUB_OFFLINE and the HF cache); or
 ``fixture:`` / ``fixture:seed=1,layers=4`` (a deterministic generated
 checkpoint, kept under the store); or ``fixture:trained`` (the small trained
-checkpoint of ``buildkit.trained``, also written under the store). Safetensors
+checkpoint of ``buildkit.fixtures.trained``, also written under the store). Safetensors
 shards stay where they are and are referenced by content digest; small files
 (config, tokenizer) are copied into the store. Paths never enter the key, only
 content digests do.
@@ -13,20 +13,17 @@ content digests do.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from pydantic import field_validator
 
-from .. import keys
-from ..artifact import Artifact
-from ..errors import SourceError, UsageError
-from .base import Context, Params, Step, register
+from buildkit.core import keys
+from buildkit.core.errors import SourceError, UsageError
+from buildkit.engine.source import HF_RE, PINNED, TRAINED, parse_fixture, source_kind
+from buildkit.engine.step import Context, Params, Step, register
+from buildkit.store.artifact import Artifact
 
-HF_RE = re.compile(r"^hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
-PINNED = re.compile(r"^[0-9a-f]{40}$")
 SMALL_FILE_LIMIT = 64 << 20
-TRAINED = "fixture:trained"
 HF_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "*.py", "tokenizer*"]
 
 
@@ -41,31 +38,6 @@ class FetchParams(Params):
         if v.startswith("fixture:") and v != TRAINED:
             parse_fixture(v)
         return v
-
-
-def parse_fixture(source: str):
-    from ..fixture import FixtureSpec
-
-    body = source[len("fixture:") :].strip("/")
-    fields = {}
-    for part in filter(None, body.split(",")):
-        k, sep, val = part.partition("=")
-        if not sep or not val.lstrip("-").isdigit():
-            raise ValueError(
-                f"fixture source takes name=integer pairs (or is {TRAINED}), got {part!r}"
-            )
-        fields[k.strip()] = int(val)
-    return FixtureSpec(**fields)
-
-
-def source_kind(source: str) -> str:
-    if source.startswith("hf://"):
-        return "hf"
-    if source == TRAINED:
-        return "trained"
-    if source.startswith("fixture:"):
-        return "fixture"
-    return "local"
 
 
 @register
@@ -132,7 +104,7 @@ class Fetch(Step):
                     ) from e
             return path, {"type": "hf", "repo": m["repo"], "revision": path.name}
         if kind == "fixture":
-            from ..fixture import generate
+            from buildkit.fixtures.generated import generate
 
             spec = parse_fixture(params.source)
             path = ctx.store.layout.fixtures / keys.short(
@@ -143,7 +115,7 @@ class Fetch(Step):
                 generate(path, spec)
             return path, {"type": "fixture", "spec": spec.model_dump()}
         if kind == "trained":
-            from ..trained import data_digest, write_trained
+            from buildkit.fixtures.trained import data_digest, write_trained
 
             path = ctx.store.root / "fixtures" / f"trained-{data_digest()}"
             if not (path / "config.json").exists():
@@ -197,11 +169,6 @@ class Fetch(Step):
         files = self._files(root)
         dirs = {root, *(p.parent for p in files)}
         return sorted(dirs) + files, []
-
-    def describe_fingerprint_change(self, old, new) -> str:
-        old, new = old or {}, new or {}
-        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        return ", ".join(changed[:5]) + (f" (+{len(changed) - 5} more)" if len(changed) > 5 else "")
 
     def run(self, ctx: Context, params: FetchParams, inputs) -> dict[str, Artifact]:
         root, meta = self.resolve(params, ctx)

@@ -9,12 +9,12 @@ refused with each differing field listed.
 
 from __future__ import annotations
 
-from .. import checkpoint as ckpt
-from ..artifact import Artifact
-from ..convert import sanitize_tensor
-from ..errors import SourceError
-from ..tensors import TensorInfo
-from .base import Context, Params, Slot, Step, register
+from buildkit.core.errors import SourceError
+from buildkit.engine.step import Context, Params, Slot, Step, register
+from buildkit.formats import checkpoint as ckpt
+from buildkit.formats.convert import sanitize_tensor
+from buildkit.formats.tensors import TensorInfo
+from buildkit.store.artifact import Artifact
 
 
 class GraftParams(Params):

@@ -22,34 +22,38 @@ shards and the head's pack; only the drafter directory's copy of the head is wri
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
-import re
 import shutil
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import Field
 
-from .. import checkpoint as ckpt
-from .. import keys, loadcheck, packs
-from ..allocator import libc
-from ..artifact import Artifact
-from ..errors import StepError, UsageError
-from ..fsio import DirectFile, drop_idle_write_buffers, file_ident, fsync_dir, settle
-from ..store import Store
-from ..tensors import nbytes, read_header
-from .base import Context, Params, Slot, Step, register
+from buildkit.clients import loadcheck
+from buildkit.clients.card import model_card
+from buildkit.clients.configs import (
+    drafter_config,
+    missing_for_images,
+)
+from buildkit.core import keys
+from buildkit.core.errors import StepError, UsageError
+from buildkit.engine.step import Context, Params, Slot, Step, register
+from buildkit.formats import checkpoint as ckpt
+from buildkit.formats.tensors import nbytes, read_header
+from buildkit.grade.grades import merge_evals
+from buildkit.quant.quantize import quantization_config
+from buildkit.store import packs
+from buildkit.store.artifact import Artifact
+from buildkit.store.fsio import DirectFile, drop_idle_write_buffers, file_ident, fsync_dir, settle
+from buildkit.store.store import Store
+from buildkit.store.swap import clear_leftovers, exchange, write_synced
 
 STAMP = ".buildkit-publish.json"
 COPY_CHUNK = 8 << 20
 SKIP_SOURCE_FILES = {"config.json", "model.safetensors.index.json", "README.md", ".gitattributes"}
 HEAD_PREFIX, DRAFTER_DIR = ckpt.HEAD_PREFIX, ckpt.DRAFTER_DIR
 DRAFTER_SHARD = f"{DRAFTER_DIR}/model.safetensors"
-PROCESSOR_FILES = ("preprocessor_config.json",)
-CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
 class PublishParams(Params):
@@ -64,8 +68,7 @@ class PublishParams(Params):
 
 
 def out_dir(params: PublishParams, ctx: Context) -> Path:
-    p = ctx.options.out_dir or Path(params.out.format(variant=ctx.variant))
-    return p if p.is_absolute() else ctx.options.project_root / p
+    return ctx.out_path(params.out)
 
 
 def copy_entry(store, entry: dict, sink, buf: bytearray) -> int:
@@ -82,70 +85,6 @@ def copy_entry(store, entry: dict, sink, buf: bytearray) -> int:
     return done
 
 
-def quantization_config(parts: list[Artifact]) -> dict | None:
-    """Defaults from the quantization covering the most parameters, per-path entries for the
-    rest."""
-    per_path: dict[str, dict] = {}
-    weight = Counter()
-    for a in parts:
-        q = a.meta.get("quantization", {})
-        per_path.update(q)
-        for role in a.meta.get("role_table", {}).values():
-            if not role.get("passthrough"):
-                weight[
-                    json.dumps(
-                        {
-                            k: role.get(k, d)
-                            for k, d in (("group_size", 64), ("bits", None), ("mode", "affine"))
-                        },
-                        sort_keys=True,
-                    )
-                ] += role["params"]
-    if not per_path:
-        return None
-    default = json.loads(weight.most_common(1)[0][0]) if weight else next(iter(per_path.values()))
-    cfg = dict(default)
-    for path in sorted(per_path):
-        if per_path[path] != default:
-            cfg[path] = per_path[path]
-    return cfg
-
-
-def drafter_config(config: dict) -> dict:
-    """config.json of the drafter directory, as mlx_vlm's own MTP split writes it
-    (``model_type: qwen3_5_mtp``), with the head's per-path quantization under its own paths.
-
-    mlx_vlm takes the drafter's unprefixed keys as MLX layout and its norms as already
-    shifted; only ``mtp.``-prefixed keys are taken for Hugging Face layout and shifted again."""
-    tc = config["text_config"]
-    out = {
-        "model_type": "qwen3_5_mtp",
-        "text_config": tc,
-        "block_size": int(tc.get("mtp_num_hidden_layers", 1)) + 2,
-        "tie_word_embeddings": bool(tc.get("tie_word_embeddings", False)),
-    }
-    q = config.get("quantization")
-    if q:
-        head = {k: v for k, v in q.items() if not isinstance(v, dict)}
-        head |= {
-            k.removeprefix(HEAD_PREFIX): v
-            for k, v in q.items()
-            if isinstance(v, dict) and k.startswith(HEAD_PREFIX)
-        }
-        out["quantization"] = out["quantization_config"] = head
-    return out
-
-
-def missing_for_images(config: dict, files: dict[str, str], tokenizer_config: dict) -> list[str]:
-    """What an mlx_vlm image prompt needs that a source with a vision tower does not carry."""
-    if "vision_config" not in config:
-        return []
-    missing = [f for f in PROCESSOR_FILES if f not in files]
-    if not any(f in files for f in CHAT_TEMPLATE_FILES) and "chat_template" not in tokenizer_config:
-        missing.append("a chat template (chat_template.jinja)")
-    return missing
-
-
 def merge_reports(reports: list[dict]) -> dict:
     """One report from several verify nodes; a scoped node's checks are named with their scope."""
     checks = {}
@@ -154,324 +93,6 @@ def merge_reports(reports: list[dict]) -> dict:
         for name, r in rep.get("checks", {}).items():
             checks[name if scope == "all" else f"{name} ({scope})"] = r
     return {"ok": all(r["ok"] for r in checks.values()), "checks": checks}
-
-
-def merge_evals(reports: list[dict]) -> dict:
-    """One eval.json from several eval nodes: the model's figures (a head-scoped node's
-    acceptance joins the trunk's), and each labelled node's (a baseline) under its label."""
-    out: dict = {}
-    for rep in reports:
-        figures = {k: v for k, v in rep.items() if k not in ("scope", "label")}
-        if rep.get("label"):
-            out.setdefault("others", {})[rep["label"]] = figures
-        else:
-            if rep.get("scope") == "head":
-                figures = {k: v for k, v in figures.items() if k != "tokens"}
-            for name, d in figures.pop("domains", {}).items():  # a head's acceptance joins
-                out.setdefault("domains", {}).setdefault(name, {}).update(d)
-            out.update(figures)
-    return out
-
-
-EVAL_ROWS = (  # (key, what it is, format)
-    ("kld_mean", "KL divergence KL(p_bf16 ‖ p_model), mean", "{:.5f}"),
-    ("kld_median", "KL divergence, median", "{:.5f}"),
-    ("kld_p99", "KL divergence, 99th percentile", "{:.5f}"),
-    ("top1_agreement", "top-1 agreement with bf16", "{:.2%}"),
-    ("ppl_model", "perplexity, this model", "{:.3f}"),
-    ("ppl_source", "perplexity, bf16 source", "{:.3f}"),
-    ("acceptance", "MTP draft acceptance, depth 1 (this head on this trunk)", "{:.2%}"),
-    ("acceptance_source", "MTP draft acceptance, depth 1 (bf16 head on bf16 trunk)", "{:.2%}"),
-)
-
-
-def eval_table(evals: dict) -> list[str]:
-    """The card's evaluation table: this model, then each labelled comparison, as columns."""
-    cols = [("this model", evals), *sorted(evals.get("others", {}).items())]
-    text = f" of {evals['text']}" if evals.get("text") else ""
-    lines = [
-        f"On {evals.get('positions', '?')} positions of the held-out lines{text} "
-        f"({evals.get('tokens', '?')} tokens), next-token distributions against the bf16 source, "
-        "both run with mlx_lm's classes in float32.",
-        "",
-        "| figure | " + " | ".join(c for c, _ in cols) + " |",
-        "|---|" + "---|" * len(cols),
-    ]
-    for key, what, fmt in EVAL_ROWS:
-        if any(key in f for _, f in cols):
-            lines.append(
-                f"| {what} | "
-                + " | ".join(fmt.format(f[key]) if f.get(key) is not None else "" for _, f in cols)
-                + " |"
-            )
-    return lines + domain_table(evals)
-
-
-DOMAIN_COLUMNS = (  # (key, heading, format)
-    ("tokens", "tokens", "{}"),
-    ("kld_mean", "KLD mean", "{:.5f}"),
-    ("top1_agreement", "top-1", "{:.2%}"),
-    ("acceptance", "MTP acceptance", "{:.2%}"),
-)
-
-
-def domain_table(evals: dict) -> list[str]:
-    """Per domain text (graded whole): this model's figures and, for each labelled comparison
-    that graded the same domains (a data-agnostic baseline), this model's KLD as a ratio of
-    its."""
-    domains = evals.get("domains") or {}
-    if not domains:
-        return []
-    cols = [c for c in DOMAIN_COLUMNS if any(c[0] in d for d in domains.values())]
-    others = [(lab, o["domains"]) for lab, o in sorted(evals.get("others", {}).items())]
-    others = [(lab, d) for lab, d in others if d]
-    lines = [
-        "",
-        "Per domain, each text graded whole (calibration skew: a data-aware model's error "
-        "where its calibration text says little):",
-        "",
-        "| domain | "
-        + " | ".join(h for _, h, _ in cols)
-        + "".join(f" | KLD / {lab}" for lab, _ in others)
-        + " |",
-        "|---|" + "---|" * (len(cols) + len(others)),
-    ]
-    for name, d in sorted(domains.items()):
-        cells = [fmt.format(d[k]) if d.get(k) is not None else "" for k, _, fmt in cols]
-        for _, od in others:
-            base = (od.get(name) or {}).get("kld_mean")
-            ok = base and d.get("kld_mean") is not None
-            cells.append(f"{d['kld_mean'] / base:.3f}" if ok else "")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def exchange(src: Path, dst: Path) -> None:
-    """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE), else rename aside."""
-    fn = getattr(libc(), "renameat2", None)
-    if fn is not None:
-        AT_FDCWD, RENAME_EXCHANGE = -100, 2
-        if fn(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), RENAME_EXCHANGE) == 0:
-            return
-    aside = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-    os.rename(dst, aside)
-    os.rename(src, dst)
-    os.rename(aside, src)
-
-
-LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)")
-
-
-def clear_leftovers(dest: Path) -> None:
-    """Remove the temp and set-aside directories that killed publishes left beside ``dest``."""
-    for p in dest.parent.glob(f".{glob.escape(dest.name)}.*-*"):
-        m = LEFTOVER.fullmatch(p.name)
-        if m and m["name"] == dest.name and not _alive(int(m["pid"])):
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        pass
-    return True
-
-
-def write_synced(path: Path, data: bytes) -> None:
-    """A small file, through the page cache, fsynced before it is closed."""
-    with DirectFile(path, direct=False) as f:
-        f.write(data)
-
-
-def card_origin(params: PublishParams, source: dict) -> tuple[str | None, str]:
-    """(base_model for the card's metadata, a line saying what the model was built from)."""
-    if params.base_model:
-        return params.base_model, f"Built from `{params.base_model}`."
-    if source.get("type") == "hf":
-        return source[
-            "repo"
-        ], f"Built from `{source['repo']}` at revision `{source.get('revision')}`."
-    if source.get("type") == "fixture":
-        return None, (
-            "Built from a **generated test fixture** (`qwen3_5_moe` layout, random weights, "
-            f"spec `{json.dumps(source.get('spec'), sort_keys=True)}`): not a real model."
-        )
-    return None, "Built from a local checkpoint directory."
-
-
-def budget_lines(b: dict | None) -> list[str]:
-    """The card's account of a bits-per-weight budget: target, result, and each budgeted
-    group's bits and measured sensitivity at every candidate bits."""
-    if not b:
-        return []
-    cand = sorted({int(k) for s in b["sensitivity"].values() for k in s})
-    lines = [
-        "",
-        "## Bits-per-weight budget",
-        "",
-        f"Target **{b['target_bpw']}** bits per weight (this part), "
-        f"planned **{b['bits_per_weight']}**. Sensitivity: {b['measure']}; "
-        "bits chosen to make the summed sensitivity least within the budget.",
-        "",
-        "| routed experts | bits | " + " | ".join(f"sensitivity at {c}" for c in cand) + " |",
-        "|---|---|" + "---|" * len(cand),
-    ]
-    for name, s in b["sensitivity"].items():
-        lines.append(
-            f"| {name} | {b['bits'][name]} | "
-            + " | ".join(str(s.get(str(c), "")) for c in cand)
-            + " |"
-        )
-    return lines
-
-
-def model_card(
-    ctx: Context,
-    params: PublishParams,
-    cfg: dict | None,
-    parts: list[Artifact],
-    reports: list[dict],
-    bpw: float,
-    n_tensors: int,
-    source: dict,
-    evals: dict | None = None,
-) -> str:
-    names = [n for a in parts for n in a.tensors]
-    has_mtp = any(n.startswith(HEAD_PREFIX) for n in names)
-    has_vision = any(n.startswith("vision_tower.") for n in names)
-    tags = list(
-        dict.fromkeys(
-            [*params.tags, *(["mtp"] if has_mtp else []), *(["vision"] if has_vision else [])]
-        )
-    )
-    base, origin = card_origin(params, source)
-    lines = [
-        "---",
-        *([f"base_model: {base}"] if base else []),
-        "library_name: mlx",
-        f"pipeline_tag: {'image-text-to-text' if has_vision else 'text-generation'}",
-        "tags:",
-        *[f"- {t}" for t in tags],
-        "---",
-        "",
-        f"# {ctx.variant}",
-        "",
-        params.description
-        or f"MLX build of {base or 'a qwen3_5_moe checkpoint'}, variant `{ctx.variant}`, "
-        "made with buildkit.",
-        "",
-        origin,
-        "",
-        f"- bits per weight (stored bits / source weights): **{bpw:.3f}**",
-        f"- tensors: {n_tensors}"
-        + (f" (includes the MTP head `{HEAD_PREFIX}*`)" if has_mtp else ""),
-        "",
-        "## Quantization by role",
-        "",
-        "| part | role | bits | group size | tensors | weights |",
-        "|---|---|---|---|---|---|",
-    ]
-    for a in parts:
-        part = "mtp head" if any(n.startswith(HEAD_PREFIX) for n in a.tensors) else "trunk"
-        for role, row in sorted(a.meta.get("role_table", {}).items()):
-            bits = "passthrough" if row.get("passthrough") else str(row.get("bits"))
-            extra = " (calibrated)" if row.get("calibrated") else ""
-            gs = "" if row.get("passthrough") else str(row.get("group_size", 64))
-            lines.append(
-                f"| {part} | {role}{extra} | {bits} | {gs} | {row['tensors']} | {row['params']:,} |"
-            )
-    for a in parts:
-        lines += budget_lines(a.meta.get("budget"))
-    if reports:
-        lines += ["", "## Verification", "", "| check | result | figure |", "|---|---|---|"]
-        for rep in reports:
-            for name, r in rep.get("checks", {}).items():
-                lines.append(
-                    f"| {name} | {'pass' if r['ok'] else 'FAIL'} | "
-                    f"`{json.dumps(r['figure'], default=str)}` |"
-                )
-    if evals:
-        lines += ["", "## Evaluation", "", *eval_table(evals)]
-    return "\n".join(lines + usage(cfg is not None, has_vision, has_mtp)) + "\n"
-
-
-def usage(quantized: bool, has_vision: bool, has_mtp: bool) -> list[str]:
-    """The card's "Use" section: each client that loads this directory, and how."""
-    if not quantized:
-        return []
-    lines = ["", "## Use", ""]
-    if has_vision:
-        lines += [
-            "The vision tower is kept: use **mlx_vlm** for image (and text) prompts. "
-            "LM Studio routes",
-            "a config with `vision_config` to mlx_vlm too.",
-            "",
-            "```sh",
-            "python -m mlx_vlm.generate --model path/to/this/model --image photo.jpg "
-            '--prompt "Describe this image." --max-tokens 100',
-            "python -m mlx_vlm.generate --model path/to/this/model "
-            '--prompt "Hello" --max-tokens 32',
-            "```",
-            "",
-            "```python",
-            "from mlx_vlm import load, generate",
-            "from mlx_vlm.prompt_utils import apply_chat_template",
-            "",
-            'model, processor = load("path/to/this/model")',
-            "prompt = apply_chat_template(processor, model.config, "
-            '"Describe this image.", num_images=1)',
-            'print(generate(model, processor, prompt, image=["photo.jpg"], max_tokens=100).text)',
-            "```",
-            "",
-            "**mlx_lm** loads the text model alone (it drops the vision tower"
-            + (" and the MTP head)" if has_mtp else ")")
-            + ":",
-            "",
-        ]
-    lines += [
-        "```python",
-        "from mlx_lm import load, generate",
-        "",
-        'model, tokenizer = load("path/to/this/model")',
-        'print(generate(model, tokenizer, prompt="Hello", max_tokens=32))',
-        "```",
-    ]
-    if has_mtp:
-        lines += [
-            "",
-            "## Speculative decoding with the MTP head",
-            "",
-            f"The native multi-token-prediction head is published twice, with the same bytes: "
-            f"as `{HEAD_PREFIX}*`",
-            f"in this directory's shards (for oMLX) and "
-            f"as a standalone mlx_vlm drafter in `{DRAFTER_DIR}/`.",
-            "All seven head norms are stored already shifted (runtime weight `1 + w`), in both.",
-            "",
-            "- **oMLX**: set `mtp_enabled: true` for this model. "
-            "Use an oMLX release that decides the head's",
-            "  norm convention for the whole head (`mtp_head_norm_convention`), "
-            "the `pre_fc` norms with the",
-            "  rest of it: older releases decide each norm alone by its mean and "
-            "shift again a correctly",
-            "  shifted norm whose mean is below 0.5, "
-            "as the real model's `pre_fc` norms are (0.49 and 0.27),",
-            "  which costs much of the draft acceptance.",
-            f"- **mlx_vlm**: pass the drafter directory, "
-            f"`--draft-model path/to/this/model/{DRAFTER_DIR} --draft-kind mtp`:",
-            "",
-            "```sh",
-            f"python -m mlx_vlm.generate --model path/to/this/model "
-            f"--draft-model path/to/this/model/{DRAFTER_DIR} \\",
-            '    --draft-kind mtp --prompt "Hello" --max-tokens 64',
-            "```",
-            "",
-            "- **LM Studio** (mlx-engine) and plain mlx_lm ignore the head: "
-            "the model runs without drafting.",
-        ]
-    return lines
 
 
 @dataclass
@@ -643,7 +264,7 @@ class Publish(Step):
             if evals:
                 files["eval.json"] = json.dumps(evals, indent=2, sort_keys=True).encode()
             files["README.md"] = model_card(
-                ctx,
+                ctx.variant,
                 params,
                 staged.config.get("quantization"),
                 staged.parts,

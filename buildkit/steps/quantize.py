@@ -17,14 +17,20 @@ from collections.abc import Mapping
 
 from pydantic import Field, model_validator
 
-from .. import budget, dataaware
-from ..artifact import Artifact
-from ..errors import StepError
-from ..packs import PackSet, PackWriter
-from ..roles import Recipe, Role
-from ..store import ROW_BLOCK_BYTES
-from ..tensors import ITEMSIZE, nbytes
-from .base import Context, Params, Slot, Step, library_version, register
+from buildkit.core.errors import StepError
+from buildkit.engine.step import Context, Params, Slot, Step, library_version, register
+from buildkit.formats.tensors import ITEMSIZE, nbytes
+from buildkit.quant import budget, dataaware
+from buildkit.quant.quantize import (
+    assign_roles,
+    module_path,
+    output_shapes,
+    quantize_entry,
+    stored_bits,
+)
+from buildkit.quant.roles import Recipe, Role
+from buildkit.store.artifact import Artifact
+from buildkit.store.packs import PackSet, PackWriter
 
 
 class QuantizeParams(Params):
@@ -45,101 +51,12 @@ class QuantizeParams(Params):
         return self
 
 
-def module_path(name: str) -> str:
-    return name.removesuffix(".weight")
-
-
-def check_quantizable(name: str, shape, role: Role) -> None:
-    if not name.endswith(".weight") or len(shape) < 2:
-        raise StepError(
-            f"tensor {name!r} {list(shape)} cannot be quantized (needs a 2-D or 3-D X.weight)"
-        )
-    if shape[-1] % role.group_size:
-        raise StepError(
-            f"tensor {name!r}: last dimension {shape[-1]} "
-            f"is not a multiple of group_size {role.group_size}"
-        )
-
-
-def quantize_entry(
-    store, name: str, entry: dict, role: Role, block_bytes: int = ROW_BLOCK_BYTES
-) -> dict[str, dict]:
-    """One tensor -> its stored entries under ``role``, in blocks of rows: mx.quantize's groups
-    run along the last axis, so the blocks give the bytes of quantizing the tensor whole."""
-    if role.passthrough:
-        return {name: entry}
-    from .. import affine, qerror  # numba: imported by the first quantizing task, not by all
-
-    shape = entry["shape"]
-    check_quantizable(name, shape, role)
-    base = module_path(name)
-
-    def blocks():
-        for block in store.iter_rows(entry, block_bytes):
-            # bf16 (every weight of the real model): mx.quantize's bytes and verify's figure
-            # in one compiled pass; else, or for a non-finite block, mx.quantize then measure
-            parts, sums = affine.like_mx(
-                block, entry["dtype"], role.bits, role.group_size, role.mode
-            )
-            named = dict(zip((f"{base}.{k}" for k in ("weight", "scales", "biases")), parts))
-            yield (block, named, sums) if sums is not None else (block, named)
-
-    return qerror.put_measured(
-        store, shape[0], blocks(), base, entry["dtype"], role.bits, role.group_size
-    )
-
-
-def output_shapes(name: str, entry: dict, role: Role) -> dict[str, tuple[str, list[int]]]:
-    """What a tensor becomes under ``role``: name -> (dtype, shape) of each stored tensor."""
-    if role.passthrough:
-        return {name: (entry["dtype"], list(entry["shape"]))}
-    check_quantizable(name, entry["shape"], role)
-    base = module_path(name)
-    return {
-        f"{base}.{k}": (dt, list(shape))
-        for k, (dt, shape) in quantized_shapes(entry["shape"], role, entry["dtype"]).items()
-    }
-
-
 def pack_entry(store, name: str, entry: dict, role: Role, slots: dict) -> dict[str, dict]:
     """One tensor into its slots in the step's packs (a task: ``Context.map``)."""
     w = PackWriter(store, slots)
     if role.passthrough:
         return {name: w.copy(name, entry)}
     return quantize_entry(w, name, entry, role)
-
-
-def stored_bits(entries: dict[str, dict]) -> int:
-    return 8 * sum(nbytes(e["dtype"], e["shape"]) for e in entries.values())
-
-
-def assign_roles(names: list[str], params: QuantizeParams) -> dict[str, str]:
-    """Role of every tensor: the step's own rules first (each must match), then the recipe's,
-    first match wins. The one place rules become a per-tensor plan (quantize, its key, estimate)."""
-    recipe = params.recipe
-    roles: dict[str, str] = {}
-    if params.rules:
-        local = Recipe(roles=recipe.roles, rules=params.rules)
-        hits = {n: local.match(n) for n in names}
-        roles = {n: h[1] for n, h in hits.items() if h}
-        dead = sorted(set(params.rules) - {h[0] for h in hits.values() if h})
-        if dead:
-            raise StepError(
-                f"step rule(s) {', '.join(map(repr, dead))} match no tensor; fix the pattern"
-            )
-    rest = [n for n in names if n not in roles]
-    return roles | recipe.assign(rest, require_all_rules=params.require_all_rules)
-
-
-def quantized_shapes(shape, role: Role, dtype: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """suffix -> (dtype, shape) of what ``mx.quantize`` stores for a weight of ``shape``:
-    packed uint32 codes, and scales and biases in the weight's dtype, one per group."""
-    *rows, cols = shape
-    return {
-        "weight": ("U32", (*rows, cols * role.bits // 32)),
-        "scales": (dtype, (*rows, cols // role.group_size)),
-        "biases": (dtype, (*rows, cols // role.group_size)),
-    }
 
 
 def resolved_plan(
@@ -187,7 +104,7 @@ def task_units(names: list[str], roles: dict[str, str], recipe: Recipe) -> list[
     gptq_roles = {n for n, r in recipe.roles.items() if r.calibrated and r.method == "gptq"}
     if not gptq_roles:
         return [(n,) for n in names]
-    from .. import gptq
+    from buildkit.quant import gptq
 
     up_of = {
         g: u
@@ -216,14 +133,14 @@ def quantize_artifact(
     ctx.progress.start(len(names))
 
     tally = dataaware.check_calibration(recipe, roles, calibration)
-    from .. import qerror  # numba: only once a step quantizes
+    from buildkit.quant import qerror  # numba: only once a step quantizes
 
     def work(store, *items: tuple) -> dict[str, dict]:
         """One task's tensors, each ``(name, entry, role, slots)``: one tensor, or a layer's
         gate_proj and up_proj under a GPTQ role (they share a Hessian and its factor)."""
         name, entry, role, slots = items[0]
         if role.calibrated and role.method == "gptq":  # error feedback (buildkit/gptq.py)
-            from .. import gptq  # numba and scipy: only for a GPTQ role
+            from buildkit.quant import gptq  # numba and scipy: only for a GPTQ role
 
             w = PackWriter(store, {k: v for it in items for k, v in it[3].items()})
             pairs = [(it[0], it[1]) for it in items]
@@ -313,7 +230,7 @@ def quantize_artifact(
     if tally:
         out.meta["calibration"] = tally.summary()
         if any(r.method == "gptq" for r in recipe.roles.values()):
-            from .. import gptq
+            from buildkit.quant import gptq
 
             out.meta["calibration"]["method"] = gptq.METHOD
         ctx.log(
@@ -357,7 +274,7 @@ class Quantize(Step):
         if any(v["calibrated"] for v in plan["roles"].values()):
             d["data_aware"] = dataaware.key()  # the search's version and the numpy it runs on
         if any(v.get("method") == "gptq" for v in plan["roles"].values()):
-            from .. import gptq
+            from buildkit.quant import gptq
 
             d["gptq"] = gptq.key()
         return d

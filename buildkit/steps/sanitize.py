@@ -10,41 +10,14 @@ files; only the tensors whose bytes change are written to the store.
 
 from __future__ import annotations
 
-from .. import checkpoint as ckpt
-from ..artifact import Artifact
-from ..checkpoint import load_config, scan_source
-from ..convert import sanitize_tensor, view
-from ..errors import SourceError
-from ..tensors import TensorInfo
-from .base import Context, Params, Slot, Step, register
-
-FLOAT_DTYPES = ("BF16", "F16", "F32")
+from buildkit.engine.step import Context, Params, Slot, Step, register
+from buildkit.formats.checkpoint import check_layout, load_config, scan_source
+from buildkit.formats.convert import sanitize_tensor, view
+from buildkit.store.artifact import Artifact
 
 
 class SanitizeParams(Params):
     pass
-
-
-def check_layout(config: dict, found: dict[str, tuple[str, TensorInfo]]) -> None:
-    want = ckpt.text_shapes(config) | ckpt.mtp_shapes(config)
-    missing = sorted(set(want) - set(found))
-    if missing:
-        more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
-        raise SourceError(
-            f"source is missing {len(missing)} tensor(s): {', '.join(missing[:8])}{more}"
-        )
-    for name, (_, info) in sorted(found.items()):
-        if name in want and tuple(info.shape) != want[name]:
-            raise SourceError(
-                f"tensor {name!r} has shape {list(info.shape)} "
-                f"but config.json implies {list(want[name])}"
-            )
-        if info.dtype not in FLOAT_DTYPES:
-            raise SourceError(
-                f"tensor {name!r} has dtype {info.dtype}; expected one of {FLOAT_DTYPES}"
-            )
-        if name not in want and not name.startswith("model.visual."):
-            raise SourceError(f"tensor {name!r} is not part of the qwen3_5_moe layout")
 
 
 @register

@@ -13,16 +13,17 @@ re-measuring. The figures are in ``meta`` (no tensors); the numerics are in
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .. import budget
-from .. import calibration as cal
-from ..artifact import Artifact
-from ..errors import StepError
-from ..roles import BITS
-from .base import Context, Params, Slot, Step, library_version, register
+from buildkit.core.errors import StepError
+from buildkit.engine.step import Context, Params, Slot, Step, library_version, register
+from buildkit.grade import calibration as cal
+from buildkit.quant import budget
+from buildkit.quant.roles import BITS
+from buildkit.store.artifact import Artifact
 
 
 class SensitivityParams(Params):
@@ -58,15 +59,8 @@ class Sensitivity(Step):
     def key_params(self, params: SensitivityParams, inputs=None) -> dict:
         return params.model_dump(mode="json", exclude={"text"})
 
-    def fingerprint(self, params: SensitivityParams, ctx: Context) -> dict:
-        path = cal.text_path(params.text, ctx.options.project_root)
-        return {"text": ctx.store.sources.digest_file(path, rehash=ctx.options.rehash)}
-
-    def describe_fingerprint_change(self, old, new) -> str:
-        return "calibration text changed"
-
-    def watch(self, params: SensitivityParams, ctx: Context):
-        return [cal.text_path(params.text, ctx.options.project_root)], []
+    def reads(self, params: SensitivityParams, ctx: Context) -> dict[str, Path]:
+        return {"text": cal.text_path(params.text, ctx.options.project_root)}
 
     def run(self, ctx: Context, params: SensitivityParams, inputs) -> dict[str, Artifact]:
         model = inputs["model"][0]

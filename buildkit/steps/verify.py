@@ -16,15 +16,15 @@ from fnmatch import fnmatchcase
 
 from pydantic import Field
 
-from .. import calibration as cal
-from .. import checkpoint as ckpt
-from ..artifact import Artifact
-from ..convert import mlx_layout, view
-from ..errors import VerifyError
-from ..lazy import lazy
-from ..tensors import dequantize as dequantize_np
-from ..tensors import nbytes, non_finite, read_slice, to_float32
-from .base import Context, Params, Slot, Step, library_version, register
+from buildkit.core.errors import VerifyError
+from buildkit.core.lazy import lazy
+from buildkit.engine.step import Context, Params, Slot, Step, library_version, register
+from buildkit.formats import checkpoint as ckpt
+from buildkit.formats.convert import mlx_layout, view
+from buildkit.formats.tensors import dequantize as dequantize_np
+from buildkit.formats.tensors import nbytes, non_finite, read_slice, to_float32
+from buildkit.grade import calibration as cal
+from buildkit.store.artifact import Artifact
 
 np = lazy("numpy", __name__)
 
@@ -295,7 +295,9 @@ def layer_expert_errors(
     time, dequantized by buildkit's own float32 arithmetic (as the rel-L1 checks: ~4x
     ``mx.dequantize``'s speed on the CPU); the stored tensors' digests are checked as they
     stream."""
-    from .. import affine  # numba: mx.quantize's values, dequantized, in one compiled pass
+    from buildkit.quant import (
+        affine,  # numba: mx.quantize's values, dequantized, in one compiled pass
+    )
 
     projs = list(sources)
     n = len(projs)

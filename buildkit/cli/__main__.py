@@ -1,0 +1,3 @@
+from buildkit.cli.main import entry
+
+entry()

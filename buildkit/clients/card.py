@@ -1,0 +1,221 @@
+"""The model card: what a published directory is, how it was made and checked, and how to use it."""
+
+from __future__ import annotations
+
+import json
+
+from buildkit.formats.checkpoint import DRAFTER_DIR, HEAD_PREFIX
+from buildkit.grade.grades import eval_table
+from buildkit.store.artifact import Artifact
+
+
+def card_origin(params, source: dict) -> tuple[str | None, str]:
+    """(base_model for the card's metadata, a line saying what the model was built from)."""
+    if params.base_model:
+        return params.base_model, f"Built from `{params.base_model}`."
+    if source.get("type") == "hf":
+        return source[
+            "repo"
+        ], f"Built from `{source['repo']}` at revision `{source.get('revision')}`."
+    if source.get("type") == "fixture":
+        return None, (
+            "Built from a **generated test fixture** (`qwen3_5_moe` layout, random weights, "
+            f"spec `{json.dumps(source.get('spec'), sort_keys=True)}`): not a real model."
+        )
+    if source.get("type") == "trained":
+        return None, (
+            "Built from buildkit's small **trained test checkpoint** (`qwen3_5_moe` layout, "
+            "trained on a public-domain text): not a real model."
+        )
+    return None, "Built from a local checkpoint directory."
+
+
+def budget_lines(b: dict | None) -> list[str]:
+    """The card's account of a bits-per-weight budget: target, result, and each budgeted
+    group's bits and measured sensitivity at every candidate bits."""
+    if not b:
+        return []
+    cand = sorted({int(k) for s in b["sensitivity"].values() for k in s})
+    lines = [
+        "",
+        "## Bits-per-weight budget",
+        "",
+        f"Target **{b['target_bpw']}** bits per weight (this part), "
+        f"planned **{b['bits_per_weight']}**. Sensitivity: {b['measure']}; "
+        "bits chosen to make the summed sensitivity least within the budget.",
+        "",
+        "| routed experts | bits | " + " | ".join(f"sensitivity at {c}" for c in cand) + " |",
+        "|---|---|" + "---|" * len(cand),
+    ]
+    for name, s in b["sensitivity"].items():
+        lines.append(
+            f"| {name} | {b['bits'][name]} | "
+            + " | ".join(str(s.get(str(c), "")) for c in cand)
+            + " |"
+        )
+    return lines
+
+
+def model_card(
+    variant: str,
+    params,
+    cfg: dict | None,
+    parts: list[Artifact],
+    reports: list[dict],
+    bpw: float,
+    n_tensors: int,
+    source: dict,
+    evals: dict | None = None,
+) -> str:
+    """The card's Markdown. ``params`` are publish's (tags, description, base_model)."""
+    names = [n for a in parts for n in a.tensors]
+    has_mtp = any(n.startswith(HEAD_PREFIX) for n in names)
+    has_vision = any(n.startswith("vision_tower.") for n in names)
+    lines = front_matter(variant, params, source, has_mtp, has_vision)
+    lines += [
+        f"- bits per weight (stored bits / source weights): **{bpw:.3f}**",
+        f"- tensors: {n_tensors}"
+        + (f" (includes the MTP head `{HEAD_PREFIX}*`)" if has_mtp else ""),
+    ]
+    lines += role_table(parts)
+    for a in parts:
+        lines += budget_lines(a.meta.get("budget"))
+    lines += verification(reports)
+    if evals:
+        lines += ["", "## Evaluation", "", *eval_table(evals)]
+    return "\n".join(lines + usage(cfg is not None, has_vision, has_mtp)) + "\n"
+
+
+def front_matter(variant: str, params, source: dict, has_mtp: bool, has_vision: bool):
+    """The Hub's metadata block, the title and what the model was built from."""
+    tags = [*params.tags, *(["mtp"] if has_mtp else []), *(["vision"] if has_vision else [])]
+    base, origin = card_origin(params, source)
+    return [
+        "---",
+        *([f"base_model: {base}"] if base else []),
+        "library_name: mlx",
+        f"pipeline_tag: {'image-text-to-text' if has_vision else 'text-generation'}",
+        "tags:",
+        *[f"- {t}" for t in dict.fromkeys(tags)],
+        "---",
+        "",
+        f"# {variant}",
+        "",
+        params.description
+        or f"MLX build of {base or 'a qwen3_5_moe checkpoint'}, variant `{variant}`, "
+        "made with buildkit.",
+        "",
+        origin,
+        "",
+    ]
+
+
+def role_table(parts: list[Artifact]) -> list[str]:
+    lines = [
+        "",
+        "## Quantization by role",
+        "",
+        "| part | role | bits | group size | tensors | weights |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a in parts:
+        part = "mtp head" if any(n.startswith(HEAD_PREFIX) for n in a.tensors) else "trunk"
+        for role, row in sorted(a.meta.get("role_table", {}).items()):
+            bits = "passthrough" if row.get("passthrough") else str(row.get("bits"))
+            extra = " (calibrated)" if row.get("calibrated") else ""
+            gs = "" if row.get("passthrough") else str(row.get("group_size", 64))
+            lines.append(
+                f"| {part} | {role}{extra} | {bits} | {gs} | {row['tensors']} | {row['params']:,} |"
+            )
+    return lines
+
+
+def verification(reports: list[dict]) -> list[str]:
+    if not reports:
+        return []
+    lines = ["", "## Verification", "", "| check | result | figure |", "|---|---|---|"]
+    for rep in reports:
+        for name, r in rep.get("checks", {}).items():
+            lines.append(
+                f"| {name} | {'pass' if r['ok'] else 'FAIL'} | "
+                f"`{json.dumps(r['figure'], default=str)}` |"
+            )
+    return lines
+
+
+def usage(quantized: bool, has_vision: bool, has_mtp: bool) -> list[str]:
+    """The card's "Use" section: each client that loads this directory, and how."""
+    if not quantized:
+        return []
+    lines = ["", "## Use", "", *(use_vlm(has_mtp) if has_vision else [])]
+    lines += [
+        "```python",
+        "from mlx_lm import load, generate",
+        "",
+        'model, tokenizer = load("path/to/this/model")',
+        'print(generate(model, tokenizer, prompt="Hello", max_tokens=32))',
+        "```",
+    ]
+    return lines + (use_mtp() if has_mtp else [])
+
+
+def use_vlm(has_mtp: bool) -> list[str]:
+    return [
+        "The vision tower is kept: use **mlx_vlm** for image (and text) prompts. LM Studio routes",
+        "a config with `vision_config` to mlx_vlm too.",
+        "",
+        "```sh",
+        "python -m mlx_vlm.generate --model path/to/this/model --image photo.jpg "
+        '--prompt "Describe this image." --max-tokens 100',
+        'python -m mlx_vlm.generate --model path/to/this/model --prompt "Hello" --max-tokens 32',
+        "```",
+        "",
+        "```python",
+        "from mlx_vlm import load, generate",
+        "from mlx_vlm.prompt_utils import apply_chat_template",
+        "",
+        'model, processor = load("path/to/this/model")',
+        "prompt = apply_chat_template(processor, model.config, "
+        '"Describe this image.", num_images=1)',
+        'print(generate(model, processor, prompt, image=["photo.jpg"], max_tokens=100).text)',
+        "```",
+        "",
+        "**mlx_lm** loads the text model alone (it drops the vision tower"
+        + (" and the MTP head)" if has_mtp else ")")
+        + ":",
+        "",
+    ]
+
+
+def use_mtp() -> list[str]:
+    return [
+        "",
+        "## Speculative decoding with the MTP head",
+        "",
+        f"The native multi-token-prediction head is published twice, with the same bytes: "
+        f"as `{HEAD_PREFIX}*`",
+        f"in this directory's shards (for oMLX) and "
+        f"as a standalone mlx_vlm drafter in `{DRAFTER_DIR}/`.",
+        "All seven head norms are stored already shifted (runtime weight `1 + w`), in both.",
+        "",
+        "- **oMLX**: set `mtp_enabled: true` for this model. "
+        "Use an oMLX release that decides the head's",
+        "  norm convention for the whole head (`mtp_head_norm_convention`), "
+        "the `pre_fc` norms with the",
+        "  rest of it: older releases decide each norm alone by its mean and "
+        "shift again a correctly",
+        "  shifted norm whose mean is below 0.5, "
+        "as the real model's `pre_fc` norms are (0.49 and 0.27),",
+        "  which costs much of the draft acceptance.",
+        f"- **mlx_vlm**: pass the drafter directory, "
+        f"`--draft-model path/to/this/model/{DRAFTER_DIR} --draft-kind mtp`:",
+        "",
+        "```sh",
+        f"python -m mlx_vlm.generate --model path/to/this/model "
+        f"--draft-model path/to/this/model/{DRAFTER_DIR} \\",
+        '    --draft-kind mtp --prompt "Hello" --max-tokens 64',
+        "```",
+        "",
+        "- **LM Studio** (mlx-engine) and plain mlx_lm ignore the head: "
+        "the model runs without drafting.",
+    ]

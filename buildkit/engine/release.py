@@ -1,0 +1,199 @@
+"""Release locks (``manifests/VARIANT.lock``), checking a rebuild against one, and uploads."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+from buildkit.core import keys
+from buildkit.core.errors import UsageError
+from buildkit.store.fsio import atomic_write
+
+TOOLS = (
+    "buildkit",
+    "llvmlite",
+    "mlx",
+    "mlx-lm",
+    "numba",
+    "numpy",
+    "safetensors",
+    "scipy",
+    "tokenizers",
+)
+PINS = "constraints.txt"  # the exact versions release locks are made with (see README)
+
+
+def lock_path(sched) -> Path:
+    return sched.m.file.with_suffix(".lock")
+
+
+def tool_versions() -> dict[str, str]:
+    return {t: version(t) for t in TOOLS}
+
+
+def machine() -> str:
+    return f"{platform.system()}-{platform.machine()}"
+
+
+def lock_data(sched, states) -> dict:
+    nodes = {
+        s.name: {
+            "kind": s.kind,
+            "key": s.key,
+            "libraries": s.ingredients["libraries"],
+            "outputs": dict(sorted(s.outputs.items())),
+        }
+        for s in states
+    }
+    sources = {
+        s.name: {"source": s.ingredients["params"], "files": s.ingredients["fingerprint"]}
+        for s in states
+        if s.kind == "fetch"
+    }
+    return {
+        "variant": sched.m.name,
+        "sources": sources,
+        "nodes": nodes,
+        "tools": tool_versions(),
+        "python": platform.python_version(),
+        "platform": machine(),
+    }
+
+
+def write_lock(sched, states) -> Path:
+    path = lock_path(sched)
+    atomic_write(
+        path, (json.dumps(lock_data(sched, states), indent=2, sort_keys=True) + "\n").encode()
+    )
+    return path
+
+
+def read_lock(path: str | Path, variant: str) -> dict:
+    """A lock file, checked to be one (for ``variant``) before anything is built against it."""
+    try:
+        lock = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UsageError(f"{path}: cannot read lock file: {e}") from None
+    nodes = lock.get("nodes") if isinstance(lock, dict) else None
+    if not (
+        isinstance(nodes, dict)
+        and all(isinstance(v, dict) for v in nodes.values())
+        and isinstance(lock.get("sources", {}), dict)
+    ):
+        raise UsageError(
+            f"{path}: not a buildkit lock file (no nodes table); "
+            "write one with `buildkit build VARIANT --release`"
+        )
+    if lock.get("variant") != variant:
+        raise UsageError(f"{path} is the lock of variant {lock.get('variant')!r}, not {variant!r}")
+    return lock
+
+
+def _differ(a: dict, b: dict) -> str:
+    """'name A (lock) vs B (here)' for each entry that differs between two version tables."""
+    a, b = a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}
+    return ", ".join(
+        f"{k} {a.get(k)} (lock) vs {b.get(k)} (here)"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    )
+
+
+def verify_against(manifest, against: str | Path, jobs: int = 2, remote=None) -> int:
+    """Rebuild the variant in an empty store and compare node by node with a lock file (with
+    ``remote``, what the remote cache holds is taken instead of rebuilt: it checks the cache)."""
+    from buildkit.engine.scheduler import Scheduler
+    from buildkit.engine.step import BuildOptions
+    from buildkit.store.store import Store
+
+    lock = read_lock(against, manifest.name)
+    tools = _differ(lock.get("tools"), tool_versions())
+    if tools:
+        print(
+            f"buildkit: warning: tool versions differ from the lock's: {tools}. "
+            "Cache keys include the versions of libraries that change bytes, "
+            "so the nodes that use them cannot reproduce "
+            f"the lock; install the release pins (pip install -c {PINS} -e .) and verify again",
+            file=sys.stderr,
+        )
+    if lock.get("platform", machine()) != machine():
+        print(
+            f"buildkit: note: the lock was made on {lock['platform']}, this is {machine()}",
+            file=sys.stderr,
+        )
+    with tempfile.TemporaryDirectory(prefix="buildkit-verify-") as tmp:
+        opts = BuildOptions(
+            project_root=Path.cwd(), out_dir=Path(tmp) / "out", release=True, remote=remote
+        )
+        sched = Scheduler(manifest, Store(Path(tmp) / "store"), opts)
+        states = sched.build(jobs=jobs)
+        got = lock_data(sched, states)
+    for name in sched.order:
+        want = lock["nodes"].get(name)
+        have = got["nodes"][name]
+        if want is None:
+            print(
+                f"differs at node {name!r}: the lock has no such node (the manifest changed since)",
+                file=sys.stderr,
+            )
+            return 1
+        if any(want.get(f) != have[f] for f in ("kind", "key", "outputs")):
+            print(
+                f"differs at node {name!r} ({have['kind']}), the first in build order:",
+                file=sys.stderr,
+            )
+            for f in ("kind", "key", "outputs"):
+                if want.get(f) != have[f]:
+                    print(
+                        f"  {f}: lock {json.dumps(want.get(f))} vs rebuild {json.dumps(have[f])}",
+                        file=sys.stderr,
+                    )
+            libs = _differ(want.get("libraries"), have["libraries"])
+            if libs:
+                print(
+                    f"  its key includes library versions that differ: {libs}; "
+                    f"install the release pins (pip install -c {PINS} -e .)",
+                    file=sys.stderr,
+                )
+            if have["kind"] == "fetch":
+                old = (lock.get("sources", {}).get(name) or {}).get("files") or {}
+                new = got["sources"][name]["files"] or {}
+                files = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+                if files:
+                    print(f"  source files differ: {', '.join(files)}", file=sys.stderr)
+            elif tools and not libs:
+                print(
+                    "  (an input of this node differs, or a tool version above changed its bytes)",
+                    file=sys.stderr,
+                )
+            return 1
+    extra = sorted(set(lock["nodes"]) - set(got["nodes"]))
+    if extra:
+        print(f"lock names nodes the manifest no longer has: {', '.join(extra)}", file=sys.stderr)
+        return 1
+    print(f"{manifest.name}: {len(got['nodes'])} nodes reproduce {against} digest for digest")
+    return 0
+
+
+def push(sched, states, repo_id: str) -> None:
+    """Upload every published directory of the build to ``repo_id`` with huggingface_hub."""
+    for st in states:
+        if st.kind != "publish":
+            continue
+        node = sched.m.nodes[st.name]
+        path = sched.context(st.name).out_path(node.params.out)
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(repo_id, exist_ok=True)
+        info = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=path,
+            ignore_patterns=[".*"],
+            commit_message=f"buildkit {sched.m.name} {keys.short(st.key)}",
+        )
+        print(f"uploaded {path} to {info}")

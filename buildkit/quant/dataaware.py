@@ -1,0 +1,273 @@
+"""Data-aware quantization of routed experts: an activation-weighted affine search per group.
+
+For one expert's weight W [out, in] and the per-channel mean square of the inputs
+that expert saw in calibration, d_c = E[x_c²] (``calibration``), the expected
+squared error of the expert's output, E||(W - Ŵ) x||², is approximated by its
+diagonal part Σ_o Σ_c d_c (W_oc - Ŵ_oc)² (the importance-weighted objective of
+llama.cpp's imatrix quantization). Each group of ``group_size`` weights of a row
+gets the mlx affine parameters (scale s, bias b, codes q in [0, 2^bits - 1],
+Ŵ = s q + b) that make its share of that sum small:
+
+1. candidates: codes from the group's min-max range stretched by ``GRID`` extra
+   steps (t < 0 widens the grid, t > 0 clips the extremes), each with the weighted
+   least-squares (s, b) for its codes, rounded to the storage dtype of scales (that
+   of the weight, as ``mx.quantize`` stores them); that fit's sums give its weighted
+   error in closed form, a bound on the error of the codes re-rounded to its (s, b);
+2. the ``TOP`` grids with the smallest bounds fit again: codes re-rounded against
+   their rounded (s, b), and the least-squares (s, b) for those; then the best
+   candidate so far ``REFINE`` times more;
+3. the candidate with the smallest bound is re-rounded and its exact weighted error
+   compared with mx.quantize's own (data-agnostic) result; each group keeps the
+   better, so no group is worse than data-agnostic quantization on the
+   calibration objective.
+
+The loop over candidates is compiled (``groupsearch``, numba): 1.2x ``mx.quantize``'s
+time per weight on one CPU thread each (bench/RESULTS.md "oq4e speed").
+
+No per-channel rescaling is folded anywhere (AWQ's equivalent transform needs a
+preceding per-expert op, and the experts share their input), so the output is
+ordinary affine ``(packed uint32, scales, biases)`` that stock mlx_lm loads as is.
+Experts no calibration token reached keep mx.quantize's result and are counted.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from buildkit.core.errors import StepError
+from buildkit.core.lazy import lazy
+from buildkit.formats.tensors import f32_to_bf16, to_float32, unpack
+from buildkit.grade import calibration as cal
+from buildkit.quant.roles import Role
+from buildkit.store.store import ROW_BLOCK_BYTES
+
+np = lazy("numpy", __name__)
+
+METHOD = "diag-weighted-affine-search/5"  # bump when the search changes its output or meta
+# 3: one fused numba loop (groupsearch.py); grids ranked by their error estimated from the
+# least-squares sums, the best one's exact error against data-agnostic; the 7 grids that did
+# best on the bench's tensor (was 9 evenly spaced): ~20x faster for the same weighted error
+# (bench/RESULTS.md "oq4e speed")
+# 4 (two branches, each its own 4): only the 3 best grids after one fit fit again, then the
+# best once more (11 fits, was 14), lower weighted error on the bench's tensor (0.7031 vs
+# 0.7047) in 0.6x the time; and the weights' rel-L1 over every row in quantize's meta
+# 5: both of those together
+# extra quantization steps over the min-max range
+GRID = [-1.0, -0.5, -0.25, 0.25, 0.5, 1.0, 1.75]
+TOP = 3  # the grids with the smallest estimates after one fit: fit once more
+REFINE = 1  # further fits of the best candidate after those
+IMPORTANCE_FLOOR = 1e-3  # of the mean importance: no channel is weighted zero
+
+
+# ---- packing (the layout mx.quantize writes: codes LSB-first, little-endian uint32) -----
+
+
+def pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Integer codes [..., n] -> uint32 words [..., n * bits / 32] as mx.quantize packs them."""
+    from buildkit.quant.groupsearch import (
+        pack_rows,  # compiled: numpy's bit planes took most of quantize
+    )
+
+    shape = codes.shape
+    if (shape[-1] * bits) % 32:
+        raise StepError(f"cannot pack {shape[-1]} {bits}-bit codes into whole 32-bit words")
+    rows = np.ascontiguousarray(codes, np.uint8).reshape(-1, shape[-1])
+    out = np.empty((len(rows), shape[-1] * bits // 32), np.uint32)
+    pack_rows(rows, bits, out)
+    return out.reshape(*shape[:-1], -1)
+
+
+# ---- the search ---------------------------------------------------------------------------
+
+STORAGE = {"BF16": 1, "F16": 2}  # how (scale, bias) are rounded before codes are re-fit
+
+
+def search(
+    w: np.ndarray, d: np.ndarray, bits: int, dtype: str, base: tuple
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Best (codes, scales, biases) per group of w [rows, G, g] under importance d [1, G, g]
+    (shared by the rows), starting from the data-agnostic ``base`` = (codes, scales, biases);
+    also returns a boolean [rows, G] of the groups where a searched candidate beat ``base``."""
+    R, G, g = w.shape
+    d = np.asarray(d, np.float32)
+    if d.size != G * g:
+        raise ValueError(f"importance of shape {d.shape} is not one per column of {w.shape}")
+    from buildkit.quant.groupsearch import (  # imports numba: only when a search runs
+        KC,
+        search_groups,
+    )
+
+    if g % KC:
+        raise ValueError(f"group size {g} is not a multiple of {KC} (mx.quantize's are)")
+    q = np.empty((R, G, g), np.uint8)
+    s, b = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
+    won = np.empty((R, G), np.bool_)
+    search_groups(
+        np.ascontiguousarray(w, np.float32),
+        np.ascontiguousarray(d.reshape(G, g)),
+        np.asarray(GRID, np.float32),
+        np.float32(2**bits - 1),
+        TOP,
+        REFINE,
+        STORAGE.get(dtype, 0),
+        np.ascontiguousarray(base[0].reshape(R, G, g), np.uint8).view(np.uint64),
+        np.ascontiguousarray(base[1], np.float32),
+        np.ascontiguousarray(base[2], np.float32),
+        q.view(np.uint64),  # codes 8 to a word: the loop moves words, not bytes
+        s,
+        b,
+        won,
+    )
+    return q, s, b, won
+
+
+# ---- one routed-expert tensor --------------------------------------------------------------
+
+
+class Tally:
+    """What the calibrated tensors of one quantize step did (thread-safe); ``summary`` is meta."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.tensors = self.expert_slices = self.groups = self.groups_won = 0
+        self.fallback: dict[str, set[int]] = {}
+        self.no_statistics: list[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+    def summary(self) -> dict:
+        by_layer = {k: sorted(v) for k, v in sorted(self.fallback.items()) if v}
+        return {
+            "method": METHOD,
+            "tensors": self.tensors,
+            "expert_slices": self.expert_slices,
+            "groups_improved": round(self.groups_won / max(self.groups, 1), 4),
+            "fallback_experts": sum(len(v) for v in by_layer.values()),
+            "fallback_by_layer": by_layer,
+            "no_statistics": sorted(self.no_statistics),
+        }
+
+
+def key() -> dict:
+    """What, besides the recipe, fixes the bytes of the search: its version and the numpy and
+    numba (the compiler of its loop) it runs on."""
+    from importlib.metadata import version
+
+    return {"method": METHOD, "numpy": version("numpy"), "numba": version("numba")}
+
+
+def check_calibration(recipe, roles: dict[str, str], calibration) -> Tally:
+    """A fresh Tally, or a StepError if calibrated roles and the calibration input disagree."""
+    calibrated = sorted({r for r in roles.values() if recipe.roles[r].calibrated})
+    if calibrated and calibration is None:
+        raise StepError(
+            f"role(s) {', '.join(map(repr, calibrated))} are calibrated (data-aware) but the "
+            'step has no calibration input: add inputs.calibration = "<a calibrate step>", '
+            "or drop calibrated = true"
+        )
+    if calibration is not None and not calibrated:
+        raise StepError(
+            "the step has a calibration input but no tensor has a calibrated role: "
+            "set calibrated = true on the routed-expert role, or remove inputs.calibration"
+        )
+    return Tally()
+
+
+def stored_parts(module: str, packed, scales, biases, s_dtype: str) -> dict:
+    """A quantized weight's packed codes, scales and biases under its module's names, as the
+    store takes a block of them (``qerror.put_measured``)."""
+    return {
+        f"{module}.weight": (packed, "U32"),
+        f"{module}.scales": (scales, s_dtype),
+        f"{module}.biases": (biases, s_dtype),
+    }
+
+
+def repack(codes, s32, b32, bits: int, s_dtype: str, s_np_dtype):
+    """Codes and float32 scales and biases back to what is stored: packed uint32 codes, and
+    scales and biases rounded to their storage dtype (bf16 as mlx rounds it)."""
+    s_np, b_np = (f32_to_bf16(x) if s_dtype == "BF16" else x.astype(s_np_dtype) for x in (s32, b32))
+    return pack(codes, bits), s_np, b_np
+
+
+def quantize_entry(
+    store,
+    name: str,
+    entry: dict,
+    role: Role,
+    calibration,
+    tally: Tally,
+    block_bytes: int = ROW_BLOCK_BYTES,
+) -> dict[str, dict]:
+    """One routed-expert weight [E, out, in] -> weight/scales/biases, each expert reached by
+    calibration searched with its own importance, the rest as mx.quantize does; a few experts
+    at a time (``block_bytes``), so memory is a block, not the tensor."""
+    from buildkit.quant import affine, qerror
+
+    module, shape, g = name.removesuffix(".weight"), entry["shape"], role.group_size
+    if cal.SWITCH not in module or len(shape) != 3 or not name.endswith(".weight"):
+        raise StepError(
+            f"calibrated role matches {name!r} {shape}, which is not a routed-expert weight; "
+            "calibration collects statistics for *.mlp.switch_mlp.* only: give this tensor a role "
+            "without calibrated = true"
+        )
+    if shape[-1] % g:
+        raise StepError(
+            f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {g}"
+        )
+    dtype = entry["dtype"]
+    stats = cal.stats_for(store, calibration, module)
+    E, O, C = shape
+    reached = np.zeros(E, bool)
+    if stats is not None:
+        importance, tokens = stats
+        if importance.shape != (E, C) or tokens.shape != (E,):
+            raise StepError(
+                f"calibration statistics for {module} have shape {list(importance.shape)}, "
+                f"expected {[E, C]}: the calibration was made from another model; point the "
+                "calibrate step's input at this trunk's sanitize"
+            )
+        reached = tokens > 0
+    won = 0
+
+    def blocks():
+        nonlocal won
+        e0 = 0
+        for raw in store.iter_rows(entry, block_bytes):
+            ((packed, _), (s_np, s_dtype), (b_np, _)), sums = affine.like_mx(
+                raw, dtype, role.bits, g, role.mode
+            )
+            here = np.flatnonzero(reached[e0 : e0 + len(raw)]) if stats is not None else ()
+            if len(here):  # searched: its rel-L1 sums are put_measured's to take again
+                sums = None
+                codes = unpack(packed, role.bits).copy()
+                s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
+                for j in here:
+                    e = e0 + j
+                    d = importance[e] + IMPORTANCE_FLOOR * max(float(importance[e].mean()), 1e-30)
+                    base = (codes[j].reshape(O, C // g, g), s32[j], b32[j])
+                    w = to_float32(raw[j], dtype).reshape(
+                        O, C // g, g
+                    )  # one expert in float32 at a time
+                    q, s, b, better = search(w, d.reshape(1, C // g, g), role.bits, s_dtype, base)
+                    codes[j], s32[j], b32[j] = q.reshape(O, C), s, b
+                    won += int(better.sum())
+                packed, s_np, b_np = repack(codes, s32, b32, role.bits, s_dtype, s_np.dtype)
+            e0 += len(raw)
+            made = stored_parts(module, packed, s_np, b_np, s_dtype)
+            yield (raw, made) if sums is None else (raw, made, sums)
+
+    out = qerror.put_measured(store, E, blocks(), module, dtype, role.bits, g)
+    with tally.lock:
+        tally.tensors += 1
+        tally.expert_slices += int(reached.sum())
+        if stats is None:
+            tally.no_statistics.append(name)
+        else:
+            tally.groups += int(reached.sum()) * O * (C // g)
+            tally.groups_won += won
+            tally.fallback.setdefault(module.partition(cal.SWITCH)[0], set()).update(
+                np.flatnonzero(~reached).tolist()
+            )
+    return out
