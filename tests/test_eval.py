@@ -314,7 +314,7 @@ def _trained_here() -> bool:
     return (
         spec is not None
         and spec.origin is not None
-        and Path(spec.origin).parent == Path(buildkit.__file__).parent
+        and Path(spec.origin).parents[1] == Path(buildkit.__file__).parent
     )
 
 
