@@ -165,7 +165,7 @@ def add(sub) -> None:
         help="a UTF-8 text file, graded whole (default: the held-out lines, every 5th, of the "
         "builtin calibration text)",
     )
-    ev.add_argument("--max-tokens", type=int, help="at most this many tokens (default 1024)")
+    ev.add_argument("--max-tokens", type=int, help="at most this many tokens (default 128)")
     ev.add_argument("--json", action="store_true", help="machine-readable output")
     ev.set_defaults(fn=cmd_eval)
 

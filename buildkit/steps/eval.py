@@ -41,7 +41,9 @@ class EvalParams(Params):
     texts: dict[str, str] = Field(default_factory=dict)
     heldout_every: int = Field(default=5, ge=2)
     seq_len: int = Field(default=128, ge=2)
-    max_tokens: int = Field(default=1024, ge=2)
+    # 128: on the 35B shapes eval's compute is ~0.2 s a token on 2 cores; more and it outgrows
+    # half the build (bench/RESULTS.md); small checkpoints' manifests may ask for more
+    max_tokens: int = Field(default=128, ge=2)
     scope: Literal["trunk", "head"] = "trunk"
     label: str = ""  # names these figures beside others (e.g. "data-agnostic baseline")
     max_kld_mean: float | None = None  # release gates; not in the key
