@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -300,28 +299,7 @@ def test_oq4e_grades_a_data_agnostic_baseline_beside_itself(built, tmp_path, cap
     assert set(status["oq4e-mtp-xl"]["eval"]["domains"]) == {"prose", "code", "fr"}
 
 
-# ---- with the trained fixture (buildkit/trained.py, from the trained-fixture branch) ------------
-
-
-def _trained_here() -> bool:
-    """buildkit.fixtures.trained in this checkout (an editable install elsewhere may resolve it from
-    there)."""
-    import buildkit
-
-    spec = importlib.util.find_spec("buildkit.fixtures.trained")
-    return (
-        spec is not None
-        and spec.origin is not None
-        and Path(spec.origin).parents[1] == Path(buildkit.__file__).parent
-    )
-
-
-TRAINED = _trained_here()
-needs_trained = pytest.mark.skipif(
-    not TRAINED,
-    reason="needs the trained fixture (buildkit.fixtures.trained, branch "
-    "trained-fixture): on random weights these figures mean nothing",
-)
+# ---- with the trained fixture (buildkit/data/trained) ------------------------------------------
 
 
 def trained_text() -> tuple[Path, int]:
@@ -359,7 +337,6 @@ def trained(tmp_path_factory):
     return p, Path(src)
 
 
-@needs_trained
 def test_trained_kld_grows_as_bits_shrink(trained):
     p, _ = trained
     assert (
@@ -369,7 +346,6 @@ def test_trained_kld_grows_as_bits_shrink(trained):
     )
 
 
-@needs_trained
 def test_trained_head_accepts_within_three_points_of_bf16(trained):
     p, _ = trained
     e = eval_json(p, "xl-mtp")
@@ -431,7 +407,6 @@ class Broken(ev.DirWeights):
 DROP = {"norms": 0.10, "fc": 0.20, "gate_up": 0.20}
 
 
-@needs_trained
 @pytest.mark.parametrize("how", sorted(DROP))
 def test_trained_broken_heads_grade_lower(trained, how):
     p, src = trained
@@ -442,7 +417,6 @@ def test_trained_broken_heads_grade_lower(trained, how):
     assert fig["acceptance"] <= good - DROP[how], (how, fig["acceptance"], good)
 
 
-@needs_trained
 def test_trained_data_aware_experts_beat_data_agnostic_at_the_same_bits(tmp_path):
     """oq4e's calibrated 4-bit experts against its own data-agnostic 4-bit baseline, on the
     model's outputs (measured when written: KLD 0.0085 against 0.0094, top-1 95.6% against

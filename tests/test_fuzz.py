@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 
 from buildkit.core.errors import BuildkitError, SourceError
 from buildkit.engine import graph, manifest
-from buildkit.engine.step import REGISTRY
+from buildkit.engine.step import kinds
 from buildkit.formats.tensors import DTYPES, read_header, read_tensor
 
 # Fixed examples (derandomize) so CI is repeatable; no example database written into the tree.
@@ -53,7 +53,7 @@ NAMES = [
 ]
 OUTPUTS = ["", ":out", ":model", ":mtp", ":heldout", ":nope", ":out:x"]
 PARAMS = sorted(
-    {f for cls in REGISTRY.values() for f in cls.Params.model_fields}
+    {f for cls in kinds().values() for f in cls.Params.model_fields}
     | {"recipe", "rules", "junk", "source"}
 )
 SOURCES = [
@@ -121,7 +121,7 @@ refs = st.builds(lambda n, o: n + o, st.sampled_from(NAMES), st.sampled_from(OUT
 steps = st.fixed_dictionaries(
     {},
     optional={
-        "kind": st.sampled_from(sorted(REGISTRY) + ["quantise", ""]) | values,
+        "kind": st.sampled_from(sorted(kinds()) + ["quantise", ""]) | values,
         "inputs": st.dictionaries(
             st.sampled_from(
                 ["model", "source", "head", "trunk", "report", "base", "calibration", "nope"]
@@ -178,7 +178,7 @@ overrides = st.one_of(
             )
         }
     ),
-    st.fixed_dictionaries({"kind": st.sampled_from(sorted(REGISTRY))}),
+    st.fixed_dictionaries({"kind": st.sampled_from(sorted(kinds()))}),
 )
 tame = st.fixed_dictionaries(
     {"extends": st.sampled_from(["xl", "xl-mtp", "oq4e-mtp-xl"])},

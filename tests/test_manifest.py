@@ -10,7 +10,7 @@ import pytest
 from buildkit.cli.main import main, parser
 from buildkit.core.errors import ManifestError
 from buildkit.engine import manifest
-from buildkit.engine.step import REGISTRY
+from buildkit.engine.step import kinds
 from buildkit.store.artifact import Artifact
 
 # name -> (files to write, variant to plan, substrings the error must contain). "{d}" is the
@@ -212,7 +212,7 @@ def test_extends_inherits_and_deep_merges(project):
     assert roles["mtp_fc"].passthrough and roles["routed_expert"].bits == 6
     assert mtp.nodes["requantize"].params.rules == {"language_model.mtp.fc": "mtp_fc"}
     # ...and a role no recipe rule names stays out of quantize's key: xl-mtp shares xl's quantize
-    q = REGISTRY["quantize"]()
+    q = kinds()["quantize"]()
     names = [
         "language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight",
         "language_model.model.norm.weight",

@@ -224,7 +224,7 @@ def test_incompatible_donor_is_refused_with_each_field(built):
     name = extend(
         project,
         "oq4e-bad-donor",
-        '[steps.donor_fetch]\nparams.source = "fixture:seed=1,hidden=192,experts=16"\n',
+        '[steps.donor_fetch]\nparams.source = "fixture:seed=1,vocab=2048,hidden=192,experts=16"\n',
     )
     proc = project.run("build", name, "--target", "graft", check=False)
     assert proc.returncode == 1

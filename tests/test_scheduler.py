@@ -16,7 +16,7 @@ import pytest
 from conftest import XL, XL_MTP, cached, ran, waves
 
 from buildkit.engine.plan import action_key
-from buildkit.engine.step import REGISTRY, library_version
+from buildkit.engine.step import kinds, library_version
 from buildkit.steps.quantize import Quantize
 
 XL4 = 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 4, group_size = 64 }\n'
@@ -196,10 +196,10 @@ def test_target_and_failed_builds_keep_what_they_built(project):
     assert waves(ran(project.build("xl"))) == waves(XL[3:])
 
 
-@pytest.mark.parametrize("kind", sorted(REGISTRY))
+@pytest.mark.parametrize("kind", sorted(kinds()))
 def test_every_kind_declares_its_own_version(kind):
     """A subclass (requantize of quantize) must not inherit its parent's version silently."""
-    cls = REGISTRY[kind]
+    cls = kinds()[kind]
     assert "version" in vars(cls), f"{cls.__name__} inherits version from {cls.__mro__[1].__name__}"
     assert isinstance(cls.version, int) and cls.version >= 1
 
@@ -208,7 +208,7 @@ def test_step_version_bump_reruns_only_that_kind(project, seed, capsys, monkeypa
     project.adopt(seed)
     v = Quantize.version
     monkeypatch.setattr(Quantize, "version", v + 1)
-    assert REGISTRY["requantize"].version == v  # requantize subclasses quantize, keeps its own
+    assert kinds()["requantize"].version == v  # requantize subclasses quantize, keeps its own
     p = cli(project, capsys, "plan", "xl-mtp")
     assert re.search(
         rf"^stale quantize \(quantize\) \w{{12}}: step version changed {v}→{v + 1}$", p.stdout, re.M

@@ -1,17 +1,26 @@
-"""Train the small qwen3_5_moe checkpoint shipped in buildkit/data/trained/ (``fixture:trained``).
+"""Train the small qwen3_5_moe checkpoints shipped in buildkit/data/trained*/ (``fixture:trained``,
+``fixture:trained=NAME``): one script, a corpus and a ``fixtures.trained.FIXTURES`` spec each.
 
-Corpus: the King James Version of the Bible (1611), as shipped by Debian's ``bible-kjv-text``
-package and printed by its ``bible`` program. The translation's copyright has long expired; the
-package's copyright file says so ("The copyright for the King James Version text of the Bible is
-expired"). Public domain (outside the UK's Crown letters patent, which do not restrict this use).
+``--fixture kjv`` (the default; buildkit/data/trained): the King James Version of the Bible
+(1611), as shipped by Debian's ``bible-kjv-text`` package and printed by its ``bible`` program.
+The translation's copyright has long expired; the package's copyright file says so ("The
+copyright for the King James Version text of the Bible is expired"). Public domain (outside the
+UK's Crown letters patent, which do not restrict this use). One line per verse. The committed
+run took 1445 s for 550 steps on 2 CPU cores that other processes shared.
 
-Rerun (CI never runs it; the committed run took 1445 s for 550 steps on 2 CPU cores that
-other processes shared):
+``--fixture austen`` (buildkit/data/trained-austen, shaped like the real model: 48 experts,
+top-4, routed experts 88% of the text weights): Jane Austen's six novels (1811-1818, public
+domain) as Debian's ``r-cran-janeaustenr`` ships them (MIT-licensed R package; the provenance is
+in the data directory's LICENSE), printed through ``Rscript``. One line per paragraph, chapter
+headings dropped. The committed run's steps and time are in its meta.json.
+
+Rerun (CI never runs it):
 
     apt-get install bible-kjv libopenblas0-pthread   # the corpus; a fast BLAS for mlx's matmuls
+    apt-get install --no-install-recommends r-cran-janeaustenr   # austen's corpus
     OPENBLAS_NUM_THREADS=2 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
         PYTHONPATH=. .venv/bin/python training/train_fixture.py \
-        [--steps N] [--out buildkit/data/trained]
+        [--fixture kjv|austen] [--steps N] [--out DIR]
 
 The preload is only for speed: the ``mlx[cpu]`` wheel's bundled reference BLAS makes a step
 ~2.5x slower here (measured on one step: 6.0 s against 2.5 s). Seeds fix the initialisation and
@@ -20,10 +29,11 @@ another BLAS gives close but not bit-identical weights. ``fixtures.trained.write
 deterministic from the committed files, which is what tests and builds use.
 
 What it does, seeded (mlx and numpy seeds; batch order and initialisation are fixed):
-1. One line per verse; every 20th verse is held out, the rest trains. A byte-level BPE of 2048
-   ids is trained on the training verses (``buildkit.fixtures.generated.train_tokenizer``).
-2. mlx_lm's own ``qwen3_5_moe`` classes in float32 for the trunk, of the shape of
-   ``fixtures.trained.SPEC``; an MTP head built from mlx_lm's ``DecoderLayer`` (full attention,
+1. One line per verse (paragraph); every 20th is held out, the rest trains. A byte-level BPE
+   of the spec's vocabulary is trained on the training lines
+   (``buildkit.fixtures.generated.train_tokenizer``).
+2. mlx_lm's own ``qwen3_5_moe`` classes in float32 for the trunk, in the shape of the
+   fixture's ``FixtureSpec``; an MTP head built from mlx_lm's ``DecoderLayer`` (full attention,
    MoE) run as the runtime runs it: ``fc(cat([norm_e(embed(t+1)), norm_h(h_t)]))`` with h_t the
    trunk's hidden state before the final norm, the decoder layer, ``norm``, the trunk's ``lm_head``.
 3. AdamW, warm-up then cosine decay. Loss: next-token cross-entropy of the trunk, plus the head's
@@ -32,7 +42,7 @@ What it does, seeded (mlx and numpy seeds; batch order and initialisation are fi
    load-balancing loss on every router so that experts specialise without collapsing.
 4. Writes ``weights.safetensors`` (text and ``mtp.*`` tensors, Hugging Face names and layout,
    bf16: fused gate-first experts, conv1d [C,1,K], offset norms stored as w - 1),
-   ``tokenizer.json``, ``heldout.txt`` (the first held-out verses, for tests) and ``meta.json``.
+   ``tokenizer.json``, ``heldout.txt`` (the first held-out lines, for tests) and ``meta.json``.
 5. Round trip: writes the full checkpoint with ``fixtures.trained.write_trained`` to a temporary
    directory, loads it through mlx_lm's sanitize, and measures on the held-out verses, from those
    bf16 weights: trunk loss and perplexity, routed-token counts per expert per layer, and the
@@ -51,7 +61,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -98,6 +110,52 @@ def kjv_verses() -> list[str]:
         elif line.strip() and not re.match(r"^\S.* \d+$", line) and verses:
             verses[-1] += " " + line.strip()  # a wrapped verse
     return [" ".join(v.split()) for v in verses]
+
+
+def austen_paragraphs() -> list[str]:
+    """Every paragraph of Jane Austen's six novels, one per line, chapter headings removed."""
+    if not shutil.which("Rscript"):
+        sys.exit(
+            "the corpus comes from Debian's r-cran-janeaustenr package: "
+            "apt-get install --no-install-recommends r-cran-janeaustenr"
+        )
+    text = subprocess.run(
+        ["Rscript", "-e", "writeLines(janeaustenr::austen_books()$text)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+    heading = re.compile(r"^(chapter|volume) [0-9ivxlc]+\.?$|^(the )?end\.?$", re.IGNORECASE)
+    return [p for p in paragraphs if p and not heading.match(p)]
+
+
+class Corpus(NamedTuple):
+    lines: Callable[[], list[str]]
+    unit: str  # what one line is, for heldout.txt's header
+    name: str
+    licence: str
+
+
+CORPORA = {
+    "kjv": Corpus(
+        kjv_verses,
+        "verses of the King James Version (1611; public domain): every 20th verse from\n"
+        "# Genesis on",
+        "King James Version of the Bible (1611), Debian package bible-kjv-text 4.38",
+        "public domain (copyright expired)",
+    ),
+    "austen": Corpus(
+        austen_paragraphs,
+        "paragraphs of Jane Austen's six novels (1811-1818; public domain): every 20th\n"
+        "# paragraph from Sense and Sensibility on",
+        "Jane Austen's six novels (Sense and Sensibility, Pride and Prejudice, Mansfield Park, "
+        "Emma, Northanger Abbey, Persuasion) as Project Gutenberg transcribed them, from Debian "
+        "package r-cran-janeaustenr 1.0.0-1 (R package janeaustenr 1.0.0 by Julia Silge, MIT)",
+        "public domain (the novels, published 1811-1818; copyright long expired); the "
+        "packaging MIT",
+    ),
+}
 
 
 # ---- the model ---------------------------------------------------------------------------
@@ -275,17 +333,17 @@ def measure(model, head, ids: np.ndarray, n_experts: int, k: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fixture", choices=sorted(trained.FIXTURES), default=trained.DEFAULT)
     ap.add_argument("--steps", type=int, default=550)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument(
-        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "buildkit/data/trained"
-    )
+    ap.add_argument("--out", type=Path, help="default: the fixture's data directory")
     args = ap.parse_args()
     mx.random.seed(0)
     rng = np.random.default_rng(0)
-    spec = trained.SPEC
+    fix, corpus = trained.FIXTURES[args.fixture], CORPORA[args.fixture]
+    spec = fix.spec
 
-    verses = kjv_verses()
+    verses = corpus.lines()
     train_v = [v for i, v in enumerate(verses) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
     held_v = [v for i, v in enumerate(verses) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
     tok = fixture.train_tokenizer(train_v, spec.vocab)
@@ -294,7 +352,7 @@ def main() -> None:
         :EVAL_TOKENS
     ]
     print(
-        f"corpus: {len(verses)} verses, {len(ids)} training tokens, {len(held)} held-out tokens",
+        f"corpus: {len(verses)} lines, {len(ids)} training tokens, {len(held)} held-out tokens",
         flush=True,
     )
 
@@ -357,20 +415,19 @@ def main() -> None:
             )
     train_s = time.time() - t0
 
-    out: Path = args.out
+    out: Path = args.out or fix.data
     out.mkdir(parents=True, exist_ok=True)
     write_weights(out / "weights.safetensors", to_hf(model, head))
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
     (out / "heldout.txt").write_text(
-        "# Held-out verses of the King James Version (1611; public domain): every 20th verse from\n"
-        "# Genesis on, never trained on. Written by training/train_fixture.py.\n"
+        f"# Held-out {corpus.unit}, never trained on. Written by training/train_fixture.py.\n"
         + "\n".join(held_v[:HELDOUT_SHIPPED])
         + "\n"
     )
 
     tmp = Path(tempfile.mkdtemp())
     try:
-        ckpt = trained.write_trained(tmp / "ckpt", data=out)
+        ckpt = trained.write_trained(tmp / "ckpt", data=out, spec=spec)
         m2, h2 = load_hf(ckpt)
         tap_routers(list(m2.language_model.model.layers) + list(h2.layers))
         # round trip: the written checkpoint against the trained float32 model
@@ -389,9 +446,11 @@ def main() -> None:
         shutil.rmtree(tmp)
     figures.update(train_seconds=round(train_s, 1), steps=args.steps, round_trip=trip)
     meta = {
-        "corpus": "King James Version of the Bible (1611), Debian package bible-kjv-text 4.38",
-        "licence": "public domain (copyright expired)",
+        "corpus": corpus.name,
+        "licence": corpus.licence,
         "heldout_every": HELDOUT_EVERY,
+        # calibrate's max_tokens for the real model's routed rows per expert input (0.0625)
+        "calibration_tokens_real_regime": trained.calibration_tokens(spec),
         "seq_len": SEQ,
         "batch": BATCH,
         "lr": args.lr,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from buildkit.cli.common import (
@@ -13,7 +14,7 @@ from buildkit.cli.common import (
     remote_flag,
     variant_cmd,
 )
-from buildkit.core.errors import BuildkitError, UsageError
+from buildkit.core.errors import BuildkitError, SourceError, UsageError
 
 
 def cmd_verify(args) -> int:
@@ -29,8 +30,19 @@ def cmd_fixture(args) -> int:
         k: v for k, v in vars(args).items() if k in FixtureSpec.model_fields and v is not None
     }
     if args.trained:
-        from buildkit.fixtures.trained import write_trained
+        from buildkit.fixtures.trained import (
+            DEFAULT,
+            FIXTURES,
+            REAL_ROWS_PER_INPUT,
+            calibration_tokens,
+            get,
+            write_trained,
+        )
 
+        if args.out is None:  # `--trained OUT`: the default fixture, written to OUT
+            if args.trained in FIXTURES:
+                raise UsageError(f"--trained {args.trained} needs an output directory: OUT")
+            args.trained, args.out = DEFAULT, args.trained
         if fields or args.preset or args.sparse:
             given = [
                 *sorted(fields),
@@ -41,10 +53,19 @@ def cmd_fixture(args) -> int:
                 f"--trained has a fixed shape; drop --{' --'.join(given).replace('_', '-')}"
             )
         try:
-            print(write_trained(args.out))
-        except FileExistsError as e:
+            fixture = get(args.trained)
+            print(write_trained(args.out, fixture.data, spec=fixture.spec))
+        except (FileExistsError, SourceError) as e:
             raise UsageError(str(e)) from None
+        print(
+            f"note: to calibrate with the real model's routed rows per expert input "
+            f"({REAL_ROWS_PER_INPUT}), set the calibrate step's params.max_tokens = "
+            f"{calibration_tokens(fixture.spec)}",
+            file=sys.stderr,
+        )
         return 0
+    if args.out is None:
+        raise UsageError("fixture needs an output directory: buildkit fixture OUT")
     fields = (dict(PRESETS[args.preset]) if args.preset else {}) | fields
     try:
         spec = FixtureSpec(**fields)
@@ -104,7 +125,7 @@ def add_fixture(sub, fixture_options: bool) -> None:
         "(sharded bf16 safetensors + index, config.json, tokenizer, "
         "mtp.* in the last shard).",
     )
-    fx.add_argument("out", help="directory to create (must not exist or be empty)")
+    fx.add_argument("out", nargs="?", help="directory to create (must not exist or be empty)")
     fx.add_argument(
         "--sparse",
         action="store_true",
@@ -112,9 +133,13 @@ def add_fixture(sub, fixture_options: bool) -> None:
     )
     fx.add_argument(
         "--trained",
-        action="store_true",
-        help="write the small checkpoint trained on real text (buildkit/data/trained) "
-        "instead of random weights",
+        nargs="?",
+        const="kjv",
+        metavar="NAME",
+        help="write a small checkpoint trained on real text instead of random weights: kjv "
+        "(the default; buildkit/data/trained) or austen (shaped like the real model: 48 experts, "
+        "top-4, experts 88%% of the weights; buildkit/data/trained-austen). "
+        "A build names it as --source fixture:trained or fixture:trained=NAME",
     )
     if fixture_options:
         from buildkit.fixtures.generated import PRESETS, FixtureSpec

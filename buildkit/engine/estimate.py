@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from buildkit.core.errors import SourceError, UsageError
-from buildkit.engine.source import HF_RE, parse_fixture, source_kind
+from buildkit.engine.source import HF_RE, parse_fixture, source_kind, trained_name
 from buildkit.formats import checkpoint as ckpt
 from buildkit.formats.checkpoint import check_layout
 from buildkit.formats.convert import mlx_pieces
@@ -36,10 +36,15 @@ def source_layout(source: str) -> tuple[dict, dict[str, tuple[str, tuple[int, ..
     reads of the headers; no weights are downloaded). ``fixture:...``: the generator's plan.
     """
     kind = source_kind(source)
-    if kind == "fixture":
+    if kind in ("fixture", "trained"):
         from buildkit.fixtures.generated import layout
+        from buildkit.fixtures.trained import get
 
-        config, shapes = layout(parse_fixture(source))
+        try:
+            spec = parse_fixture(source) if kind == "fixture" else get(trained_name(source)).spec
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        config, shapes = layout(spec)
         return config, {n: ("BF16", tuple(s)) for n, s in shapes.items()}
     if kind == "hf":
         from huggingface_hub import HfApi, hf_hub_download

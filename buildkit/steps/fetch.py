@@ -3,10 +3,10 @@
 Sources: a local directory; ``hf://org/repo@revision`` (huggingface_hub
 ``snapshot_download``, which honours HF_HUB_OFFLINE and the HF cache); or
 ``fixture:`` / ``fixture:seed=1,layers=4`` (a deterministic generated
-checkpoint, kept under the store); or ``fixture:trained`` (the small trained
-checkpoint of ``buildkit.fixtures.trained``, also written under the store). Safetensors
-shards stay where they are and are referenced by content digest; small files
-(config, tokenizer) are copied into the store. Paths never enter the key, only
+checkpoint, kept under the store); or ``fixture:trained`` / ``fixture:trained=NAME``
+(a small trained checkpoint of ``buildkit.fixtures.trained``, also written under the
+store). Safetensors shards stay where they are and are referenced by content digest;
+small files (config, tokenizer) are copied into the store. Paths never enter the key, only
 content digests do.
 """
 
@@ -19,7 +19,13 @@ from pydantic import field_validator
 
 from buildkit.core import keys
 from buildkit.core.errors import SourceError, UsageError
-from buildkit.engine.source import HF_RE, PINNED, TRAINED, parse_fixture, source_kind
+from buildkit.engine.source import (
+    HF_RE,
+    PINNED,
+    parse_fixture,
+    source_kind,
+    trained_name,
+)
 from buildkit.engine.step import Context, Params, Step, register
 from buildkit.store.artifact import Artifact
 
@@ -35,7 +41,9 @@ class FetchParams(Params):
     def _valid(cls, v: str) -> str:
         if v.startswith("hf://") and not HF_RE.match(v):
             raise ValueError(f"expected hf://org/repo@revision, got {v!r}")
-        if v.startswith("fixture:") and v != TRAINED:
+        if source_kind(v) == "trained":
+            trained_name(v)
+        elif v.startswith("fixture:"):
             parse_fixture(v)
         return v
 
@@ -115,13 +123,14 @@ class Fetch(Step):
                 generate(path, spec)
             return path, {"type": "fixture", "spec": spec.model_dump()}
         if kind == "trained":
-            from buildkit.fixtures.trained import data_digest, write_trained
+            from buildkit.fixtures.trained import data_digest, get, write_trained
 
-            path = ctx.store.root / "fixtures" / f"trained-{data_digest()}"
+            fixture = get(trained_name(params.source))
+            path = ctx.store.root / "fixtures" / f"trained-{data_digest(fixture.data)}"
             if not (path / "config.json").exists():
                 ctx.log(f"writing the trained fixture checkpoint in {path}")
-                write_trained(path)
-            return path, {"type": "trained"}
+                write_trained(path, fixture.data, spec=fixture.spec)
+            return path, {"type": "trained"}  # its identity is its files, as for a directory
         path = Path(params.source).expanduser()
         if not path.is_absolute():
             path = ctx.options.project_root / path
