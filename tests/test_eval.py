@@ -258,6 +258,8 @@ def test_a_gate_fails_a_release_build_with_a_clear_message(built, tmp_path):
 def test_oq4e_grades_a_data_agnostic_baseline_beside_itself(built, tmp_path, capsys):
     p0, src, *_ = built
     p = Project(tmp_path).adopt(p0)
+    oq4e = p.manifests / "oq4e-mtp-xl.toml"  # a donor with this source's vocabulary (512)
+    oq4e.write_text(oq4e.read_text().replace("fixture:seed=1,vocab=2048", "fixture:seed=1"))
     p.build("oq4e-mtp-xl", "--source", str(src))
     e = eval_json(p, "oq4e-mtp-xl")
     base = e["others"]["data-agnostic 4-bit (baseline)"]

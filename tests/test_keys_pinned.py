@@ -18,16 +18,16 @@ from conftest import REPO
 from buildkit.engine.step import kinds
 
 PINNED = {  # kind: (variant, node, key)
-    "fetch": ("xl", "fetch", "xxh3_128:d8c66f549e3f38a5fda93ce1c13603e6"),
-    "sanitize": ("xl", "sanitize", "xxh3_128:36d3e37a47e5e53ae1a880dd0babd2f3"),
-    "quantize": ("xl", "quantize", "xxh3_128:93953489f377ad04f1443fedb5baaaa4"),
-    "verify": ("xl", "verify", "xxh3_128:54afec8f29f87a20b1df405f2e0c9e7f"),
+    "fetch": ("xl", "fetch", "xxh3_128:f7e38d65f514fc4b98ece075018e26f1"),
+    "sanitize": ("xl", "sanitize", "xxh3_128:59759e2ade764d5b266ed1224d520f53"),
+    "quantize": ("xl", "quantize", "xxh3_128:8e109f37a863a7674d45adb505863fd7"),
+    "verify": ("xl", "verify", "xxh3_128:0b91178842c53f01beddd24353718b4a"),
     "eval": ("xl", "eval", "xxh3_128:1e480aa1ac83a74bbfcba58f2c6612d9"),
     "publish": ("xl", "publish", "xxh3_128:f9be88bde511d883d6c4834ab7901633"),
-    "graft": ("xl-mtp", "graft", "xxh3_128:20d6bacd0ead79548a85fcde403ec078"),
-    "requantize": ("xl-mtp", "requantize", "xxh3_128:de3a3e3ed07ef446a477175807904c2a"),
-    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:86dea1898be128df9a9fcb60e08db174"),
-    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:bf13e4104f7d0311a69fcabeec7f835c"),
+    "graft": ("xl-mtp", "graft", "xxh3_128:795eecd020d2de0742c584a6b1df5df9"),
+    "requantize": ("xl-mtp", "requantize", "xxh3_128:07926dc069fe99b39ca90a44c052fa0d"),
+    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:d638b9001a6d4b170c0d64cb742959d6"),
+    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:481ab0a279569e8b28a081c65d515e74"),
 }
 
 
