@@ -142,7 +142,8 @@ def test_mlx_vlm_generates_from_an_image_prompt(built: Project, variant: str):
 
 
 def omlx_problems(d: Path) -> list[str]:
-    """oMLX's rules for a model with an MTP head (DESIGN.md), checked on a published directory."""
+    """oMLX's rules for a model with an MTP head (docs/architecture.md), checked on a published
+    directory."""
     cfg = json.loads((d / "config.json").read_text())
     tc = cfg.get("text_config", cfg)
     problems = []

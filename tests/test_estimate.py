@@ -80,7 +80,7 @@ def test_estimate_reads_headers_only(project, capsys, tmp_path):
 
 def test_the_35b_sparse_fixture_estimates_as_the_published_xl(tmp_path, project, capsys):
     """The real model's shapes as a sparse file set: ~72 GB apparent, a few tens of MB on disk;
-    xl on it computes to the published BaseQuant_XL figures (DESIGN.md)."""
+    xl on it computes to the published BaseQuant_XL figures."""
     src = tmp_path / "35b"
     generate(src, FixtureSpec(**PRESETS["qwen3.6-35b-a3b"]), sparse=True)
     try:

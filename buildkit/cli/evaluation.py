@@ -112,15 +112,31 @@ def cmd_eval(args) -> int:
         text = read_text(cal.text_path(p.text, Path.cwd()))
         tokens = heldout_tokens(text, p.heldout_every, source.tokenizer_json(), limit)
         graded = {"text": p.text, "lines": f"held-out (every {p.heldout_every}th)"}
-    figures, _ = ev.evaluate(source, model, tokens, p.seq_len)
+    figures, (ts, tm) = ev.evaluate(source, model, tokens, p.seq_len)
     figures |= graded
     figures["size_bytes"] = model.bytes()
+    if "acceptance" in figures:
+        from buildkit.grade import drafting
+
+        depth = args.depth or p.depth
+        figures |= drafting.figures(source, model, ts, tm, tokens, depth, p.verify_cost)
+    if args.speculative:
+        from buildkit.clients import speculative as spec
+
+        if "acceptance" not in figures:
+            raise UsageError(f"--speculative: {args.model} has no MTP head to draft with")
+        sp = spec.SpeculativeParams()
+        prompts = spec.decode_prompts(
+            source.tokenizer_json(), spec.prompt_ids(tokens, sp.prompts, sp.prompt_tokens)
+        )
+        figures["speculative"] = spec.run(Path(args.model), prompts, depth, sp)
+    rc = 1 if figures.get("speculative", {}).get("lossless") is False else 0
     if args.json:
         print(json.dumps(figures, indent=2, sort_keys=True))
-        return 0
+        return rc
     for k, v in figures.items():
         print(f"{k:20} {v:.6g}" if isinstance(v, float) else f"{k:20} {v}")
-    return 0
+    return rc
 
 
 def cmd_compare(args) -> int:
@@ -166,6 +182,15 @@ def add(sub) -> None:
         "builtin calibration text)",
     )
     ev.add_argument("--max-tokens", type=int, help="at most this many tokens (default 128)")
+    ev.add_argument(
+        "--depth", type=int, help="MTP drafts per cycle measured, teacher-forced (default 3)"
+    )
+    ev.add_argument(
+        "--speculative",
+        action="store_true",
+        help="also run mlx_vlm's speculative generation with MODEL/mtp (greedy, float32) "
+        "for 1..depth drafts; exit 1 if any output differs from plain greedy decoding",
+    )
     ev.add_argument("--json", action="store_true", help="machine-readable output")
     ev.set_defaults(fn=cmd_eval)
 

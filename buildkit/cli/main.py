@@ -52,7 +52,7 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # numpy's OpenBLAS on one thread (before numpy loads; a user's setting stands): steps and
     # tensors already run on two threads, and its spinning threads on a busy 2-core machine
-    # made calibrate's and verify's small matmuls 10-25x slower (bench/RESULTS.md "oq4e speed")
+    # made calibrate's and verify's small matmuls many times slower (bench/RESULTS.md)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     argv = sys.argv[1:] if argv is None else argv
     args = parser(fixture_options="fixture" in argv).parse_args(argv)

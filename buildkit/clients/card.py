@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from buildkit.formats.checkpoint import DRAFTER_DIR, HEAD_PREFIX
+from buildkit.grade.drafting import card_lines
 from buildkit.grade.grades import eval_table
 from buildkit.store.artifact import Artifact
 
@@ -83,6 +84,7 @@ def model_card(
     lines += verification(reports)
     if evals:
         lines += ["", "## Evaluation", "", *eval_table(evals)]
+        lines += card_lines(evals, evals.get("text"))
     return "\n".join(lines + usage(cfg is not None, has_vision, has_mtp)) + "\n"
 
 

@@ -39,7 +39,7 @@ from buildkit.store.store import Store
 
 VERSION = 1
 QUANT_KEYS = ("quantization", "quantization_config")
-MODULE = "mlx_lm.utils"  # what the check imports: ~1 s, mostly transformers
+MODULE = "mlx_lm.utils"  # what the check imports: slow, mostly transformers
 VLM_MODULES = ("mlx_vlm.utils", "mlx_vlm.speculative.drafters")
 IMAGE_SIDE = 64  # pixels: a 4x4 grid of 16-pixel patches, 4 image tokens after the 2x2 merge
 BOUND = ("language_model.model.embed_tokens", "language_model.lm_head")  # what the drafter binds to
@@ -166,7 +166,7 @@ _warming: list = []  # the futures of warm's imports, waited for before the chec
 
 
 def warm(modules: list[str] | None = None) -> None:
-    """Import mlx_lm (and mlx_vlm) on a spare thread (~1.2 s, mostly transformers) for a check to
+    """Import mlx_lm (and mlx_vlm) on a spare thread (slow: mostly transformers) for a check to
     come."""
     _warming.append(lazy.import_ahead(modules or [MODULE]))
 
@@ -477,7 +477,7 @@ def check_loads(path: Path, block: int = BLOCK) -> dict:
         if mx.default_device() == mx.cpu:
             model.set_dtype(mx.float32)  # floating-point parameters only (mlx's default predicate)
         _stream(model, path, block)
-        logits = model(mx.array([[1]]))  # one token: mlx on CPU costs ~2 s a token on a 2 GB model
+        logits = model(mx.array([[1]]))  # one token: each costs seconds on the CPU
         mx.eval(logits)
     except Exception as e:  # any failure to load is a failed publish, with mlx_lm's words
         raise StepError(f"mlx_lm cannot load the published model: {type(e).__name__}: {e}") from e
@@ -535,34 +535,11 @@ def check_vlm_loads(path: Path, image: bool = True, block: int = BLOCK) -> dict:
     Streamed, vision tower included, in float32 on the CPU, as ``check_loads``. Returns a
     summary and the logits."""
     import mlx.core as mx
-    from mlx_vlm.prompt_utils import apply_chat_template
-    from mlx_vlm.utils import load, prepare_inputs
+    from mlx_vlm.utils import load
 
     try:
         model, processor = load(str(path), lazy=True)
-        cfg = model.config
-        image_token = getattr(cfg, "image_token_id", None) or getattr(
-            cfg, "image_token_index", None
-        )
-        if image:
-            prompt = apply_chat_template(processor, cfg, "Describe the image.", num_images=1)
-            inputs = prepare_inputs(
-                processor, images=[_test_image()], prompts=prompt, image_token_index=image_token
-            )
-        else:
-            inputs = prepare_inputs(processor, prompts="Hello")
-        ids = inputs["input_ids"]
-        n_prompt = ids.shape[-1]
-        n_image = int((ids == image_token).sum().item()) if image_token is not None else 0
-        if image and n_image == 0:
-            raise StepError(
-                f"the image prompt holds no image token (id {image_token}): check the chat "
-                "template, preprocessor_config.json and the tokenizer's <|image_pad|> against "
-                "config.json"
-            )
-        if image:  # the forward runs the image's span: on a CPU each text token costs seconds
-            inputs = _image_span(inputs, image_token)
-            ids = inputs["input_ids"]
+        inputs, n_prompt, n_image = _vlm_inputs(processor, model.config, image)
         if mx.default_device() == mx.cpu:
             model.set_dtype(mx.float32)
         _stream(model, path, block)
@@ -571,6 +548,7 @@ def check_vlm_loads(path: Path, image: bool = True, block: int = BLOCK) -> dict:
             for k, v in inputs.items()
             if k not in ("input_ids", "pixel_values", "attention_mask")
         }
+        ids = inputs["input_ids"]
         out = model(ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra)
         logits = getattr(out, "logits", out)
         mx.eval(logits)
@@ -600,11 +578,38 @@ def check_vlm_loads(path: Path, image: bool = True, block: int = BLOCK) -> dict:
     }
 
 
+def _vlm_inputs(processor, cfg, image: bool) -> tuple[dict, int, int]:
+    """(mlx_vlm's model inputs, the templated prompt's tokens, its image tokens) for the test
+    image's prompt (its image span only) or, without ``image``, a text prompt."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import prepare_inputs
+
+    image_token = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", None)
+    if image:
+        prompt = apply_chat_template(processor, cfg, "Describe the image.", num_images=1)
+        inputs = prepare_inputs(
+            processor, images=[_test_image()], prompts=prompt, image_token_index=image_token
+        )
+    else:
+        inputs = prepare_inputs(processor, prompts="Hello")
+    ids = inputs["input_ids"]
+    n_image = int((ids == image_token).sum().item()) if image_token is not None else 0
+    if image and n_image == 0:
+        raise StepError(
+            f"the image prompt holds no image token (id {image_token}): check the chat "
+            "template, preprocessor_config.json and the tokenizer's <|image_pad|> against "
+            "config.json"
+        )
+    if image:  # the forward runs the image's span: on a CPU each text token costs seconds
+        return _image_span(inputs, image_token), ids.shape[-1], n_image
+    return inputs, ids.shape[-1], n_image
+
+
 def _image_span(inputs: dict, image_token: int) -> dict:
     """The templated prompt cut to its image: the image tokens and the token on each side of
     them (the vision start and end markers), with the same pixels. The vision tower's features
     and the language model's image positions are the whole prompt's; the template's text (28
-    tokens of the 32 here, ~2.5 s of CPU each through the real model's 40 layers) is not run."""
+    tokens of the 32 here, each seconds of CPU through the real model) is not run."""
     import mlx.core as mx
     import numpy as np
 

@@ -14,6 +14,7 @@ head, which is reported on its own.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from buildkit.core.errors import SourceError, UsageError
@@ -142,36 +143,43 @@ def estimate(m) -> dict:
         roles = assign_roles(sorted(given), node.params)
         if b := _budget(node, given, roles):
             budgets.append(b)
-        rows: dict[str, dict] = {}
-        for name, role_name in sorted(roles.items()):
-            role = node.params.recipe.roles[role_name]
-            t = given[name]
-            n = 1
-            for d in t["shape"]:
-                n *= d
-            # what quantize stores for it (a shape it cannot quantize refused as quantize does)
-            size = sum(nbytes(d, s) for d, s in output_shapes(name, t, role).values())
-            row = rows.setdefault(
-                role_name,
-                {
-                    "step": node.name,
-                    "role": role_name,
-                    "bits": None if role.passthrough else role.bits,
-                    "group_size": None if role.passthrough else role.group_size,
-                    "tensors": 0,
-                    "params": 0,
-                    "bytes": 0,
-                },
-            )
-            row["tensors"] += 1
-            row["params"] += n
-            row["bytes"] += size
-            part = parts[ckpt.model_part(name)]
-            part["params"] += n
-            part["bytes"] += size
-            tensors += 1
-        roles_rows += sorted(rows.values(), key=lambda r: -r["bytes"])
+        roles_rows += _role_rows(node, given, roles, parts)
+        tensors += len(roles)
+    return _summary(m, parts, tensors, roles_rows, budgets)
 
+
+def _role_rows(node, given: dict, roles: dict[str, str], parts: dict) -> list[dict]:
+    """One quantizing node's rows, a role each, largest first; each tensor's params and the
+    bytes quantize stores for it are also added to its part of the model in ``parts``."""
+    rows: dict[str, dict] = {}
+    for name, role_name in sorted(roles.items()):
+        role = node.params.recipe.roles[role_name]
+        t = given[name]
+        n = math.prod(t["shape"])
+        # what quantize stores for it (a shape it cannot quantize refused as quantize does)
+        size = sum(nbytes(d, s) for d, s in output_shapes(name, t, role).values())
+        row = rows.setdefault(
+            role_name,
+            {
+                "step": node.name,
+                "role": role_name,
+                "bits": None if role.passthrough else role.bits,
+                "group_size": None if role.passthrough else role.group_size,
+                "tensors": 0,
+                "params": 0,
+                "bytes": 0,
+            },
+        )
+        row["tensors"] += 1
+        row["params"] += n
+        row["bytes"] += size
+        part = parts[ckpt.model_part(name)]
+        part["params"] += n
+        part["bytes"] += size
+    return sorted(rows.values(), key=lambda r: -r["bytes"])
+
+
+def _summary(m, parts: dict, tensors: int, roles_rows: list, budgets: list) -> dict:
     def bpw(names) -> float:
         p = sum(parts[n]["params"] for n in names)
         return round(8 * sum(parts[n]["bytes"] for n in names) / p, 4) if p else 0.0

@@ -283,73 +283,93 @@ def load(
         where = ["steps", name]
         if not NAME_RE.match(name):
             raise error_at(f, where, "step names use letters, digits, '_', '-', '.'")
-        try:
-            decl = StepDecl.model_validate(body)
-        except ValidationError as e:
-            err = e.errors()[0]
-            loc = [*where, *(str(x) for x in err["loc"])]
-            if err["type"] == "extra_forbidden":
-                msg = (
-                    f"unknown key{did_you_mean(loc[-1], StepDecl.model_fields)}; "
-                    "a step has kind, inputs, params"
-                )
-            elif err["type"] == "missing":
-                msg = "missing required key"
-            else:
-                msg = _invalid(err)
-            raise error_at(f, loc, msg) from None
-        registry = kinds()
-        if decl.kind not in registry:
+        decl = _declaration(f, where, body)
+        step = get_step(decl.kind)
+        p = _params(f, where, decl, step, raw["recipe"], chain, m.source)
+        m.nodes[name] = Node(name, decl.kind, step, p, _inputs(f, where, decl, step), str(f))
+    _check_refs(m)
+    return m
+
+
+def _declaration(f: Path, where: list[str], body: dict) -> StepDecl:
+    """A step's table as a ``StepDecl`` of a registered kind, or the error at its TOML path."""
+    try:
+        decl = StepDecl.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [*where, *(str(x) for x in err["loc"])]
+        if err["type"] == "extra_forbidden":
+            msg = (
+                f"unknown key{did_you_mean(loc[-1], StepDecl.model_fields)}; "
+                "a step has kind, inputs, params"
+            )
+        elif err["type"] == "missing":
+            msg = "missing required key"
+        else:
+            msg = _invalid(err)
+        raise error_at(f, loc, msg) from None
+    registry = kinds()
+    if decl.kind not in registry:
+        raise error_at(
+            f,
+            [*where, "kind"],
+            f"unknown step kind {decl.kind!r}{did_you_mean(decl.kind, registry)}; "
+            f"known kinds: {', '.join(sorted(registry))}",
+        )
+    return decl
+
+
+def _params(
+    f: Path, where: list[str], decl: StepDecl, step, recipe: dict, chain: list, source: str
+) -> Params:
+    """A step's params with the manifest's recipe and source filled in, validated by its kind."""
+    params = dict(decl.params)
+    if step.uses_recipe and isinstance(params.get("recipe", {}), dict):  # else validation says why
+        params["recipe"] = deep_merge(recipe, params.get("recipe", {}))
+    if "source" in step.Params.model_fields and params.get("source") is None:
+        params["source"] = source
+    try:
+        return step.Params.model_validate(params)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [*where, "params", *(str(x) for x in err["loc"])]
+        if step.uses_recipe and loc[3:4] == ["recipe"] and not _defines(decl.params, loc[3:]):
+            f, loc = _recipe_file(chain, loc[3:]), loc[3:]  # the [recipe] table is to blame
+        if err["type"] == "extra_forbidden":
+            msg = (
+                f"unknown param{did_you_mean(loc[-1], step.Params.model_fields)} "
+                f"for kind {decl.kind!r}; known: {', '.join(step.Params.model_fields)}"
+            )
+        elif err["type"] == "missing":
+            msg = f"missing required param for kind {decl.kind!r}"
+        else:
+            msg = _invalid(err)
+        raise error_at(f, loc, msg) from None
+
+
+def _inputs(f: Path, where: list[str], decl: StepDecl, step) -> dict[str, list[Ref]]:
+    """A step's inputs as node references, each slot one its kind has, the required ones set."""
+    inputs: dict[str, list[Ref]] = {}
+    for slot, val in decl.inputs.items():
+        if slot not in step.inputs:
             raise error_at(
                 f,
-                [*where, "kind"],
-                f"unknown step kind {decl.kind!r}{did_you_mean(decl.kind, registry)}; "
-                f"known kinds: {', '.join(sorted(registry))}",
+                [*where, "inputs", slot],
+                f"kind {decl.kind!r} has no input {slot!r}{did_you_mean(slot, step.inputs)}; "
+                f"its inputs: {', '.join(step.inputs) or '(none)'}",
             )
-        step = get_step(decl.kind)
-        params = dict(decl.params)
-        if step.uses_recipe and isinstance(
-            params.get("recipe", {}), dict
-        ):  # else validation says why
-            params["recipe"] = deep_merge(raw["recipe"], params.get("recipe", {}))
-        if "source" in step.Params.model_fields and params.get("source") is None:
-            params["source"] = m.source
-        try:
-            p = step.Params.model_validate(params)
-        except ValidationError as e:
-            err = e.errors()[0]
-            loc = [*where, "params", *(str(x) for x in err["loc"])]
-            if step.uses_recipe and loc[3:4] == ["recipe"] and not _defines(decl.params, loc[3:]):
-                f, loc = _recipe_file(chain, loc[3:]), loc[3:]  # the [recipe] table is to blame
-            if err["type"] == "extra_forbidden":
-                msg = (
-                    f"unknown param{did_you_mean(loc[-1], step.Params.model_fields)} "
-                    f"for kind {decl.kind!r}; known: {', '.join(step.Params.model_fields)}"
-                )
-            elif err["type"] == "missing":
-                msg = f"missing required param for kind {decl.kind!r}"
-            else:
-                msg = _invalid(err)
-            raise error_at(f, loc, msg) from None
-        inputs: dict[str, list[Ref]] = {}
-        for slot, val in decl.inputs.items():
-            if slot not in step.inputs:
-                raise error_at(
-                    f,
-                    [*where, "inputs", slot],
-                    f"kind {decl.kind!r} has no input {slot!r}{did_you_mean(slot, step.inputs)}; "
-                    f"its inputs: {', '.join(step.inputs) or '(none)'}",
-                )
-            refs = [val] if isinstance(val, str) else list(val)
-            if len(refs) != 1 and not step.inputs[slot].many:
-                raise error_at(f, [*where, "inputs", slot], "takes exactly one node reference")
-            inputs[slot] = [parse_ref(r) for r in refs]
-        for slot, spec in step.inputs.items():
-            if spec.required and not inputs.get(slot):
-                raise error_at(
-                    f, [*where, "inputs"], f"missing input {slot!r} for kind {decl.kind!r}"
-                )
-        m.nodes[name] = Node(name, decl.kind, step, p, inputs, str(f))
+        refs = [val] if isinstance(val, str) else list(val)
+        if len(refs) != 1 and not step.inputs[slot].many:
+            raise error_at(f, [*where, "inputs", slot], "takes exactly one node reference")
+        inputs[slot] = [parse_ref(r) for r in refs]
+    for slot, spec in step.inputs.items():
+        if spec.required and not inputs.get(slot):
+            raise error_at(f, [*where, "inputs"], f"missing input {slot!r} for kind {decl.kind!r}")
+    return inputs
+
+
+def _check_refs(m: Manifest) -> None:
+    """Every input names a step of the manifest and an output that step's kind has."""
     for node in m.nodes.values():
         for slot, refs in node.inputs.items():
             for r in refs:
@@ -368,4 +388,3 @@ def load(
                         f"step {r.node!r} ({producer.kind}) has no output {r.output!r}; "
                         f"its outputs: {', '.join(producer.outputs)}",
                     )
-    return m

@@ -111,20 +111,7 @@ def verify_against(manifest, against: str | Path, jobs: int = 2, remote=None) ->
     from buildkit.store.store import Store
 
     lock = read_lock(against, manifest.name)
-    tools = _differ(lock.get("tools"), tool_versions())
-    if tools:
-        print(
-            f"buildkit: warning: tool versions differ from the lock's: {tools}. "
-            "Cache keys include the versions of libraries that change bytes, "
-            "so the nodes that use them cannot reproduce "
-            f"the lock; install the release pins (pip install -c {PINS} -e .) and verify again",
-            file=sys.stderr,
-        )
-    if lock.get("platform", machine()) != machine():
-        print(
-            f"buildkit: note: the lock was made on {lock['platform']}, this is {machine()}",
-            file=sys.stderr,
-        )
+    tools = _warn_versions(lock)
     with tempfile.TemporaryDirectory(prefix="buildkit-verify-") as tmp:
         opts = BuildOptions(
             project_root=Path.cwd(), out_dir=Path(tmp) / "out", release=True, remote=remote
@@ -142,34 +129,7 @@ def verify_against(manifest, against: str | Path, jobs: int = 2, remote=None) ->
             )
             return 1
         if any(want.get(f) != have[f] for f in ("kind", "key", "outputs")):
-            print(
-                f"differs at node {name!r} ({have['kind']}), the first in build order:",
-                file=sys.stderr,
-            )
-            for f in ("kind", "key", "outputs"):
-                if want.get(f) != have[f]:
-                    print(
-                        f"  {f}: lock {json.dumps(want.get(f))} vs rebuild {json.dumps(have[f])}",
-                        file=sys.stderr,
-                    )
-            libs = _differ(want.get("libraries"), have["libraries"])
-            if libs:
-                print(
-                    f"  its key includes library versions that differ: {libs}; "
-                    f"install the release pins (pip install -c {PINS} -e .)",
-                    file=sys.stderr,
-                )
-            if have["kind"] == "fetch":
-                old = (lock.get("sources", {}).get(name) or {}).get("files") or {}
-                new = got["sources"][name]["files"] or {}
-                files = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-                if files:
-                    print(f"  source files differ: {', '.join(files)}", file=sys.stderr)
-            elif tools and not libs:
-                print(
-                    "  (an input of this node differs, or a tool version above changed its bytes)",
-                    file=sys.stderr,
-                )
+            _explain_difference(name, want, have, lock, got, tools)
             return 1
     extra = sorted(set(lock["nodes"]) - set(got["nodes"]))
     if extra:
@@ -177,6 +137,55 @@ def verify_against(manifest, against: str | Path, jobs: int = 2, remote=None) ->
         return 1
     print(f"{manifest.name}: {len(got['nodes'])} nodes reproduce {against} digest for digest")
     return 0
+
+
+def _warn_versions(lock: dict) -> dict:
+    """Warns where this machine's tools or platform are not the lock's; returns the tool
+    versions that differ."""
+    tools = _differ(lock.get("tools"), tool_versions())
+    if tools:
+        print(
+            f"buildkit: warning: tool versions differ from the lock's: {tools}. "
+            "Cache keys include the versions of libraries that change bytes, "
+            "so the nodes that use them cannot reproduce "
+            f"the lock; install the release pins (pip install -c {PINS} -e .) and verify again",
+            file=sys.stderr,
+        )
+    if lock.get("platform", machine()) != machine():
+        print(
+            f"buildkit: note: the lock was made on {lock['platform']}, this is {machine()}",
+            file=sys.stderr,
+        )
+    return tools
+
+
+def _explain_difference(name: str, want: dict, have: dict, lock: dict, got: dict, tools) -> None:
+    """What differs at the first node that does not reproduce the lock, and the likely why."""
+    print(f"differs at node {name!r} ({have['kind']}), the first in build order:", file=sys.stderr)
+    for f in ("kind", "key", "outputs"):
+        if want.get(f) != have[f]:
+            print(
+                f"  {f}: lock {json.dumps(want.get(f))} vs rebuild {json.dumps(have[f])}",
+                file=sys.stderr,
+            )
+    libs = _differ(want.get("libraries"), have["libraries"])
+    if libs:
+        print(
+            f"  its key includes library versions that differ: {libs}; "
+            f"install the release pins (pip install -c {PINS} -e .)",
+            file=sys.stderr,
+        )
+    if have["kind"] == "fetch":
+        old = (lock.get("sources", {}).get(name) or {}).get("files") or {}
+        new = got["sources"][name]["files"] or {}
+        files = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        if files:
+            print(f"  source files differ: {', '.join(files)}", file=sys.stderr)
+    elif tools and not libs:
+        print(
+            "  (an input of this node differs, or a tool version above changed its bytes)",
+            file=sys.stderr,
+        )
 
 
 def push(sched, states, repo_id: str) -> None:

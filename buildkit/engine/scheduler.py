@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, wait
+from typing import NoReturn
 
 from buildkit.core import allocator, keys, workers
 from buildkit.core.errors import BuildkitError, StepError, StoreMiss, VerifyError
@@ -30,7 +31,7 @@ from buildkit.engine.plan import (
     why_changed,
 )
 from buildkit.engine.report import Reporter
-from buildkit.engine.step import BuildOptions, Progress
+from buildkit.engine.step import BuildOptions, Context, Progress
 from buildkit.store.fsio import atomic_write
 from buildkit.store.store import Store
 
@@ -114,27 +115,7 @@ class Scheduler(Planner):
         finally:
             reporter.close()
         if failures:
-            n, exc = failures[0]
-            if isinstance(exc, VerifyError) and exc.report:
-                exc = self._keep_report(n, exc)
-            if isinstance(exc, BuildkitError):
-                err = copy.copy(exc)  # the same class and fields, whatever its constructor takes
-                err.args = (f"step {n!r} ({self.m.nodes[n].kind}) failed: {exc}",)
-                raise err from exc
-            if isinstance(
-                exc, OSError
-            ):  # the disk or the OS said no: a clear message, no traceback
-                full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                hint = (
-                    "; free space (or use --store/--out on another disk) and build again"
-                    if full
-                    else ""
-                )
-                raise StepError(f"step {n!r} ({self.m.nodes[n].kind}) failed: {exc}{hint}") from exc
-            detail = "".join(traceback.format_exception(exc)).rstrip()
-            raise StepError(
-                f"step {n!r} ({self.m.nodes[n].kind}) failed with an internal error:\n{detail}"
-            ) from exc
+            self._fail(*failures[0])
         self.record(states)
         ran = sum(s.ran for s in states.values())
         if not quiet:
@@ -143,6 +124,27 @@ class Scheduler(Planner):
                 f"in {time.monotonic() - t0:.2f}s"
             )
         return list(states.values())
+
+    def _fail(self, n: str, exc: BaseException) -> NoReturn:
+        """Raises the first failed step's error, naming the step."""
+        if isinstance(exc, VerifyError) and exc.report:
+            exc = self._keep_report(n, exc)
+        if isinstance(exc, BuildkitError):
+            err = copy.copy(exc)  # the same class and fields, whatever its constructor takes
+            err.args = (f"step {n!r} ({self.m.nodes[n].kind}) failed: {exc}",)
+            raise err from exc
+        if isinstance(exc, OSError):  # the disk or the OS said no: a clear message, no traceback
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            hint = (
+                "; free space (or use --store/--out on another disk) and build again"
+                if full
+                else ""
+            )
+            raise StepError(f"step {n!r} ({self.m.nodes[n].kind}) failed: {exc}{hint}") from exc
+        detail = "".join(traceback.format_exception(exc)).rstrip()
+        raise StepError(
+            f"step {n!r} ({self.m.nodes[n].kind}) failed with an internal error:\n{detail}"
+        ) from exc
 
     def _run_node(
         self, name: str, states: dict[str, NodeState], prev: dict, reporter: Reporter
@@ -176,42 +178,50 @@ class Scheduler(Planner):
                 reasons = why_changed(node, prev.get(name, {}).get("ingredients"), st.ingredients)
             reporter.line(f"[run]    {name} ({node.kind}): {'; '.join(reasons)}")
             st.reasons = reasons
-            t = time.monotonic()
-            self.fetch_inputs(digests, name)
-            inputs = dict(arts)
-            ctx.fingerprint = st.ingredients["fingerprint"]
-            ctx.key, ctx.libraries = st.key, st.ingredients["libraries"]
-            allocator.tune_imported()  # an earlier step imported mlx: its buffer cache off
-            outputs = node.step.run(ctx, node.params, inputs)
-            if set(outputs) != set(node.step.outputs):
-                raise StepError(
-                    f"returned outputs {sorted(outputs)}, expected {list(node.step.outputs)}"
-                )
-            st.outputs = {k: self.store.put_artifact(a) for k, a in sorted(outputs.items())}
-            st.seconds = time.monotonic() - t
-            st.stats = {
-                "seconds": round(st.seconds, 3),
-                "tensors": ctx.progress.done,
-                "bytes": ctx.progress.bytes,
-            }
-            self.store.put_action(
-                st.key,
-                {
-                    "key": st.key,
-                    "outputs": st.outputs,
-                    "kind": node.kind,
-                    "node": name,
-                    "variant": self.m.name,
-                    "pid": os.getpid(),
-                    "stats": st.stats,
-                },
+            self._execute(st, ctx, digests, arts, reporter)
+
+    def _execute(
+        self, st: NodeState, ctx: Context, digests: dict, arts: InputArtifacts, reporter: Reporter
+    ) -> None:
+        """Runs a stale node's step and records its outputs under its key."""
+        name = st.name
+        node = self.m.nodes[name]
+        t = time.monotonic()
+        self.fetch_inputs(digests, name)
+        inputs = dict(arts)
+        ctx.fingerprint = st.ingredients["fingerprint"]
+        ctx.key, ctx.libraries = st.key, st.ingredients["libraries"]
+        allocator.tune_imported()  # an earlier step imported mlx: its buffer cache off
+        outputs = node.step.run(ctx, node.params, inputs)
+        if set(outputs) != set(node.step.outputs):
+            raise StepError(
+                f"returned outputs {sorted(outputs)}, expected {list(node.step.outputs)}"
             )
-            st.ran = True
-            reporter.finish_node(name)
-            reporter.line(
-                f"[done]   {name} ({node.kind}) {keys.short(st.key)} in {st.seconds:.2f}s"
-                + (f", {ctx.progress.done} {ctx.progress.unit}" if ctx.progress.done else "")
-            )
+        st.outputs = {k: self.store.put_artifact(a) for k, a in sorted(outputs.items())}
+        st.seconds = time.monotonic() - t
+        st.stats = {
+            "seconds": round(st.seconds, 3),
+            "tensors": ctx.progress.done,
+            "bytes": ctx.progress.bytes,
+        }
+        self.store.put_action(
+            st.key,
+            {
+                "key": st.key,
+                "outputs": st.outputs,
+                "kind": node.kind,
+                "node": name,
+                "variant": self.m.name,
+                "pid": os.getpid(),
+                "stats": st.stats,
+            },
+        )
+        st.ran = True
+        reporter.finish_node(name)
+        reporter.line(
+            f"[done]   {name} ({node.kind}) {keys.short(st.key)} in {st.seconds:.2f}s"
+            + (f", {ctx.progress.done} {ctx.progress.unit}" if ctx.progress.done else "")
+        )
 
     def _keep_report(self, name: str, exc: VerifyError) -> VerifyError:
         """A failed verify's full report, kept where the user can read it."""

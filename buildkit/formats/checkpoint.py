@@ -1,6 +1,6 @@
 """What a qwen3_5_moe checkpoint looks like: expected tensors, and the HF -> MLX name mapping.
 
-Facts (see DESIGN.md): text keys live under ``model.language_model.``, the
+Facts: text keys live under ``model.language_model.``, the
 vision tower under ``model.visual.``, the MTP head under ``mtp.``. mlx_lm names
 text keys ``language_model.model.*`` and splits fused experts into
 ``switch_mlp.{gate,up,down}_proj.weight`` (gate = first half of rows); mlx_vlm

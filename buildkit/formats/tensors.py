@@ -92,6 +92,20 @@ class Header:
 def read_header(path: str | Path) -> Header:
     """Parse and validate a safetensors header without reading tensor data."""
     path = Path(path)
+    head, base, size = _header_json(path)
+    metadata = head.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise SourceError(f"{path}: __metadata__ is not an object")
+    tensors = {name: _tensor_info(path, name, info, base, size) for name, info in head.items()}
+    spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.end > t.start)
+    for (_, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise SourceError(f"{path}: tensors {n0!r} and {n1!r} overlap")
+    return Header(path, tensors, {str(k): str(v) for k, v in metadata.items()})
+
+
+def _header_json(path: Path) -> tuple[dict, int, int]:
+    """(the header's JSON object, where the data starts, the file's size)."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -117,45 +131,37 @@ def read_header(path: str | Path) -> Header:
         ) from None
     if not isinstance(head, dict):
         raise SourceError(f"{path}: header is not a JSON object")
-    metadata = head.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise SourceError(f"{path}: __metadata__ is not an object")
-    base = 8 + hlen
+    return head, 8 + hlen, size
+
+
+def _tensor_info(path: Path, name: str, info, base: int, size: int) -> TensorInfo:
+    """One header entry, checked: a known dtype, a shape of ints, offsets inside the data
+    spanning exactly the bytes of that dtype and shape."""
+    where = f"{path}: tensor {name!r}"
     data_len = size - base
-    tensors: dict[str, TensorInfo] = {}
-    for name, info in head.items():
-        where = f"{path}: tensor {name!r}"
-        if not isinstance(info, dict):
-            raise SourceError(f"{where}: entry is not an object")
-        dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise SourceError(f"{where}: unsupported dtype {dtype!r}")
-        if not (
-            isinstance(shape, list) and all(type(d) is int and 0 <= d < MAX_DIM for d in shape)
-        ):
-            raise SourceError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
-        if not (
-            isinstance(offs, list)
-            and len(offs) == 2
-            and all(type(o) is int for o in offs)
-            and 0 <= offs[0] <= offs[1] <= data_len
-        ):
-            raise SourceError(
-                f"{where}: data_offsets {offs!r} fall outside the {data_len} data bytes "
-                "(truncated or corrupt file)"
-            )
-        want = nbytes(dtype, shape)
-        if offs[1] - offs[0] != want:
-            raise SourceError(
-                f"{where}: {dtype}{shape} needs {want} bytes "
-                f"but data_offsets span {offs[1] - offs[0]}"
-            )
-        tensors[name] = TensorInfo(name, dtype, tuple(shape), base + offs[0], base + offs[1])
-    spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.end > t.start)
-    for (_, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
-        if s1 < e0:
-            raise SourceError(f"{path}: tensors {n0!r} and {n1!r} overlap")
-    return Header(path, tensors, {str(k): str(v) for k, v in metadata.items()})
+    if not isinstance(info, dict):
+        raise SourceError(f"{where}: entry is not an object")
+    dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise SourceError(f"{where}: unsupported dtype {dtype!r}")
+    if not (isinstance(shape, list) and all(type(d) is int and 0 <= d < MAX_DIM for d in shape)):
+        raise SourceError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
+    if not (
+        isinstance(offs, list)
+        and len(offs) == 2
+        and all(type(o) is int for o in offs)
+        and 0 <= offs[0] <= offs[1] <= data_len
+    ):
+        raise SourceError(
+            f"{where}: data_offsets {offs!r} fall outside the {data_len} data bytes "
+            "(truncated or corrupt file)"
+        )
+    want = nbytes(dtype, shape)
+    if offs[1] - offs[0] != want:
+        raise SourceError(
+            f"{where}: {dtype}{shape} needs {want} bytes but data_offsets span {offs[1] - offs[0]}"
+        )
+    return TensorInfo(name, dtype, tuple(shape), base + offs[0], base + offs[1])
 
 
 def read_tensor(

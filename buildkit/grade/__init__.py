@@ -1,6 +1,7 @@
 """grade: running the model to measure it.
 
 The calibration forward pass, one decoder layer at a time (``calibration``), the comparison of a
-quantized model with its bf16 source (``evaluate``) and the eval tables that cards, ``compare``
-and ``status`` show (``grades``). May import core, formats, store and fixtures.
+quantized model with its bf16 source (``evaluate``), the MTP head's acceptance by depth
+(``drafting``) and the eval tables that cards, ``compare`` and ``status`` show (``grades``).
+May import core, formats, store and fixtures.
 """

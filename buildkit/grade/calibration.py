@@ -138,14 +138,18 @@ def _silu(g: np.ndarray) -> np.ndarray:
 
 def _mm(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """``x @ w.T`` for a weight w [out, in] and a few rows x [n, in], computed as ``(w @ x.T).T``:
-    OpenBLAS's sgemm runs that shape 35% faster at 64 rows (60% at 32, 8% at 256), with the same
-    bytes here (bench/RESULTS.md, "oq4e speed")."""
+    OpenBLAS's sgemm runs that shape faster at a few rows, with the same bytes here
+    (bench/RESULTS.md)."""
     return (w @ x.T).T
 
 
 def numpy_modules():
-    """The layer's matmuls in numpy: mlx's CPU wheel on Linux bundles a reference BLAS
-    (~5 GFLOP/s), numpy's OpenBLAS is 10-20x faster; the rest of the layer stays mlx."""
+    """The layer's matmuls in numpy: mlx's CPU wheel on Linux bundles a reference BLAS, numpy's
+    OpenBLAS is many times faster (bench/RESULTS.md); the rest of the layer stays mlx."""
+    return _np_linear(), _np_switch_glu()
+
+
+def _np_linear():
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -159,6 +163,13 @@ def numpy_modules():
         def __call__(self, x):
             a = np.asarray(x)
             return mx.array((a.reshape(-1, a.shape[-1]) @ self.w.T).reshape(*a.shape[:-1], -1))
+
+    return NpLinear
+
+
+def _np_switch_glu():
+    import mlx.core as mx
+    import mlx.nn as nn
 
     class NpSwitchGLU(nn.Module):
         """mlx_lm's SwitchGLU (``down(silu(gate x) * up x)`` for each chosen expert, output
@@ -212,7 +223,7 @@ def numpy_modules():
                 r.experts.append(idx.copy())
             return mx.array(y.reshape(*a.shape[:-1], k, -1))
 
-    return NpLinear, NpSwitchGLU
+    return NpSwitchGLU
 
 
 def build_model(config: dict):

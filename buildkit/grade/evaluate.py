@@ -6,7 +6,7 @@ in memory at a time (its weights read, the layer run for every position, then fr
 float32 (mlx on CPU has no bf16 ``gather_mm``). The real source is 70 GB; memory is one
 layer, the embeddings or the output head, plus the hidden states of the text.
 
-Figures (definitions in DESIGN.md): KL(p_source || p_model) of next-token distributions
+Figures: KL(p_source || p_model) of next-token distributions
 (mean, median, 99th percentile), top-1 agreement, the perplexity of each, and, for a model
 with an MTP head, teacher-forced draft acceptance at depth 1: the head's argmax for token
 t+2 (from the trunk's hidden state at t, before the final norm, and the embedding of token
@@ -281,7 +281,7 @@ def _logprobs(logits):
 
 
 def np_logprobs(logits: np.ndarray) -> np.ndarray:
-    """Log-probabilities of logits [..., V] in numpy (float32; mlx's CPU exp is ~10x slower)."""
+    """Log-probabilities of logits [..., V] in numpy (float32; mlx's CPU exp is slower)."""
     m = logits.max(axis=-1, keepdims=True)
     return logits - (m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)))
 
@@ -440,6 +440,15 @@ def head_hits(w: Weights, t: Trunk) -> tuple[list[int], list[int]]:
         hits.append(int((p[:, :-1] == want[:, :-1]).sum()))  # t+2 inside the text
         totals.append(B * max(L - 2, 0))
     return hits, totals
+
+
+def load_head(w: Weights):
+    """``w``'s MTP head, quantized and loaded as ``head_acceptance`` runs it."""
+    args = build_model(w.config).language_model.args
+    head = _head_class()(args)
+    _quantize(head, w, HEAD)
+    _load(head, w, HEAD)
+    return head
 
 
 # ---- one measurement -------------------------------------------------------------------

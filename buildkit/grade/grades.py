@@ -17,7 +17,21 @@ COLUMNS = (  # (key, heading, format)
     ("ppl_source", "ppl bf16", lambda v: f"{v:.3f}"),
     ("acceptance", "accept", lambda v: f"{v:.2%}"),
     ("acceptance_source", "accept bf16", lambda v: f"{v:.2%}"),
+    ("drafts_by_depth", "drafts d1/d2/..", lambda v: " ".join(f"{a}/{n}" for a, n in v)),
+    ("tokens_per_cycle", "tok/cycle", lambda v: "/".join(f"{x:.2f}" for x in v)),
+    (
+        "speculative",
+        "mlx_vlm tok/round",
+        lambda v: (
+            "/".join("-" if x is None else f"{x:.2f}" for x in v["tokens_per_round"])
+            + ("" if v["lossless"] else " NOT LOSSLESS")
+        ),
+    ),
 )
+
+
+def _shown(v) -> bool:
+    return v is not None and (not isinstance(v, float) or math.isfinite(v))
 
 
 def last_root(store: Store, variant: str) -> dict | None:
@@ -96,10 +110,7 @@ def table(rows: list[dict]) -> str:
     cells = [
         [
             r["variant"],
-            *(
-                f(r[k]) if isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) else "-"
-                for k, _, f in COLUMNS
-            ),
+            *(f(r[k]) if _shown(r.get(k)) else "-" for k, _, f in COLUMNS),
         ]
         for r in with_domains(rows)
     ]

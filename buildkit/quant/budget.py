@@ -104,7 +104,7 @@ def measure(
 ) -> dict[str, dict[int, float]]:
     """S(b) for each group and bits b: the mean KL on ``tokens`` with that group's tensors
     alone quantized (data-aware if ``calibration`` is given). The layers' matmuls run in numpy
-    (calibrate's modules: mlx's CPU BLAS is 10-20x slower), the candidate tensors dequantized,
+    (calibrate's modules: mlx's CPU BLAS is much slower), the candidate tensors dequantized,
     so the reference and every candidate share one arithmetic and differ only by the group."""
     NpLinear, NpSwitchGLU = cal.numpy_modules()
     config = model.meta["config"]

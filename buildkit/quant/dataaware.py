@@ -21,8 +21,8 @@ gets the mlx affine parameters (scale s, bias b, codes q in [0, 2^bits - 1],
    better, so no group is worse than data-agnostic quantization on the
    calibration objective.
 
-The loop over candidates is compiled (``groupsearch``, numba): 1.2x ``mx.quantize``'s
-time per weight on one CPU thread each (bench/RESULTS.md "oq4e speed").
+The loop over candidates is compiled (``groupsearch``, numba), near ``mx.quantize``'s time
+per weight (bench/RESULTS.md).
 
 No per-channel rescaling is folded anywhere (AWQ's equivalent transform needs a
 preceding per-expert op, and the experts share their input), so the output is
@@ -44,15 +44,8 @@ from buildkit.store.store import ROW_BLOCK_BYTES
 np = lazy("numpy", __name__)
 
 METHOD = "diag-weighted-affine-search/5"  # bump when the search changes its output or meta
-# 3: one fused numba loop (groupsearch.py); grids ranked by their error estimated from the
-# least-squares sums, the best one's exact error against data-agnostic; the 7 grids that did
-# best on the bench's tensor (was 9 evenly spaced): ~20x faster for the same weighted error
-# (bench/RESULTS.md "oq4e speed")
-# 4 (two branches, each its own 4): only the 3 best grids after one fit fit again, then the
-# best once more (11 fits, was 14), lower weighted error on the bench's tensor (0.7031 vs
-# 0.7047) in 0.6x the time; and the weights' rel-L1 over every row in quantize's meta
-# 5: both of those together
-# extra quantization steps over the min-max range
+# extra quantization steps over the min-max range: the grids that did best on the bench's
+# tensor (bench/RESULTS.md)
 GRID = [-1.0, -0.5, -0.25, 0.25, 0.5, 1.0, 1.75]
 TOP = 3  # the grids with the smallest estimates after one fit: fit once more
 REFINE = 1  # further fits of the best candidate after those
@@ -191,6 +184,78 @@ def repack(codes, s32, b32, bits: int, s_dtype: str, s_np_dtype):
     return pack(codes, bits), s_np, b_np
 
 
+def expert_statistics(store, name: str, entry: dict, role: Role, calibration):
+    """(importance [E, in] and tokens [E], or None where calibration has no statistics for it)
+    of a routed-expert weight a calibrated role matches, once it is known to be one."""
+    module, shape, g = name.removesuffix(".weight"), entry["shape"], role.group_size
+    if cal.SWITCH not in module or len(shape) != 3 or not name.endswith(".weight"):
+        raise StepError(
+            f"calibrated role matches {name!r} {shape}, which is not a routed-expert weight; "
+            "calibration collects statistics for *.mlp.switch_mlp.* only: give this tensor a role "
+            "without calibrated = true"
+        )
+    if shape[-1] % g:
+        raise StepError(
+            f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {g}"
+        )
+    stats = cal.stats_for(store, calibration, module)
+    E, _, C = shape
+    if stats is not None and (stats[0].shape != (E, C) or stats[1].shape != (E,)):
+        raise StepError(
+            f"calibration statistics for {module} have shape {list(stats[0].shape)}, "
+            f"expected {[E, C]}: the calibration was made from another model; point the "
+            "calibrate step's input at this trunk's sanitize"
+        )
+    return stats
+
+
+class SearchedBlocks:
+    """A routed-expert weight's stored parts a block of experts at a time (what
+    ``qerror.put_measured`` takes): the experts calibration reached searched with their own
+    importance, the rest as mx.quantize does; ``won`` counts the groups the search improved."""
+
+    def __init__(self, store, name: str, entry: dict, role: Role, stats, block_bytes: int):
+        self.store, self.entry, self.role, self.block_bytes = store, entry, role, block_bytes
+        self.module = name.removesuffix(".weight")
+        self.importance = None if stats is None else stats[0]
+        self.reached = np.zeros(entry["shape"][0], bool) if stats is None else stats[1] > 0
+        self.won = 0
+
+    def __iter__(self):
+        from buildkit.quant import affine
+
+        role, dtype = self.role, self.entry["dtype"]
+        e0 = 0
+        for raw in self.store.iter_rows(self.entry, self.block_bytes):
+            ((packed, _), (s_np, s_dtype), (b_np, _)), sums = affine.like_mx(
+                raw, dtype, role.bits, role.group_size, role.mode
+            )
+            here = np.flatnonzero(self.reached[e0 : e0 + len(raw)])
+            if self.importance is not None and len(here):
+                sums = None  # searched: its rel-L1 sums are put_measured's to take again
+                packed, s_np, b_np = self.searched(raw, e0, here, packed, s_np, b_np, s_dtype)
+            e0 += len(raw)
+            made = stored_parts(self.module, packed, s_np, b_np, s_dtype)
+            yield (raw, made) if sums is None else (raw, made, sums)
+
+    def searched(self, raw, e0: int, here, packed, s_np, b_np, s_dtype: str) -> tuple:
+        """The block's (packed, scales, biases) with the experts ``e0 + j`` (``j`` in ``here``)
+        searched."""
+        bits, g, dtype = self.role.bits, self.role.group_size, self.entry["dtype"]
+        _, O, C = self.entry["shape"]
+        codes = unpack(packed, bits).copy()
+        s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
+        for j in here:
+            imp = self.importance[e0 + j]
+            d = imp + IMPORTANCE_FLOOR * max(float(imp.mean()), 1e-30)
+            base = (codes[j].reshape(O, C // g, g), s32[j], b32[j])
+            w = to_float32(raw[j], dtype).reshape(O, C // g, g)  # one expert in float32 at a time
+            q, s, b, better = search(w, d.reshape(1, C // g, g), bits, s_dtype, base)
+            codes[j], s32[j], b32[j] = q.reshape(O, C), s, b
+            self.won += int(better.sum())
+        return repack(codes, s32, b32, bits, s_dtype, s_np.dtype)
+
+
 def quantize_entry(
     store,
     name: str,
@@ -203,62 +268,13 @@ def quantize_entry(
     """One routed-expert weight [E, out, in] -> weight/scales/biases, each expert reached by
     calibration searched with its own importance, the rest as mx.quantize does; a few experts
     at a time (``block_bytes``), so memory is a block, not the tensor."""
-    from buildkit.quant import affine, qerror
+    from buildkit.quant import qerror
 
-    module, shape, g = name.removesuffix(".weight"), entry["shape"], role.group_size
-    if cal.SWITCH not in module or len(shape) != 3 or not name.endswith(".weight"):
-        raise StepError(
-            f"calibrated role matches {name!r} {shape}, which is not a routed-expert weight; "
-            "calibration collects statistics for *.mlp.switch_mlp.* only: give this tensor a role "
-            "without calibrated = true"
-        )
-    if shape[-1] % g:
-        raise StepError(
-            f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {g}"
-        )
-    dtype = entry["dtype"]
-    stats = cal.stats_for(store, calibration, module)
-    E, O, C = shape
-    reached = np.zeros(E, bool)
-    if stats is not None:
-        importance, tokens = stats
-        if importance.shape != (E, C) or tokens.shape != (E,):
-            raise StepError(
-                f"calibration statistics for {module} have shape {list(importance.shape)}, "
-                f"expected {[E, C]}: the calibration was made from another model; point the "
-                "calibrate step's input at this trunk's sanitize"
-            )
-        reached = tokens > 0
-    won = 0
-
-    def blocks():
-        nonlocal won
-        e0 = 0
-        for raw in store.iter_rows(entry, block_bytes):
-            ((packed, _), (s_np, s_dtype), (b_np, _)), sums = affine.like_mx(
-                raw, dtype, role.bits, g, role.mode
-            )
-            here = np.flatnonzero(reached[e0 : e0 + len(raw)]) if stats is not None else ()
-            if len(here):  # searched: its rel-L1 sums are put_measured's to take again
-                sums = None
-                codes = unpack(packed, role.bits).copy()
-                s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
-                for j in here:
-                    e = e0 + j
-                    d = importance[e] + IMPORTANCE_FLOOR * max(float(importance[e].mean()), 1e-30)
-                    base = (codes[j].reshape(O, C // g, g), s32[j], b32[j])
-                    w = to_float32(raw[j], dtype).reshape(
-                        O, C // g, g
-                    )  # one expert in float32 at a time
-                    q, s, b, better = search(w, d.reshape(1, C // g, g), role.bits, s_dtype, base)
-                    codes[j], s32[j], b32[j] = q.reshape(O, C), s, b
-                    won += int(better.sum())
-                packed, s_np, b_np = repack(codes, s32, b32, role.bits, s_dtype, s_np.dtype)
-            e0 += len(raw)
-            made = stored_parts(module, packed, s_np, b_np, s_dtype)
-            yield (raw, made) if sums is None else (raw, made, sums)
-
-    out = qerror.put_measured(store, E, blocks(), module, dtype, role.bits, g)
+    stats = expert_statistics(store, name, entry, role, calibration)
+    blocks = SearchedBlocks(store, name, entry, role, stats, block_bytes)
+    module, (E, O, C), g = blocks.module, entry["shape"], role.group_size
+    out = qerror.put_measured(store, E, iter(blocks), module, entry["dtype"], role.bits, g)
+    reached = blocks.reached
     with tally.lock:
         tally.tensors += 1
         tally.expert_slices += int(reached.sum())
@@ -266,7 +282,7 @@ def quantize_entry(
             tally.no_statistics.append(name)
         else:
             tally.groups += int(reached.sum()) * O * (C // g)
-            tally.groups_won += won
+            tally.groups_won += blocks.won
             tally.fallback.setdefault(module.partition(cal.SWITCH)[0], set()).update(
                 np.flatnonzero(~reached).tolist()
             )

@@ -11,7 +11,7 @@ are stored in before any code is chosen against them.
 mlx_lm's ``gptq`` sums one Hessian over all the experts of a layer; here each expert has its
 own, from the rows routed to it (gate/up: the MoE input; down: that expert's own
 ``silu(gate x) * up x``), which measured lower KL divergence on the trained fixture
-(bench/RESULTS.md, "Against mlx_lm's quantizers"). The inputs are the calibration stream's
+(bench/RESULTS.md). The inputs are the calibration stream's
 routed rows, which the calibrate step keeps with ``params.keep_inputs = true``. Experts no
 calibration token reached keep mx.quantize's result and are counted, as in ``dataaware``.
 
@@ -38,13 +38,10 @@ from buildkit.quant.roles import Role
 from buildkit.store.store import ROW_BLOCK_BYTES
 
 METHOD = "gptq-per-expert/3"  # bump when the output bytes (or meta) change
-# 2: the weights' rel-L1 over every row recorded in quantize's meta (verify checks it)
-# 3: each expert's Hessian shrunk toward a prior (``regularize``) before its inverse; the
-#    inverse's factor from float32 potrf and trtri (was float64 inv), a compiled column loop
 DAMP = 0.01  # of the mean diagonal, added to H: GPTQ's (and mlx_lm's) damping
 # The prior's weight in pseudo-rows per input channel: an expert's Hessian from n rows gets the
 # prior's second moment times PRIOR_ROWS * C, a share C / (n + C) of the sum at 1.0
-# (bench/RESULTS.md, "GPTQ with few rows an expert": 0.25-4 measured alike, 1.0 kept)
+# (bench/RESULTS.md)
 PRIOR_ROWS = 1.0
 PROJS_IN = ("gate_proj", "up_proj")  # what makes down_proj's inputs
 
@@ -75,7 +72,7 @@ def inverse_factor(h: np.ndarray) -> np.ndarray:
     No inverse of H is formed: with J the reversal, JHJ = L Lᵀ gives H⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J),
     and J L⁻¹ J is upper. One float32 Cholesky and one triangular inverse (LAPACK potrf and
     trtri, 2C³/3 flops) in place of float64 inv and a second Cholesky (7C³/3)."""
-    from scipy.linalg import lapack  # potrf here is 3x faster than numpy's cholesky
+    from scipy.linalg import lapack  # potrf here is faster than numpy's cholesky
 
     h = np.array(h[:, ::-1, ::-1], dtype=np.float32)
     diag = np.einsum("ecc->ec", h)  # a view: writes go to h
@@ -164,10 +161,9 @@ def quantize(
     mx.quantize's min-max as GPTQ's paper has it. The earlier groups' feedback into a group is
     one product (sgemm); inside a group it is a compiled loop.
 
-    The search's scales lowered held-out expert error by 14% on the trained fixture and turned
-    GPTQ from worse than the search to better on the bench fixture's deep layers, whose random
-    inputs are near isotropic: there error feedback has no correlation to use, and what wins is
-    the better grid (bench/RESULTS.md, "GPTQ with few rows an expert")."""
+    The search's scales matter where inputs are near isotropic (the bench fixture's deep
+    layers): there error feedback has no correlation to use, and what wins is the better grid
+    (bench/RESULTS.md)."""
     from buildkit.quant.affine import rows_params
 
     w = np.ascontiguousarray(w, dtype=np.float32)
@@ -223,23 +219,10 @@ def pairs(names: list[str]) -> dict[str, str]:
     return out
 
 
-def quantize_entries(
-    store,
-    items: list[tuple[str, dict]],
-    role: Role,
-    calibration,
-    model: dict[str, dict],
-    tally: Tally,
-    block_bytes: int = ROW_BLOCK_BYTES,
-) -> dict[str, dict]:
-    """Routed-expert weights [E, out, in] of one layer -> weight/scales/biases by per-expert
-    GPTQ, a few experts at a time: one tensor, or gate_proj and up_proj together (``pairs``),
-    which read the same inputs and so share each expert's Hessian and its factor (at the real
-    model's 2048 inputs the factor is most of GPTQ's cost). ``model`` holds the layer's bf16
-    gate/up: down's inputs are made from them."""
-    from buildkit.quant import affine, qerror
-
-    g = role.group_size
+def checked_parts(items: list[tuple[str, dict]], g: int) -> list[tuple[str, str, str, dict]]:
+    """(module, layer, projection, entry) of each weight ``quantize_entries`` is given, once
+    each is known to be a routed-expert weight GPTQ can quantize (and a pair, a layer's
+    gate_proj and up_proj of one shape)."""
     parts = []
     for name, entry in items:
         module, shape = name.removesuffix(".weight"), entry["shape"]
@@ -254,91 +237,127 @@ def quantize_entries(
                 f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {g}"
             )
         parts.append((module, layer, proj, entry))
-    layer, proj = parts[0][1], parts[0][2]
     if len(parts) > 1 and (
         [p[2] for p in parts] != list(PROJS_IN)
-        or {p[1] for p in parts} != {layer}
+        or {p[1] for p in parts} != {parts[0][1]}
         or parts[0][3]["shape"] != parts[1][3]["shape"]
     ):
         raise StepError(f"GPTQ quantizes together only a layer's {PROJS_IN}, not {items}")
-    xe, ee = _routed(calibration, layer)
-    x = to_float32(store.read_tensor(xe), xe["dtype"])
-    chosen = store.read_tensor(ee)
-    dtype, E = parts[0][3]["dtype"], parts[0][3]["shape"][0]
-    rows_of = [np.flatnonzero((chosen == e).any(-1)) for e in range(E)]
-    reached = np.array([len(r) > 0 for r in rows_of])
-    # down_proj's inputs are each expert's activations: gate and up, read in the same blocks
-    sw = f"{layer}{cal.SWITCH}"
-    gu = (
-        zip(*(store.iter_rows(model[f"{sw}.{p}.weight"], block_bytes) for p in PROJS_IN))
-        if proj == "down_proj"
-        else None
-    )
+    return parts
 
-    # gate/up's prior: the layer's pooled Hessian per row, every calibration row (mlx_lm's one
-    # Hessian a layer); down's inputs differ by expert, and pooling them measured worse
-    pooled = None if proj == "down_proj" else (x.T @ x) / np.float32(len(x))
 
-    def hessian(e: int, gate_up) -> np.ndarray:
-        xs = x[rows_of[e]]
+class Experts:
+    """One layer's routed experts under GPTQ: the calibration rows routed to each, and their
+    weights quantized a block of experts at a time (``blocks``)."""
+
+    def __init__(self, store, parts: list[tuple], role: Role, calibration, model, block_bytes):
+        self.store, self.parts, self.role, self.block_bytes = store, parts, role, block_bytes
+        layer, proj = parts[0][1], parts[0][2]
+        xe, ee = _routed(calibration, layer)
+        self.x = to_float32(store.read_tensor(xe), xe["dtype"])
+        chosen = store.read_tensor(ee)
+        self.dtype, self.count = parts[0][3]["dtype"], parts[0][3]["shape"][0]
+        self.rows_of = [np.flatnonzero((chosen == e).any(-1)) for e in range(self.count)]
+        self.reached = np.array([len(r) > 0 for r in self.rows_of])
+        # down_proj's inputs are each expert's activations: gate and up, read in the same blocks
+        self.sw = f"{layer}{cal.SWITCH}"
+        self.gate_up = (
+            zip(*(store.iter_rows(model[f"{self.sw}.{p}.weight"], block_bytes) for p in PROJS_IN))
+            if proj == "down_proj"
+            else None
+        )
+        # gate/up's prior: the layer's pooled Hessian per row, every calibration row (mlx_lm's
+        # one Hessian a layer); down's inputs differ by expert, and pooling them measured worse
+        x = self.x
+        self.pooled = None if proj == "down_proj" else (x.T @ x) / np.float32(len(x))
+
+    def hessian(self, e: int, gate_up) -> np.ndarray:
+        xs = self.x[self.rows_of[e]]
         if gate_up is not None:  # down's input: silu(gate x) * up x, as mlx_lm's SwitchGLU
-            gw, uw = (to_float32(a, dtype) for a in gate_up)
+            gw, uw = (to_float32(a, self.dtype) for a in gate_up)
             gx = xs @ gw.T
             xs = gx / (1.0 + np.exp(-gx)) * (xs @ uw.T)
         return xs.T @ xs  # float32: sgemm, and factor's Cholesky is float32 too
 
-    def blocks():
+    def factors(self, e0: int, hit: list[int], gate_up) -> np.ndarray:
+        """The inverse Hessian's factor of each reached expert ``e0 + j``, ``j`` in ``hit``."""
+        h = np.stack(
+            [
+                self.hessian(e0 + j, None if gate_up is None else (gate_up[0][j], gate_up[1][j]))
+                for j in hit
+            ]
+        )
+        if self.pooled is None:  # down: each expert's own diagonal (its inputs are its own)
+            n_e = np.array([len(self.rows_of[e0 + j]) for j in hit], dtype=np.float32)
+            diag = np.einsum("ecc->ec", h) / n_e[:, None]
+            prior = diag[:, :, None] * np.eye(h.shape[-1], dtype=np.float32)
+        else:
+            prior = self.pooled[None]
+        return inverse_factor(regularize(h, prior))
+
+    def quantized(self, raw: np.ndarray, module: str, hit: list[int], u) -> tuple:
+        """(source block, stored parts, rel-L1 sums) of one tensor's block of experts."""
+        from buildkit.quant import affine, qerror
+
+        bits, g, dtype = self.role.bits, self.role.group_size, self.dtype
+        ((packed, _), (s_np, s_dtype), (b_np, _)), sums = affine.like_mx(raw, dtype, bits, g)
+        if hit:  # the reached experts by GPTQ, the rest keep mx.quantize's
+            q, s, b = quantize(to_float32(raw[hit], dtype), u, bits, g, s_dtype)
+            codes = unpack(packed, bits).copy()
+            s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
+            codes[hit], s32[hit], b32[hit] = q, s, b
+            packed, s_np, b_np = repack(codes, s32, b32, bits, s_dtype, s_np.dtype)
+        if hit or sums is None:  # else the kernel's sums are these bytes' already
+            sums = qerror.block_error(raw, dtype, packed, s_np, b_np, s_dtype, bits, g)
+        return raw, stored_parts(module, packed, s_np, b_np, s_dtype), sums
+
+    def blocks(self):
         """Per block of experts, each tensor's (source block, stored parts, (rel-L1 sums))."""
         e0 = 0
-        for raws in zip(*(store.iter_rows(p[3], block_bytes) for p in parts)):
+        for raws in zip(*(self.store.iter_rows(p[3], self.block_bytes) for p in self.parts)):
             n = len(raws[0])
-            gate_up = next(gu) if gu is not None else None
+            gate_up = next(self.gate_up) if self.gate_up is not None else None
             if gate_up is not None and len(gate_up[0]) != n:
-                raise StepError(f"{sw}: gate/up blocks of {len(gate_up[0])} experts, not {n}")
-            hit = [j for j in range(n) if reached[e0 + j]]
-            if hit:
-                h = np.stack(
-                    [
-                        hessian(e0 + j, None if gate_up is None else (gate_up[0][j], gate_up[1][j]))
-                        for j in hit
-                    ]
-                )
-                if pooled is None:  # down: each expert's own diagonal (its inputs are its own)
-                    n_e = np.array([len(rows_of[e0 + j]) for j in hit], dtype=np.float32)
-                    diag = np.einsum("ecc->ec", h) / n_e[:, None]
-                    prior = diag[:, :, None] * np.eye(h.shape[-1], dtype=np.float32)
-                else:
-                    prior = pooled[None]
-                u = inverse_factor(regularize(h, prior))
-            got = []
-            for raw, (module, *_) in zip(raws, parts):
-                ((packed, _), (s_np, s_dtype), (b_np, _)), sums = affine.like_mx(
-                    raw, dtype, role.bits, g
-                )
-                if hit:  # the reached experts by GPTQ, the rest keep mx.quantize's
-                    q, s, b = quantize(to_float32(raw[hit], dtype), u, role.bits, g, s_dtype)
-                    codes = unpack(packed, role.bits).copy()
-                    s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
-                    codes[hit], s32[hit], b32[hit] = q, s, b
-                    packed, s_np, b_np = repack(codes, s32, b32, role.bits, s_dtype, s_np.dtype)
-                if hit or sums is None:  # else the kernel's sums are these bytes' already
-                    sums = qerror.block_error(raw, dtype, packed, s_np, b_np, s_dtype, role.bits, g)
-                got.append((raw, stored_parts(module, packed, s_np, b_np, s_dtype), sums))
+                raise StepError(f"{self.sw}: gate/up blocks of {len(gate_up[0])} experts, not {n}")
+            hit = [j for j in range(n) if self.reached[e0 + j]]
+            u = self.factors(e0, hit, gate_up) if hit else None
+            got = [self.quantized(raw, m, hit, u) for raw, (m, *_) in zip(raws, self.parts)]
             e0 += n
             yield got
 
+
+def quantize_entries(
+    store,
+    items: list[tuple[str, dict]],
+    role: Role,
+    calibration,
+    model: dict[str, dict],
+    tally: Tally,
+    block_bytes: int = ROW_BLOCK_BYTES,
+) -> dict[str, dict]:
+    """Routed-expert weights [E, out, in] of one layer -> weight/scales/biases by per-expert
+    GPTQ, a few experts at a time: one tensor, or gate_proj and up_proj together (``pairs``),
+    which read the same inputs and so share each expert's Hessian and its factor (at the real
+    model's 2048 inputs the factor is most of GPTQ's cost). ``model`` holds the layer's bf16
+    gate/up: down's inputs are made from them."""
+    from buildkit.quant import qerror
+
+    parts = checked_parts(items, role.group_size)
+    experts = Experts(store, parts, role, calibration, model, block_bytes)
     # The first tensor streams into the store as its blocks are made; the second's blocks
     # (quantized: a quarter of its bf16 size or less) wait in memory until it is done.
     later: list[tuple] = []
 
     def first():
-        for got in blocks():
+        for got in experts.blocks():
             later.extend((None, p, sums) for _, p, sums in got[1:])
             yield got[0]
 
-    out = qerror.put_measured(store, E, first(), parts[0][0], dtype, role.bits, g)
+    args = (experts.dtype, role.bits, role.group_size)
+    out = qerror.put_measured(store, experts.count, first(), parts[0][0], *args)
     if len(parts) > 1:
-        out.update(qerror.put_measured(store, E, iter(later), parts[1][0], dtype, role.bits, g))
+        out.update(qerror.put_measured(store, experts.count, iter(later), parts[1][0], *args))
+    layer, reached = parts[0][1], experts.reached
     with tally.lock:
         tally.tensors += len(parts)
         tally.expert_slices += int(reached.sum()) * len(parts)

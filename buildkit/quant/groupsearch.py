@@ -139,6 +139,114 @@ def fit(sw, st, acc, storage, cur, est):
         est[j] = e if e == e else np.inf
 
 
+INLINE = {"cache": True, "nogil": True, "error_model": "numpy", "inline": "always"}
+
+
+@numba.njit(**INLINE)
+def load_block(w, bq, bs, bb, r0, rows, c, x, x0, base):
+    # rows r0 .. r0 + rows of group column c into x [g, m], rows innermost, with their
+    # data-agnostic codes (8 to a word) and (s, b); zeros past the last row
+    g, m = x.shape
+    for j in range(rows):
+        for k in range(g):
+            x[k, j] = w[r0 + j, c, k]
+        for k in range(g // 8):
+            x0[k, j] = bq[r0 + j, c, k]
+        base[0, j], base[1, j] = bs[r0 + j, c], bb[r0 + j, c]
+    for j in range(rows, m):
+        for k in range(g):
+            x[k, j] = 0.0
+        for k in range(g // 8):
+            x0[k, j] = 0
+        base[0, j], base[1, j] = 0.0, 0.0
+
+
+@numba.njit(**INLINE)
+def block_stats(x, x0, base, dc, st):
+    # per row of the block: min, max, Σ d x, Σ d x² and data-agnostic's error into st
+    g, m = x.shape
+    f = np.float32
+    for j in range(m):
+        st[LO, j], st[HI, j] = x[0, j], x[0, j]
+        st[SX, j], st[SXX, j], st[E0, j] = 0.0, 0.0, 0.0
+    for k0 in range(0, g, KC):
+        for j in range(m):
+            lo, hi, a0, a1, a2 = st[LO, j], st[HI, j], st[SX, j], st[SXX, j], st[E0, j]
+            s0, b0, q0 = base[0, j], base[1, j], x0[k0 // 8, j]
+            for kk in range(KC):
+                dk, xk = dc[k0 + kk], x[k0 + kk, j]
+                lo, hi = min(lo, xk), max(hi, xk)
+                a0 += dk * xk
+                a1 += dk * (xk * xk)
+                r = s0 * f((q0 >> np.uint64(8 * kk)) & np.uint64(0xFF)) + b0 - xk
+                a2 += dk * (r * r)
+            st[LO, j], st[HI, j], st[SX, j], st[SXX, j], st[E0, j] = lo, hi, a0, a1, a2
+
+
+@numba.njit(**INLINE)
+def keep(i, est, cur, be, best, e1, s1, b1):
+    # candidate i's estimate against the best's; a grid's first fit kept for the ranking
+    m = len(est)
+    for j in range(m):
+        e_, s_, b_ = be[j], best[S, j], best[B, j]
+        into = est[j] < e_
+        be[j] = est[j] if into else e_
+        best[S, j] = cur[S, j] if into else s_
+        best[B, j] = cur[B, j] if into else b_
+    if i < len(e1):
+        for j in range(m):
+            e1[i, j], s1[i, j], b1[i, j] = est[j], cur[S, j], cur[B, j]
+
+
+@numba.njit(**INLINE)
+def rank_grids(e1, rank):
+    # each grid's rank by estimate, the earlier first among equals
+    T, m = rank.shape
+    for t_ in range(T):
+        for j in range(m):
+            rank[t_, j] = 0
+        for u in range(t_):
+            for j in range(m):
+                rank[t_, j] += 1 if e1[u, j] <= e1[t_, j] else 0
+        for u in range(t_ + 1, T):
+            for j in range(m):
+                rank[t_, j] += 1 if e1[u, j] < e1[t_, j] else 0
+
+
+@numba.njit(**INLINE)
+def refit_best(x, dc, n, best, xq):
+    # the best's codes re-fit to its (s, b) into xq, 8 to a word, and their exact error
+    g, m = x.shape
+    f = np.float32
+    for j in range(m):
+        best[E, j] = 0.0
+        best[INV, j] = f(1.0) / best[S, j] if best[S, j] > 0 else f(0.0)
+    for k0 in range(0, g, KC):
+        for j in range(m):
+            s, b, ij, e = best[S, j], best[B, j], best[INV, j], best[E, j]
+            word = np.uint64(0)
+            for kk in range(KC):
+                xk = x[k0 + kk, j]
+                q = min(max(np.rint((xk - b) * ij), f(0.0)), n)
+                word |= np.uint64(q) << np.uint64(8 * kk)
+                r = s * q + b - xk
+                e += dc[k0 + kk] * (r * r)
+            xq[k0 // 8, j], best[E, j] = word, e
+
+
+@numba.njit(**INLINE)
+def store_best(r0, rows, c, best, base, st, x0, xq, q_out, s_out, b_out, won):
+    # each row's best where it beats data-agnostic on the objective, else data-agnostic's
+    for j in range(rows):
+        i = r0 + j
+        won_ = best[E, j] < st[E0, j]
+        won[i, c] = won_
+        s_out[i, c] = best[S, j] if won_ else base[0, j]
+        b_out[i, c] = best[B, j] if won_ else base[1, j]
+        for k in range(xq.shape[0]):
+            q_out[i, c, k] = xq[k, j] if won_ else x0[k, j]
+
+
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def search_groups(w, d, grid, n, top, refine, storage, bq, bs, bb, q_out, s_out, b_out, won):
     # w [R, G, g] float32, d [G, g], base codes bq [R, G, g / 8] (uint8 codes, 8 to a uint64
@@ -169,33 +277,8 @@ def search_groups(w, d, grid, n, top, refine, storage, bq, bs, bb, q_out, s_out,
         rows = min(m, R - r0)
         for c in range(G):
             dc, sw = d[c], sws[c]
-            for j in range(rows):  # the block, rows innermost; codes 8 to a word
-                for k in range(g):
-                    x[k, j] = w[r0 + j, c, k]
-                for k in range(g // 8):
-                    x0[k, j] = bq[r0 + j, c, k]
-                base[0, j], base[1, j] = bs[r0 + j, c], bb[r0 + j, c]
-            for j in range(rows, m):  # zeros past the last row
-                for k in range(g):
-                    x[k, j] = 0.0
-                for k in range(g // 8):
-                    x0[k, j] = 0
-                base[0, j], base[1, j] = 0.0, 0.0
-            for j in range(m):
-                st[LO, j], st[HI, j] = x[0, j], x[0, j]
-                st[SX, j], st[SXX, j], st[E0, j] = 0.0, 0.0, 0.0
-            for k0 in range(0, g, KC):
-                for j in range(m):
-                    lo, hi, a0, a1, a2 = st[LO, j], st[HI, j], st[SX, j], st[SXX, j], st[E0, j]
-                    s0, b0, q0 = base[0, j], base[1, j], x0[k0 // 8, j]
-                    for kk in range(KC):
-                        dk, xk = dc[k0 + kk], x[k0 + kk, j]
-                        lo, hi = min(lo, xk), max(hi, xk)
-                        a0 += dk * xk
-                        a1 += dk * (xk * xk)
-                        r = s0 * f((q0 >> np.uint64(8 * kk)) & np.uint64(0xFF)) + b0 - xk
-                        a2 += dk * (r * r)
-                    st[LO, j], st[HI, j], st[SX, j], st[SXX, j], st[E0, j] = lo, hi, a0, a1, a2
+            load_block(w, bq, bs, bb, r0, rows, c, x, x0, base)
+            block_stats(x, x0, base, dc, st)
             for j in range(m):
                 be[j], best[S, j], best[B, j] = np.inf, base[0, j], base[1, j]
             for i in range(T + top + refine):
@@ -220,47 +303,11 @@ def search_groups(w, d, grid, n, top, refine, storage, bq, bs, bb, q_out, s_out,
                     how = REFIT
                 code_sums(x, dc, cur, n, how, acc)
                 fit(sw, st, acc, storage, cur, est)
-                for j in range(m):
-                    e_, s_, b_ = be[j], best[S, j], best[B, j]
-                    into = est[j] < e_
-                    be[j] = est[j] if into else e_
-                    best[S, j] = cur[S, j] if into else s_
-                    best[B, j] = cur[B, j] if into else b_
-                if i < T:
-                    for j in range(m):
-                        e1[i, j], s1[i, j], b1[i, j] = est[j], cur[S, j], cur[B, j]
-                if i == T - 1:  # each grid's rank by estimate, the earlier first among equals
-                    for t_ in range(T):
-                        for j in range(m):
-                            rank[t_, j] = 0
-                        for u in range(t_):
-                            for j in range(m):
-                                rank[t_, j] += 1 if e1[u, j] <= e1[t_, j] else 0
-                        for u in range(t_ + 1, T):
-                            for j in range(m):
-                                rank[t_, j] += 1 if e1[u, j] < e1[t_, j] else 0
-            for j in range(m):
-                best[E, j] = 0.0
-                best[INV, j] = f(1.0) / best[S, j] if best[S, j] > 0 else f(0.0)
-            for k0 in range(0, g, KC):  # the best's codes re-fit to its (s, b), and their error
-                for j in range(m):
-                    s, b, ij, e = best[S, j], best[B, j], best[INV, j], best[E, j]
-                    word = np.uint64(0)
-                    for kk in range(KC):
-                        xk = x[k0 + kk, j]
-                        q = min(max(np.rint((xk - b) * ij), f(0.0)), n)
-                        word |= np.uint64(q) << np.uint64(8 * kk)
-                        r = s * q + b - xk
-                        e += dc[k0 + kk] * (r * r)
-                    xq[k0 // 8, j], best[E, j] = word, e
-            for j in range(rows):
-                i = r0 + j
-                won_ = best[E, j] < st[E0, j]  # never worse than data-agnostic on the objective
-                won[i, c] = won_
-                s_out[i, c] = best[S, j] if won_ else base[0, j]
-                b_out[i, c] = best[B, j] if won_ else base[1, j]
-                for k in range(g // 8):
-                    q_out[i, c, k] = xq[k, j] if won_ else x0[k, j]
+                keep(i, est, cur, be, best, e1, s1, b1)
+                if i == T - 1:
+                    rank_grids(e1, rank)
+            refit_best(x, dc, n, best, xq)
+            store_best(r0, rows, c, best, base, st, x0, xq, q_out, s_out, b_out, won)
 
 
 @numba.njit(cache=True, nogil=True)

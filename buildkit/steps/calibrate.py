@@ -40,7 +40,7 @@ class CalibrateParams(Params):
     keep_inputs: bool = False
     # A layer's experts run the fewest whole sequences of the calibration lines that route this
     # many rows to every one of them (the rest skip that layer's experts and every later
-    # layer): the search's statistics have settled by then (bench/RESULTS.md, "oq4e speed").
+    # layer): the search's statistics have settled by then (bench/RESULTS.md).
     # 0: every token. Not with keep_inputs: GPTQ's per-expert Hessians want every row.
     rows_per_expert: int = Field(default=128, ge=0)
 
@@ -48,12 +48,7 @@ class CalibrateParams(Params):
 @register
 class Calibrate(Step):
     kind = "calibrate"
-    # 2: the forward's matmuls in numpy's BLAS, statistics summed per expert as rows pass;
-    # 3: a layer stops at rows_per_expert routed rows an expert (meta.tokens_by_layer);
-    # 4: decided from the router's choices on whole sequences, the stream in one batch;
-    # 5: the held-out stream stops alike at calibration.HELDOUT_ROWS rows an expert (what
-    #    verify compares each expert on)
-    version = 5
+    version = 5  # bump when either output's bytes change
     Params = CalibrateParams
     inputs = {"model": Slot()}
     outputs = ("out", "heldout")
@@ -73,17 +68,7 @@ class Calibrate(Step):
     def run(self, ctx: Context, params: CalibrateParams, inputs) -> dict[str, Artifact]:
         model = inputs["model"][0]
         path = cal.text_path(params.text, ctx.options.project_root)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise StepError(f"calibration text {path}: not UTF-8 ({e})") from None
-        calib, held = cal.split_lines(text, params.heldout_every)
-        if not calib or not held:
-            raise StepError(
-                f"calibration text {path}: {len(calib)} calibration and {len(held)} "
-                "held-out lines; "
-                f"it needs at least {params.heldout_every} non-blank lines"
-            )
+        calib, held = read_lines(path, params.heldout_every)
         if "tokenizer.json" not in model.files:
             raise StepError(
                 "the model artifact has no tokenizer.json; "
@@ -95,57 +80,18 @@ class Calibrate(Step):
             "heldout": cal.tokenize(tok, held, params.max_heldout_tokens),
         }
         n_experts = model.meta["config"].get("text_config", model.meta["config"])["num_experts"]
-        stats, heldout = Artifact(), Artifact()
-        unreached: dict[str, list[int]] = {}
-        layers = 0
+        found = Statistics(ctx.store, n_experts, params.keep_inputs)
         # held out: verify compares each expert on its first HELDOUT_ROWS rows, no more
         enough = {
             "calibration": 0 if params.keep_inputs else params.rows_per_expert,
             "heldout": cal.HELDOUT_ROWS,
         }
-        used, held_used = [], []  # calibration and held-out tokens each layer ran
         for layer, seen in cal.moe_activations(
             ctx.store, model, streams, params.seq_len, ctx.progress, enough
         ):
-            s = cal.expert_stats(seen["calibration"], n_experts)
-            used.append(sum(map(len, seen["calibration"].x)))
-            layers += 1
-            sw = layer + cal.SWITCH
-            stats.tensors[cal.tokens_name(layer)] = ctx.store.put_tensor("I64", s["tokens"])
-            for proj in cal.PROJS:
-                sq = s["mid_sq"] if proj == "down_proj" else s["in_sq"]
-                stats.tensors[cal.stat_name(f"{sw}.{proj}")] = ctx.store.put_tensor("F32", sq)
-            if (s["tokens"] == 0).any():
-                unreached[layer] = np.flatnonzero(s["tokens"] == 0).tolist()
-            if params.keep_inputs:
-                x, experts = seen["calibration"].cat()
-                stats.tensors[f"{sw}.inputs"] = ctx.store.put_tensor("BF16", f32_to_bf16(x))
-                stats.tensors[f"{sw}.experts"] = ctx.store.put_tensor(
-                    "I32", experts.astype(np.int32)
-                )
-            x, experts = seen["heldout"].cat()
-            held_used.append(len(x))
-            heldout.tensors[f"{sw}.inputs"] = ctx.store.put_tensor("BF16", f32_to_bf16(x))
-            heldout.tensors[f"{sw}.experts"] = ctx.store.put_tensor("I32", experts.astype(np.int32))
-        # Each output's meta describes only its own half of the text, so an edit to held-out
-        # lines leaves the statistics (and the quantize that reads them) untouched.
-        stats.meta = {
-            "lines": len(calib),
-            "tokens": len(streams["calibration"]),
-            "tokens_by_layer": used,
-            "statistic": (
-                "per-channel E[x^2] of each expert's routed inputs "
-                "(gate/up: the MoE input; down: silu(gate x) * up x)"
-            ),
-            "experts": layers * n_experts,
-            "unreached_experts": sum(map(len, unreached.values())),
-            "unreached_by_layer": unreached,
-        }
-        heldout.meta = {
-            "lines": len(held),
-            "tokens": len(streams["heldout"]),
-            "tokens_by_layer": held_used,
-        }
+            found.add(layer, seen)
+        stats, heldout = found.artifacts(len(calib), len(held), streams)
+        used, held_used = found.used, found.held_used
         ctx.log(
             f"{stats.meta['tokens']} calibration tokens (the first layer ran "
             f"{used[0] if used else 0}, the last {used[-1] if used else 0}), "
@@ -155,3 +101,72 @@ class Calibrate(Step):
             "experts reached by no token"
         )
         return {"out": stats, "heldout": heldout}
+
+
+def read_lines(path, heldout_every: int) -> tuple[list[str], list[str]]:
+    """The calibration text's (calibration lines, held-out lines)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise StepError(f"calibration text {path}: not UTF-8 ({e})") from None
+    calib, held = cal.split_lines(text, heldout_every)
+    if not calib or not held:
+        raise StepError(
+            f"calibration text {path}: {len(calib)} calibration and {len(held)} "
+            "held-out lines; "
+            f"it needs at least {heldout_every} non-blank lines"
+        )
+    return calib, held
+
+
+class Statistics:
+    """calibrate's two outputs, a MoE layer at a time as the forward pass reaches it."""
+
+    def __init__(self, store, n_experts: int, keep_inputs: bool):
+        self.store, self.n_experts, self.keep_inputs = store, n_experts, keep_inputs
+        self.stats, self.heldout = Artifact(), Artifact()
+        self.unreached: dict[str, list[int]] = {}
+        self.used: list[int] = []  # calibration tokens each layer ran
+        self.held_used: list[int] = []  # held-out tokens each layer ran
+
+    def add(self, layer: str, seen: dict) -> None:
+        store, tensors = self.store, self.stats.tensors
+        s = cal.expert_stats(seen["calibration"], self.n_experts)
+        self.used.append(sum(map(len, seen["calibration"].x)))
+        sw = layer + cal.SWITCH
+        tensors[cal.tokens_name(layer)] = store.put_tensor("I64", s["tokens"])
+        for proj in cal.PROJS:
+            sq = s["mid_sq"] if proj == "down_proj" else s["in_sq"]
+            tensors[cal.stat_name(f"{sw}.{proj}")] = store.put_tensor("F32", sq)
+        if (s["tokens"] == 0).any():
+            self.unreached[layer] = np.flatnonzero(s["tokens"] == 0).tolist()
+        if self.keep_inputs:
+            x, experts = seen["calibration"].cat()
+            tensors[f"{sw}.inputs"] = store.put_tensor("BF16", f32_to_bf16(x))
+            tensors[f"{sw}.experts"] = store.put_tensor("I32", experts.astype(np.int32))
+        x, experts = seen["heldout"].cat()
+        self.held_used.append(len(x))
+        self.heldout.tensors[f"{sw}.inputs"] = store.put_tensor("BF16", f32_to_bf16(x))
+        self.heldout.tensors[f"{sw}.experts"] = store.put_tensor("I32", experts.astype(np.int32))
+
+    def artifacts(self, lines: int, held_lines: int, streams: dict) -> tuple[Artifact, Artifact]:
+        """(out, heldout), each meta describing only its own half of the text, so an edit to
+        held-out lines leaves the statistics (and the quantize that reads them) untouched."""
+        self.stats.meta = {
+            "lines": lines,
+            "tokens": len(streams["calibration"]),
+            "tokens_by_layer": self.used,
+            "statistic": (
+                "per-channel E[x^2] of each expert's routed inputs "
+                "(gate/up: the MoE input; down: silu(gate x) * up x)"
+            ),
+            "experts": len(self.used) * self.n_experts,
+            "unreached_experts": sum(map(len, self.unreached.values())),
+            "unreached_by_layer": self.unreached,
+        }
+        self.heldout.meta = {
+            "lines": held_lines,
+            "tokens": len(streams["heldout"]),
+            "tokens_by_layer": self.held_used,
+        }
+        return self.stats, self.heldout

@@ -24,15 +24,18 @@ from typing import Literal
 
 from pydantic import Field
 
+from buildkit.clients import speculative as spec
 from buildkit.core.errors import StepError
 from buildkit.core.lazy import lazy
 from buildkit.engine.step import Context, Params, Slot, Step, library_version, register
 from buildkit.grade import calibration as cal
+from buildkit.grade import drafting
 from buildkit.grade import evaluate as ev
 from buildkit.store.artifact import Artifact
 
 np = lazy("numpy", __name__)
-GATES = ("max_kld_mean", "min_acceptance")
+GATES = ("max_kld_mean", "min_acceptance", "min_tokens_per_cycle")
+HEAD_ONLY = ("depth", "verify_cost", "speculative")  # figures of scope "head" alone
 
 
 class EvalParams(Params):
@@ -46,8 +49,12 @@ class EvalParams(Params):
     max_tokens: int = Field(default=128, ge=2)
     scope: Literal["trunk", "head"] = "trunk"
     label: str = ""  # names these figures beside others (e.g. "data-agnostic baseline")
+    depth: int = Field(default=3, ge=1, le=16)  # drafts per cycle measured, teacher-forced
+    verify_cost: float | list[float] = 1.66  # a verify cycle, in plain decode steps (the yield)
+    speculative: spec.SpeculativeParams | None = None  # mlx_vlm's own run (scope "head")
     max_kld_mean: float | None = None  # release gates; not in the key
     min_acceptance: float | None = None
+    min_tokens_per_cycle: float | None = None  # with ``depth`` drafts, teacher-forced
 
 
 def gate_failures(params: EvalParams, report: dict) -> list[str]:
@@ -61,6 +68,15 @@ def gate_failures(params: EvalParams, report: dict) -> list[str]:
             bad.append("min_acceptance is set but this eval measures no MTP head")
         elif not acc >= params.min_acceptance:
             bad.append(f"acceptance {acc:.4f} < min_acceptance {params.min_acceptance:g}")
+    if params.min_tokens_per_cycle is not None:
+        tpc = (report.get("tokens_per_cycle") or [None])[-1]
+        if tpc is None:
+            bad.append("min_tokens_per_cycle is set but this eval measures no drafts by depth")
+        elif not tpc >= params.min_tokens_per_cycle:
+            bad.append(
+                f"tokens_per_cycle {tpc:.3f} ({len(report['tokens_per_cycle'])} drafts) "
+                f"< min_tokens_per_cycle {params.min_tokens_per_cycle:g}"
+            )
     return bad
 
 
@@ -138,7 +154,15 @@ class Eval(Step):
         return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
 
     def key_params(self, params: EvalParams, inputs=None) -> dict:
-        return params.model_dump(mode="json", exclude={"text", "texts", *GATES})
+        drop = {"text", "texts", *GATES}
+        if params.scope != "head":
+            drop |= set(HEAD_ONLY)  # no depth figures: the trunk's key stays as it was
+        elif params.speculative is None:
+            drop.add("speculative")
+        out = params.model_dump(mode="json", exclude=drop)
+        if params.scope == "head":
+            out["text_name"] = params.text  # the card names the text the drafts ran on
+        return out
 
     def reads(self, params: EvalParams, ctx: Context) -> dict[str, Path]:
         files = {"text": cal.text_path(params.text, ctx.options.project_root)}
@@ -178,6 +202,11 @@ class Eval(Step):
                         "(language_model.mtp.* tensors)"
                     )
             report = {"tokens": inputs["trunk"][0].meta["tokens"], **ev.heads(src, mod, ts, tm)}
+            tokens = ctx.store.read_tensor(inputs["trunk"][0].tensors["tokens"]).tolist()
+            report |= drafting.figures(src, mod, ts, tm, tokens, params.depth, params.verify_cost)
+            report["text"] = params.text
+            if params.speculative is not None:
+                report["speculative"] = self._speculative(ctx, params, inputs, src, tokens)
             trunk = Artifact(meta={"tokens": report["tokens"]})
         else:
             tokens = self._tokens(ctx, params, src)
@@ -204,7 +233,7 @@ class Eval(Step):
             "  ".join(
                 f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                 for k, v in report.items()
-                if v != ""
+                if v != "" and not isinstance(v, dict)
             )
         )
         if bad := gate_failures(params, report):
@@ -217,6 +246,32 @@ class Eval(Step):
             "out": Artifact(files={"eval.json": ctx.store.put_blob(blob)}, meta={"report": report}),
             "trunk": trunk,
         }
+
+    @staticmethod
+    def _speculative(ctx: Context, params: EvalParams, inputs, src, tokens: list[int]) -> dict:
+        """mlx_vlm's speculative run on the model as publish lays it out; any output that
+        differs from plain greedy decoding fails the step (so nothing is published)."""
+        p = params.speculative
+        prompts = spec.decode_prompts(
+            src.tokenizer_json(), spec.prompt_ids(tokens, p.prompts, p.prompt_tokens)
+        )
+        with spec.staged(
+            ctx.store, inputs["model"], inputs["source"][0], ctx.store.layout.tmp
+        ) as d:
+            out = spec.run(d, prompts, params.depth, p)
+        # the clock varies run to run: logged, never in the artifact (locks must reproduce)
+        wall = out.pop("wall_ratio_cpu")
+        ctx.log(
+            "mlx_vlm speculative, wall-clock against plain decoding on this CPU: "
+            + ", ".join(f"{x:.2f}x" for x in wall)
+        )
+        if not out["lossless"]:
+            raise StepError(
+                "speculative decoding is not lossless: with the mtp/ drafter, mlx_vlm's greedy "
+                f"output differs from plain greedy decoding ({'; '.join(out['mismatches'][:3])}); "
+                "the head or the trunk's published bytes are wrong"
+            )
+        return out
 
     @staticmethod
     def _tokens(ctx: Context, params: EvalParams, src: ev.StoreWeights) -> list[int]:

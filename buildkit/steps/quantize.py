@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from pydantic import Field, model_validator
 
@@ -115,6 +115,132 @@ def task_units(names: list[str], roles: dict[str, str], recipe: Recipe) -> list[
     return [(n, up_of[n]) if n in up_of else (n,) for n in names if n not in ups]
 
 
+def calibrated_task(store, tensors: dict, calibration: Artifact, tally, *items: tuple) -> dict:
+    """One task's tensors under a calibrated recipe, each ``(name, entry, role, slots)``: one
+    tensor, or a layer's gate_proj and up_proj under a GPTQ role (they share a Hessian and its
+    factor). ``tensors``: the step's input tensors; ``tally``: the data-aware figures."""
+    name, entry, role, slots = items[0]
+    if role.calibrated and role.method == "gptq":  # error feedback (quant/gptq.py)
+        from buildkit.quant import gptq  # numba and scipy: only for a GPTQ role
+
+        w = PackWriter(store, {k: v for it in items for k, v in it[3].items()})
+        pairs = [(it[0], it[1]) for it in items]
+        return gptq.quantize_entries(w, pairs, role, calibration, tensors, tally)
+    if role.calibrated:  # data-aware routed experts (quant/dataaware.py)
+        w = PackWriter(store, slots)
+        return dataaware.quantize_entry(w, name, entry, role, calibration, tally)
+    return pack_entry(store, name, entry, role, slots)
+
+
+class QuantizeRun:
+    """One artifact through a quantizing step: its tasks, their outputs into the packs as they
+    come back, and the figures the output's meta reports."""
+
+    def __init__(self, ctx: Context, art: Artifact, plan: dict, calibration: Artifact | None):
+        from buildkit.quant import qerror  # numba: only once a step quantizes
+
+        self.ctx, self.art, self.calibration = ctx, art, calibration
+        self.rel_l1_key = qerror.REL_L1
+        self.names = sorted(art.tensors)
+        self.roles = plan["tensors"]
+        self.recipe = Recipe(roles={r: Role(**d) for r, d in plan["roles"].items()})
+        self.tally = dataaware.check_calibration(self.recipe, self.roles, calibration)
+        self.outputs = {
+            n: output_shapes(n, art.tensors[n], self.recipe.roles[self.roles[n]])
+            for n in self.names
+        }
+        self.packset = PackSet(
+            ctx.store, {k: v for o in self.outputs.values() for k, v in o.items()}
+        )
+        self.written: dict[str, dict] = {}
+        self.rel_l1: dict[str, float] = {}  # weight -> its dequantization error, for verify
+        self.quant_cfg: dict[str, dict] = {}
+        self.table: dict[str, dict] = {}
+        self.src_params = self.src_bits = self.out_bits = 0
+
+    def item(self, name: str) -> tuple:
+        role = self.recipe.roles[self.roles[name]]
+        return name, self.art.tensors[name], role, self.packset.slots_for(self.outputs[name])
+
+    def start(self) -> tuple[list[tuple[str, ...]], Iterator]:
+        """(the tensors each task makes, in task order; the tasks' results, in that order).
+
+        Every tensor goes into the packs publish will link (passthrough ones copied), as tasks:
+        on two threads (two tensors in memory, never the model) or, under --dask, on the
+        cluster. Each result is a few small dicts. Data-aware tasks share a tally, so they stay
+        in this process."""
+        if self.calibration is None:
+            tasks = [(n, self.item(n)) for n in self.names]
+            return [(n,) for n in self.names], self.ctx.map(pack_entry, tasks)
+        units = task_units(self.names, self.roles, self.recipe)
+        shared = (self.art.tensors, self.calibration, self.tally)
+        tasks = [(u[0], (*shared, *(self.item(n) for n in u))) for u in units]
+        return units, self.ctx.map(calibrated_task, tasks, local_only=True)
+
+    def collect(self) -> None:
+        units, results = self.start()
+        try:
+            with contextlib.closing(results):
+                for unit in units:
+                    made = next(results)
+                    planned = {k for name in unit for k in self.outputs[name]}
+                    if set(made) != planned:
+                        raise StepError(
+                            f"tensor {' and '.join(map(repr, unit))}: made {sorted(made)}, "
+                            f"planned {sorted(planned)}"
+                        )
+                    for name in unit:
+                        self.account(name, {k: made[k] for k in self.outputs[name]})
+        finally:
+            self.packset.discard()  # temp files of packs never completed (a failure)
+
+    def account(self, name: str, entries: dict[str, dict]) -> None:
+        """A tensor's outputs into the packs, its figures into the step's meta."""
+        role_name = self.roles[name]
+        role = self.recipe.roles[role_name]
+        for k, e in entries.items():
+            err = e.pop(self.rel_l1_key, None)
+            if err is not None and math.isfinite(err):  # a NaN source: verify names it
+                self.rel_l1[k] = round(err, 7)
+        self.written.update(entries)
+        for i in self.packset.written(entries):
+            self.packset.finish(i)
+        src = self.art.tensors[name]
+        n = math.prod(src["shape"])
+        if not role.passthrough:
+            self.quant_cfg[module_path(name)] = role.quant()
+        row = self.table.setdefault(
+            role_name, {**role.model_dump(exclude_defaults=True), "tensors": 0, "params": 0}
+        )
+        row["tensors"] += 1
+        row["params"] += n
+        self.src_params += n
+        self.src_bits += 8 * ITEMSIZE[src["dtype"]] * n
+        self.out_bits += stored_bits(entries)
+        self.ctx.progress.advance(1, nbytes(src["dtype"], src["shape"]))
+
+    def artifact(self, plan: dict) -> Artifact:
+        out = Artifact(meta={})
+        out.tensors = {k: self.packset.entry(k, e) for k, e in sorted(self.written.items())}
+        out.meta = {
+            "quantization": self.quant_cfg,
+            "roles": self.roles,
+            "role_table": self.table,
+            "bits_per_weight": round(self.out_bits / max(self.src_params, 1), 4),
+            "rel_l1": dict(sorted(self.rel_l1.items())),
+            "source_bits_per_weight": round(self.src_bits / max(self.src_params, 1), 4),
+        }
+        if "budget" in plan:
+            out.meta["budget"] = plan["budget"]  # bits and sensitivity per budgeted group
+        if self.tally:
+            out.meta["calibration"] = self.tally.summary()
+            if any(r.method == "gptq" for r in self.recipe.roles.values()):
+                from buildkit.quant import gptq
+
+                out.meta["calibration"]["method"] = gptq.METHOD
+        return out
+
+
 def quantize_artifact(
     ctx: Context,
     art: Artifact,
@@ -122,124 +248,22 @@ def quantize_artifact(
     calibration: Artifact | None = None,
     sensitivity: Artifact | None = None,
 ) -> Artifact:
-    names = sorted(art.tensors)
     plan = resolved_plan(art.tensors, params, sensitivity)
-    roles = plan["tensors"]
-    recipe = Recipe(roles={r: Role(**d) for r, d in plan["roles"].items()})
-    out = Artifact(meta={})
-    quant_cfg: dict[str, dict] = {}
-    table: dict[str, dict] = {}
-    src_params = src_bits = out_bits = 0
-    ctx.progress.start(len(names))
-
-    tally = dataaware.check_calibration(recipe, roles, calibration)
-    from buildkit.quant import qerror  # numba: only once a step quantizes
-
-    def work(store, *items: tuple) -> dict[str, dict]:
-        """One task's tensors, each ``(name, entry, role, slots)``: one tensor, or a layer's
-        gate_proj and up_proj under a GPTQ role (they share a Hessian and its factor)."""
-        name, entry, role, slots = items[0]
-        if role.calibrated and role.method == "gptq":  # error feedback (buildkit/gptq.py)
-            from buildkit.quant import gptq  # numba and scipy: only for a GPTQ role
-
-            w = PackWriter(store, {k: v for it in items for k, v in it[3].items()})
-            pairs = [(it[0], it[1]) for it in items]
-            return gptq.quantize_entries(w, pairs, role, calibration, art.tensors, tally)
-        if role.calibrated:  # data-aware routed experts (buildkit/dataaware.py)
-            w = PackWriter(store, slots)
-            return dataaware.quantize_entry(w, name, entry, role, calibration, tally)
-        return pack_entry(store, name, entry, role, slots)
-
-    # Every tensor goes into the packs publish will link (passthrough ones copied), as tasks:
-    # on two threads (two tensors in memory, never the model) or, under --dask, on the
-    # cluster. Each result is a few small dicts. Data-aware tasks share a tally, so they stay
-    # in this process.
-    outputs = {
-        name: output_shapes(name, art.tensors[name], recipe.roles[roles[name]]) for name in names
-    }
-    packset = PackSet(ctx.store, {k: v for o in outputs.values() for k, v in o.items()})
-
-    def item(name: str) -> tuple:
-        return name, art.tensors[name], recipe.roles[roles[name]], packset.slots_for(outputs[name])
-
-    calibrated = calibration is not None  # check_calibration: then some role is calibrated
-    units = [(name,) for name in names]  # the tensors each task makes, in task order
-    if calibrated:
-        units = task_units(names, roles, recipe)
-        tasks = [(u[0], tuple(item(n) for n in u)) for u in units]
-        results = ctx.map(work, tasks, local_only=True)
-    else:
-        results = ctx.map(pack_entry, [(name, item(name)) for name in names])
-    written: dict[str, dict] = {}
-    rel_l1: dict[str, float] = {}  # weight -> its dequantization error, for verify
-
-    def account(name: str, entries: dict[str, dict]) -> None:
-        """A tensor's outputs into the packs, its figures into the step's meta."""
-        nonlocal src_params, src_bits, out_bits
-        role_name = roles[name]
-        role = recipe.roles[role_name]
-        for k, e in entries.items():
-            err = e.pop(qerror.REL_L1, None)
-            if err is not None and math.isfinite(err):  # a NaN source: verify names it
-                rel_l1[k] = round(err, 7)
-        written.update(entries)
-        for i in packset.written(entries):
-            packset.finish(i)
-        src = art.tensors[name]
-        n = 1
-        for d in src["shape"]:
-            n *= d
-        if not role.passthrough:
-            quant_cfg[module_path(name)] = role.quant()
-        row = table.setdefault(
-            role_name, {**role.model_dump(exclude_defaults=True), "tensors": 0, "params": 0}
-        )
-        row["tensors"] += 1
-        row["params"] += n
-        src_params += n
-        src_bits += 8 * ITEMSIZE[src["dtype"]] * n
-        out_bits += stored_bits(entries)
-        ctx.progress.advance(1, nbytes(src["dtype"], src["shape"]))
-
-    try:
-        with contextlib.closing(results):
-            for unit in units:
-                made = next(results)
-                planned = {k for name in unit for k in outputs[name]}
-                if set(made) != planned:
-                    raise StepError(
-                        f"tensor {' and '.join(map(repr, unit))}: made {sorted(made)}, "
-                        f"planned {sorted(planned)}"
-                    )
-                for name in unit:
-                    account(name, {k: made[k] for k in outputs[name]})
-    finally:
-        packset.discard()  # temp files of packs never completed (a failure)
-    out.tensors = {k: packset.entry(k, e) for k, e in sorted(written.items())}
-    out.meta = {
-        "quantization": quant_cfg,
-        "roles": roles,
-        "role_table": table,
-        "bits_per_weight": round(out_bits / max(src_params, 1), 4),
-        "rel_l1": dict(sorted(rel_l1.items())),
-        "source_bits_per_weight": round(src_bits / max(src_params, 1), 4),
-    }
+    ctx.progress.start(len(art.tensors))
+    run = QuantizeRun(ctx, art, plan, calibration)
+    run.collect()
+    out = run.artifact(plan)
     if "budget" in plan:
-        b = out.meta["budget"] = plan["budget"]  # bits and sensitivity per budgeted group
+        b = plan["budget"]
         ctx.log(f"budget: target {b['target_bpw']} bits per weight, planned {b['bits_per_weight']}")
-    if tally:
-        out.meta["calibration"] = tally.summary()
-        if any(r.method == "gptq" for r in recipe.roles.values()):
-            from buildkit.quant import gptq
-
-            out.meta["calibration"]["method"] = gptq.METHOD
+    if run.tally:
         ctx.log(
-            f"data-aware: {tally.expert_slices} expert slices; "
+            f"data-aware: {run.tally.expert_slices} expert slices; "
             f"{out.meta['calibration']['fallback_experts']} experts "
             "reached by no calibration token fell back"
         )
     ctx.log(
-        f"{len(quant_cfg)} quantized, {len(names) - len(quant_cfg)} passthrough, "
+        f"{len(run.quant_cfg)} quantized, {len(run.names) - len(run.quant_cfg)} passthrough, "
         f"{out.meta['bits_per_weight']:.3f} bits per weight"
     )
     return out
@@ -248,9 +272,8 @@ def quantize_artifact(
 @register
 class Quantize(Step):
     kind = "quantize"
-    # 2: tensors written into packs, the shards publish links (buildkit/packs.py); 3: meta.rel_l1
-    # by buildkit's float32 dequantization (qerror.py), not mx.dequantize's bf16-rounded one.
-    # Data-aware bytes are versioned by dataaware.METHOD, in key_params' data_aware
+    # bump when the output's bytes change; the search's and GPTQ's are versioned by their
+    # METHOD, in key_params
     version = 3
     Params = QuantizeParams
     # calibration: a calibrate output; sensitivity: a sensitivity output (for recipe.target_bpw)
@@ -295,5 +318,5 @@ class Requantize(Quantize):
     """The same role allocation applied to a grafted head (inherited rules need not all match)."""
 
     kind = "requantize"
-    version = 3  # 2: the head's tensors in a pack of their own (packs.py); 3: as quantize's
+    version = 3  # as quantize's
     Params = RequantizeParams

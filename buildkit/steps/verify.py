@@ -6,13 +6,20 @@ mlx_lm's sanitize does), passthrough tensors byte for byte, quantized tensors
 by dequantizing and measuring rel-L1 against the source, fused experts by
 reassembling them. The report is the step's output (``verify.json``); any
 failed check fails the build and names the tensors.
+
+Each check is a function of a ``Subject`` listed in ``CHECKS``, in report order: a new check
+is one function and one entry there.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from functools import cached_property
+from typing import Any
 
 from pydantic import Field
 
@@ -137,150 +144,174 @@ class Inspect:
             if bad:
                 r["nonfinite"].append(name)
             return r
-        exact = [
-            (n, slc, shape) for n, slc, shape in pieces if self.quant(n) is None and n in self.model
-        ]
+        exact = any(self.quant(n) is None and n in self.model for n, _, _ in pieces)
         # Compared byte for byte: read whole (norms, passthrough: small tensors). Quantized
         # pieces are compared block by block, reading only those rows of the source.
         raw = read_raw(self.store, hf, digest, info) if exact else None
         if raw is not None and non_finite(raw, info.dtype):  # named as the MLX tensors made from it
             r["nonfinite"] += [name for name, _, _ in pieces]
-        dense = []  # pieces compared numerically, block by block
+        dense = self.compare_exact(r, hf, raw, info, pieces)
+        if dense:
+            Measure(self, r, item, raw, dense).run()
+        return r
+
+    def compare_exact(self, r: dict, hf: str, raw, info, pieces) -> list[tuple]:
+        """Records in ``r`` the pieces stored as their source lies, compared byte for byte, and
+        quantized pieces of the wrong shape; returns the pieces to compare numerically
+        (``Measure``): quantized ones and the slices of a fused tensor found identical."""
+        dense = []  # (name, slice, shape, quantization or None)
         for name, slc, shape in pieces:
             q = self.quant(name)
-            if q is None:
-                if name not in self.model:
-                    continue  # the key-set check reports it
-                ref = mlx_layout(hf, raw, info.dtype, slc, shape)
-                got = self.store.read_tensor(self.model[name])
-                same = (
-                    got.dtype == ref.dtype
-                    and got.shape == ref.shape
-                    and got.tobytes() == ref.tobytes()
-                )
-                (r["norm"] if ckpt.is_offset_norm(hf) else r["pass"]).append((name, same))
-                if slc is not None and same:  # a slice of a fused tensor: counts in the split check
-                    dense.append((name, slc, shape, None))
+            if q is not None:
+                pack = 32 // q["bits"] if 32 % q["bits"] == 0 else None
+                w = self.model[f"{name.removesuffix('.weight')}.weight"]
+                if w["shape"][:-1] != list(shape[:-1]) or (
+                    pack and w["shape"][-1] * pack != shape[-1]
+                ):
+                    r["shape_bad"].append(name)
+                else:
+                    dense.append((name, slc, shape, q))
                 continue
-            pack = 32 // q["bits"] if 32 % q["bits"] == 0 else None
-            w = self.model[f"{name.removesuffix('.weight')}.weight"]
-            if w["shape"][:-1] != list(shape[:-1]) or (pack and w["shape"][-1] * pack != shape[-1]):
-                r["shape_bad"].append(name)
-                continue
-            dense.append((name, slc, shape, q))
-        if not dense:
-            return r
-        path, _ = self.store.header(digest)
-        # Quantized (and sliced) pieces: rel-L1 per piece, and for a fused pair the swapped order
-        rows = info.shape[0]
-        step = max(1, BLOCK_BYTES // max(1, info.nbytes // max(rows, 1)))
-
-        def blocks(entry: dict):
-            """The stored tensor's rows, ``step`` at a time, alongside the source's (its digest is
-            checked once the last block has passed)."""
-            return self.store.iter_rows(
-                entry, step * (nbytes(entry["dtype"], entry["shape"]) // max(entry["shape"][0], 1))
+            if name not in self.model:
+                continue  # the key-set check reports it
+            ref = mlx_layout(hf, raw, info.dtype, slc, shape)
+            got = self.store.read_tensor(self.model[name])
+            same = (
+                got.dtype == ref.dtype and got.shape == ref.shape and got.tobytes() == ref.tobytes()
             )
+            (r["norm"] if ckpt.is_offset_norm(hf) else r["pass"]).append((name, same))
+            if slc is not None and same:  # a slice of a fused tensor: counts in the split check
+                dense.append((name, slc, shape, None))
+        return dense
 
-        stored = {}  # name -> (blocks of the stored weight, float32 scales, float32 biases)
-        for n, _, _, q in dense:
-            base = n.removesuffix(".weight")
-            if q is None:
-                stored[n] = (blocks(self.model[n]), None, None)
-            else:  # scales and biases (1/32 of the weight at most) whole, to float32 once
-                stored[n] = (
-                    blocks(self.model[f"{base}.weight"]),
-                    *(
-                        to_float32(
-                            self.store.read_tensor(self.model[f"{base}.{k}"]),
-                            self.model[f"{base}.{k}"]["dtype"],
-                        )
-                        for k in ("scales", "biases")
-                    ),
-                )
+
+class Measure:
+    """rel-L1 of one source tensor's numerically compared pieces, block by block along its
+    first axis, and for a fused pair the same figure with the two pieces exchanged; the
+    results go into the ``Inspect`` report ``r``."""
+
+    def __init__(self, inspect: Inspect, r: dict, item, raw, dense: list[tuple]):
+        self.inspect, self.r, self.raw, self.dense = inspect, r, raw, dense
+        hf, digest, self.info, self.pieces = item
+        self.path, _ = inspect.store.header(digest)
+        self.rows = self.info.shape[0]
+        self.step = max(1, BLOCK_BYTES // max(1, self.info.nbytes // max(self.rows, 1)))
+        # name -> (blocks of the stored weight, float32 scales, float32 biases)
+        self.stored = {n: self.stored_of(n, q) for n, _, _, q in dense}
         # Where quantize measured a tensor's error on every row as it wrote it (the figure
         # checked below), this independent measure reads only the first block of rows: enough
         # to catch a wrong mapping from the source (a swapped, transposed or misnamed tensor
         # errs in every row); the digests check the stored bytes.
         quantized = [n for n, _, _, q in dense if q is not None]
-        sample = bool(quantized) and all(n in self.recorded for n in quantized)
-        num = {n: 0.0 for n, *_ in dense}
-        den = dict(num)
-        swapped = swapped_den = 0.0  # gate|up against up|gate, in the first block of rows
-        bad_rows = False
-        scratch: dict[tuple, np.ndarray] = {}  # float32 buffers, one per block shape, reused
+        self.sample = bool(quantized) and all(n in inspect.recorded for n in quantized)
+        self.num = {n: 0.0 for n, *_ in dense}
+        self.den = dict(self.num)
+        self.swapped = self.swapped_den = 0.0  # gate|up against up|gate, in the first block
+        self.bad_rows = False
+        self.scratch: dict[tuple, np.ndarray] = {}  # float32 buffers, one per block shape
 
-        def abs_sum(x: np.ndarray, y: np.ndarray | None = None) -> np.float32:
-            """sum |x - y| (or sum |x|), through a reused buffer instead of fresh temporaries."""
-            buf = scratch.get(x.shape)
-            if buf is None:
-                buf = scratch[x.shape] = np.empty(x.shape, np.float32)
-            if y is None:
-                np.abs(x, out=buf)
-            else:
-                np.abs(np.subtract(x, y, out=buf), out=buf)
-            return buf.sum()
+    def blocks(self, entry: dict):
+        """The stored tensor's rows, ``step`` at a time, alongside the source's (its digest is
+        checked once the last block has passed)."""
+        row = nbytes(entry["dtype"], entry["shape"]) // max(entry["shape"][0], 1)
+        return self.inspect.store.iter_rows(entry, self.step * row)
 
-        for a in range(0, min(rows, step) if sample else rows, step):
-            b = min(rows, a + step)
-            block = raw[a:b] if raw is not None else read_slice(info, path, 0, a, b)
-            src = to_float32(block, info.dtype)
-            refs, outs = [], []
-            for n, slc, shape, q in dense:
-                if slc is not None:
-                    axis, lo, hi = slc
-                    idx = [slice(None)] * src.ndim
-                    idx[axis] = slice(lo, hi)
-                    ref = src[tuple(idx)].reshape(b - a, *shape[1:])
-                else:
-                    ref = src.reshape(b - a, *shape[1:])
-                it, sc, bi = stored[n]
-                if q is not None:
-                    got = dequantize_np(next(it), sc[a:b], bi[a:b], q["bits"], q["group_size"])
-                else:
-                    got = to_float32(next(it), self.model[n]["dtype"])
-                # A NaN or Inf in the source makes sum |ref| one too, and one in got makes err
-                # one: only then look for it (the source's on its bits), not in every block.
-                d = float(abs_sum(ref))
-                if (
-                    not math.isfinite(d)
-                    and raw is None
-                    and not bad_rows
-                    and non_finite(block, info.dtype)
-                ):
-                    bad_rows = True  # named as the MLX tensors made from it
-                    r["nonfinite"] += [name for name, _, _ in pieces if name not in r["nonfinite"]]
-                err = float(abs_sum(ref, got))
-                if (
-                    not math.isfinite(err)
-                    and not np.isfinite(got).all()
-                    and n not in r["nonfinite"]
-                ):
-                    r["nonfinite"].append(n)
-                num[n] += err
-                den[n] += d
-                refs.append(ref)
-                outs.append(got)
-            # The order figure: the pieces exchanged, in the first block of rows (the first
-            # experts). An exchange anywhere shows in the error of every row, measured above.
-            if len(dense) == 2 and a == 0:
-                swapped = float(abs_sum(refs[0], outs[1]) + abs_sum(refs[1], outs[0]))
-                swapped_den = sum(den.values())
-        for it, _, _ in stored.values():
-            if sample:
+    def stored_of(self, n: str, q: dict | None) -> tuple:
+        model = self.inspect.model
+        if q is None:
+            return self.blocks(model[n]), None, None
+        base = n.removesuffix(".weight")
+        # scales and biases (1/32 of the weight at most) whole, to float32 once
+        return (
+            self.blocks(model[f"{base}.weight"]),
+            *(
+                to_float32(
+                    self.inspect.store.read_tensor(model[f"{base}.{k}"]),
+                    model[f"{base}.{k}"]["dtype"],
+                )
+                for k in ("scales", "biases")
+            ),
+        )
+
+    def abs_sum(self, x: np.ndarray, y: np.ndarray | None = None) -> np.float32:
+        """sum |x - y| (or sum |x|), through a reused buffer instead of fresh temporaries."""
+        buf = self.scratch.get(x.shape)
+        if buf is None:
+            buf = self.scratch[x.shape] = np.empty(x.shape, np.float32)
+        if y is None:
+            np.abs(x, out=buf)
+        else:
+            np.abs(np.subtract(x, y, out=buf), out=buf)
+        return buf.sum()
+
+    def run(self) -> None:
+        rows, step = self.rows, self.step
+        for a in range(0, min(rows, step) if self.sample else rows, step):
+            self.block(a, min(rows, a + step))
+        for it, _, _ in self.stored.values():
+            if self.sample:
                 it.close()
             elif next(it, None) is not None:  # runs the reader to its end: the digest check
-                raise VerifyError(f"{hf}: a stored tensor has more rows than its source")
-        for n, _, _, q in dense:
+                raise VerifyError(f"{self.r['hf']}: a stored tensor has more rows than its source")
+        self.report()
+
+    def block(self, a: int, b: int) -> None:
+        info = self.info
+        block = self.raw[a:b] if self.raw is not None else read_slice(info, self.path, 0, a, b)
+        src = to_float32(block, info.dtype)
+        refs, outs = [], []
+        for n, slc, shape, q in self.dense:
+            if slc is not None:
+                axis, lo, hi = slc
+                idx = [slice(None)] * src.ndim
+                idx[axis] = slice(lo, hi)
+                ref = src[tuple(idx)].reshape(b - a, *shape[1:])
+            else:
+                ref = src.reshape(b - a, *shape[1:])
+            it, sc, bi = self.stored[n]
+            if q is not None:
+                got = dequantize_np(next(it), sc[a:b], bi[a:b], q["bits"], q["group_size"])
+            else:
+                got = to_float32(next(it), self.inspect.model[n]["dtype"])
+            self.accumulate(n, ref, got, block)
+            refs.append(ref)
+            outs.append(got)
+        # The order figure: the pieces exchanged, in the first block of rows (the first
+        # experts). An exchange anywhere shows in the error of every row, measured above.
+        if len(self.dense) == 2 and a == 0:
+            self.swapped = float(self.abs_sum(refs[0], outs[1]) + self.abs_sum(refs[1], outs[0]))
+            self.swapped_den = sum(self.den.values())
+
+    def accumulate(self, n: str, ref: np.ndarray, got: np.ndarray, block: np.ndarray) -> None:
+        nonfinite = self.r["nonfinite"]
+        # A NaN or Inf in the source makes sum |ref| one too, and one in got makes err
+        # one: only then look for it (the source's on its bits), not in every block.
+        d = float(self.abs_sum(ref))
+        if (
+            not math.isfinite(d)
+            and self.raw is None
+            and not self.bad_rows
+            and non_finite(block, self.info.dtype)
+        ):
+            self.bad_rows = True  # named as the MLX tensors made from it
+            nonfinite += [name for name, _, _ in self.pieces if name not in nonfinite]
+        err = float(self.abs_sum(ref, got))
+        if not math.isfinite(err) and not np.isfinite(got).all() and n not in nonfinite:
+            nonfinite.append(n)
+        self.num[n] += err
+        self.den[n] += d
+
+    def report(self) -> None:
+        r, num, den = self.r, self.num, self.den
+        for n, _, _, q in self.dense:
             if q is not None:
                 mine = num[n] / max(den[n], 1e-30)
-                r["err"][n] = (str(q["bits"]), self.recorded[n] if sample else mine)
-                if sample:
+                r["err"][n] = (str(q["bits"]), self.inspect.recorded[n] if self.sample else mine)
+                if self.sample:
                     r["sampled"][n] = (str(q["bits"]), mine)
-        if len(dense) == 2:
+        if len(self.dense) == 2:
             tot = max(sum(den.values()), 1e-30)
-            r["split"] = (sum(num.values()) / tot, swapped / max(swapped_den, 1e-30))
-        return r
+            r["split"] = (sum(num.values()) / tot, self.swapped / max(self.swapped_den, 1e-30))
 
 
 def layer_expert_errors(
@@ -292,9 +323,8 @@ def layer_expert_errors(
     where no row reaches it; the experts in ``skip`` left out). ``sources``: per projection, a
     view of the raw source file; ``stored``: per projection, its weight, scales and biases
     entries; ``qargs``: per projection, (bits, group size, mode). One expert is in memory at a
-    time, dequantized by buildkit's own float32 arithmetic (as the rel-L1 checks: ~4x
-    ``mx.dequantize``'s speed on the CPU); the stored tensors' digests are checked as they
-    stream."""
+    time, dequantized by buildkit's own float32 arithmetic (as the rel-L1 checks: faster than
+    ``mx.dequantize`` on the CPU); the stored tensors' digests are checked as they stream."""
     from buildkit.quant import (
         affine,  # numba: mx.quantize's values, dequantized, in one compiled pass
     )
@@ -343,7 +373,7 @@ def layer_expert_errors(
     return {"tokens": len(x), **{v: [float(e[i]) for i in keep] for v, e in errs.items()}}
 
 
-def calibrated_expert_error(
+def expert_error_figure(
     ctx: Context, heldout: Artifact, parts: list[Artifact], roles_q: dict, expected: dict
 ) -> tuple[bool, dict, list | None]:
     """(ok, figure, detail): mean relative output error, over the held-out tokens routed to each
@@ -404,29 +434,224 @@ def calibrated_expert_error(
     return not problems, figure, problems[:20] or None
 
 
-class Checks:
-    def __init__(self):
-        self.results: dict[str, dict] = {}
+@dataclass
+class Inspection:
+    """The per-source-tensor reports (``Inspect``) summed up for the checks that read them."""
 
-    def add(self, name: str, ok: bool, figure, detail=None):
-        self.results[name] = {
-            "ok": bool(ok),
-            "figure": figure,
-            **({"detail": detail} if detail else {}),
+    limits: dict[str, float]  # bits -> the highest rel-L1 allowed
+    norms: list = field(default_factory=list)
+    passes: list = field(default_factory=list)
+    nonfinite: list = field(default_factory=list)
+    shape_bad: list = field(default_factory=list)
+    per_role: dict[str, list[float]] = field(default_factory=dict)
+    over: list[str] = field(default_factory=list)
+    sampled: dict[str, list[float]] = field(default_factory=dict)
+    over_first: list[str] = field(default_factory=list)
+    split: dict = field(default_factory=lambda: {"checked": 0, "ok": 0})
+    split_bad: list[str] = field(default_factory=list)
+
+    def add(self, r: dict) -> None:
+        for name, (bits, err) in r["sampled"].items():
+            self.sampled.setdefault(bits, []).append(err)
+            if not err <= self.limits.get(bits, 1.0):
+                self.over_first.append(f"{name}: {err:.4f} in its first rows")
+        self.norms += r["norm"]
+        self.passes += r["pass"]
+        self.nonfinite += r["nonfinite"]
+        self.shape_bad += r["shape_bad"]
+        for name, (bits, err) in r["err"].items():
+            self.per_role.setdefault(bits, []).append(err)
+            if not err <= self.limits.get(bits, 1.0):
+                self.over.append(f"{name}: {err:.4f}")
+        if r["split"] is not None:
+            right, swapped = r["split"]
+            ok = right < 0.5 * swapped
+            split = self.split
+            split["checked"] += 1
+            split["ok"] += ok
+            split["worst_right"] = max(split.get("worst_right", 0.0), round(right, 5))
+            split["best_swapped"] = min(split.get("best_swapped", math.inf), round(swapped, 5))
+            if not ok:
+                self.split_bad.append(f"{r['hf']}: gate|up {right:.4f} vs up|gate {swapped:.4f}")
+
+
+@dataclass
+class Subject:
+    """What verify's checks read: the model under test, every MLX tensor its sources imply,
+    and one inspection of every source tensor, made when a check first asks for it."""
+
+    ctx: Context
+    params: VerifyParams
+    inputs: dict
+    full_model: dict[str, dict]  # name -> entry, every tensor of the model
+    model: dict[str, dict]  # the tensors in scope (``params.only``)
+    roles_q: dict[str, dict]  # module -> its quantization record
+    recorded: dict[str, float]  # weight -> rel-L1 quantize measured on what it wrote
+    expected: dict[str, tuple]  # MLX name -> (hf name, file digest, info, slice, shape)
+
+    @cached_property
+    def inspected(self) -> Inspection:
+        """norms, passthrough identity, dequant error, finiteness, split order: one read of
+        each source tensor, one task each, handed only its own entries (under --dask they
+        travel)."""
+        by_hf: dict[str, list] = {}
+        for name, (hf, digest, info, slc, shape) in sorted(self.expected.items()):
+            by_hf.setdefault(hf, [digest, info, []])[2].append((name, slc, shape))
+        items = [(hf, d, info, pieces) for hf, (d, info, pieces) in sorted(by_hf.items())]
+        tasks = [
+            (it[0], (it, *task_slice(it, self.model, self.roles_q, self.recorded))) for it in items
+        ]
+        found = Inspection(self.params.max_rel_l1)
+        self.ctx.progress.start(len(items))
+        for r in self.ctx.map(inspect_tensor, tasks):
+            found.add(r)
+            self.ctx.progress.advance(1, r["bytes"])
+        return found
+
+
+def expected_tensors(store, inputs: dict, model: dict) -> dict[str, tuple]:
+    """Every MLX tensor the sources imply: name -> (hf name, file digest, info, slice, shape);
+    the head's from its own source when the model has one."""
+    expected: dict[str, tuple] = {}
+    trunk_src = inputs["source"][0]
+    head_src = (inputs.get("head_source") or [trunk_src])[0]
+    has_head = any(n.startswith("language_model.mtp.") for n in model)
+    for part, src in (("trunk", trunk_src), ("head", head_src)):
+        if part == "head" and not has_head:
+            continue
+        for hf, (digest, info) in ckpt.scan_source(store, src).items():
+            if hf.startswith("mtp.") != (part == "head"):
+                continue
+            for mlx_name, shape, slc in ckpt.split_experts(hf, info.shape):
+                expected[mlx_name] = (hf, digest, info, slc, shape)
+    return expected
+
+
+def subject(ctx: Context, params: VerifyParams, inputs: dict) -> Subject:
+    model: dict[str, dict] = {}
+    roles_q: dict[str, dict] = {}
+    recorded: dict[str, float] = {}
+    for art in inputs["model"]:
+        model.update(art.tensors)
+        roles_q.update(art.meta.get("quantization", {}))
+        recorded.update(art.meta.get("rel_l1", {}))
+    expected = expected_tensors(ctx.store, inputs, model)
+    scoped = model
+    if params.only:
+        expected = {k: v for k, v in expected.items() if fnmatchcase(k, params.only)}
+        scoped = {k: v for k, v in model.items() if fnmatchcase(k, params.only)}
+    return Subject(ctx, params, inputs, model, scoped, roles_q, recorded, expected)
+
+
+# The checks, in report order: each returns (ok, figure, detail or None), or None where it does
+# not apply to this build; its name is the function's.
+Outcome = tuple[bool, Any, Any] | None
+
+
+def key_set(s: Subject) -> Outcome:
+    """Derived from the source layout and the recorded role of each module."""
+    want = set()
+    for name in s.expected:
+        base = name.removesuffix(".weight")
+        if name.endswith(".weight") and base in s.roles_q:
+            want |= {f"{base}.weight", f"{base}.scales", f"{base}.biases"}
+        else:
+            want.add(name)
+    missing, extra = sorted(want - set(s.model)), sorted(set(s.model) - want)
+    figure = {
+        "expected": len(want),
+        "actual": len(s.model),
+        "mtp_keys": sum(k.startswith("language_model.mtp.") for k in s.model),
+    }
+    detail = {"missing": missing[:20], "unexpected": extra[:20]} if missing or extra else None
+    return not missing and not extra, figure, detail
+
+
+def norms_shifted_once(s: Subject) -> Outcome:
+    bad = [n for n, same in s.inspected.norms if not same]
+    return not bad, {"norms": len(s.inspected.norms), "wrong": len(bad)}, bad[:20] or None
+
+
+def passthrough_identical(s: Subject) -> Outcome:
+    bad = [n for n, same in s.inspected.passes if not same]
+    return not bad, {"tensors": len(s.inspected.passes), "differ": len(bad)}, bad[:20] or None
+
+
+def finite(s: Subject) -> Outcome:
+    bad = s.inspected.nonfinite
+    return not bad, {"non_finite": len(bad)}, bad[:20] or None
+
+
+def quantized_shapes(s: Subject) -> Outcome:
+    bad = s.inspected.shape_bad
+    return not bad, {"wrong": len(bad)}, bad[:20] or None
+
+
+def dequant_rel_l1(s: Subject) -> Outcome:
+    figure = {
+        f"{b}-bit": {
+            "tensors": len(v),
+            "mean": round(sum(v) / len(v), 5),
+            "max": round(max(v), 5),
+            "limit": s.params.max_rel_l1.get(b),
         }
+        for b, v in sorted(s.inspected.per_role.items())
+    }
+    return not s.inspected.over, figure, s.inspected.over[:20] or None
 
-    @property
-    def failed(self) -> list[str]:
-        return [k for k, v in self.results.items() if not v["ok"]]
+
+def dequant_rel_l1_first_rows(s: Subject) -> Outcome:
+    """The independent measure, where quantize measured every row."""
+    if not s.inspected.sampled:
+        return None
+    figure = {
+        f"{b}-bit": {"tensors": len(v), "max": round(max(v), 5)}
+        for b, v in sorted(s.inspected.sampled.items())
+    }
+    return not s.inspected.over_first, figure, s.inspected.over_first[:20] or None
+
+
+def experts_split_order(s: Subject) -> Outcome:
+    split, bad = s.inspected.split, s.inspected.split_bad
+    return not bad and split["checked"] > 0, split, bad or None
+
+
+def base_identical(s: Subject) -> Outcome:
+    """The base artifacts' weights appear unchanged."""
+    if not s.inputs.get("base"):
+        return None
+    base_t = {k: v for a in s.inputs["base"] for k, v in a.tensors.items()}
+    differ = sorted(k for k, v in base_t.items() if s.full_model.get(k) != v)
+    return not differ, {"tensors": len(base_t), "differ": len(differ)}, differ[:20] or None
+
+
+def calibrated_expert_error(s: Subject) -> Outcome:
+    """Data-aware experts against data-agnostic ones, on held-out calibration text."""
+    if not s.inputs.get("calibration"):
+        return None
+    return expert_error_figure(
+        s.ctx, s.inputs["calibration"][0], s.inputs["model"], s.roles_q, s.expected
+    )
+
+
+CHECKS: list[Callable[[Subject], Outcome]] = [
+    key_set,
+    norms_shifted_once,
+    passthrough_identical,
+    finite,
+    quantized_shapes,
+    dequant_rel_l1,
+    dequant_rel_l1_first_rows,
+    experts_split_order,
+    base_identical,
+    calibrated_expert_error,
+]
 
 
 @register
 class Verify(Step):
     kind = "verify"
-    # 4: quantize's own rel-L1, and the first rows measured independently;
-    # 5: calibrated_expert_error over at most calibration.HELDOUT_ROWS rows an expert;
-    # 6: its experts dequantized in float32 by buildkit's arithmetic (was mx.dequantize, bf16)
-    version = 6
+    version = 6  # bump when verify.json's bytes change
     Params = VerifyParams
     inputs = {
         "model": Slot(many=True),  # the artifacts that make up the output model
@@ -440,177 +665,32 @@ class Verify(Step):
         return {"mlx": library_version("mlx")}
 
     def run(self, ctx: Context, params: VerifyParams, inputs) -> dict[str, Artifact]:
-        store = ctx.store
-        model: dict[str, dict] = {}
-        roles_q: dict[str, dict] = {}
-        recorded: dict[str, float] = {}
-        for art in inputs["model"]:
-            model.update(art.tensors)
-            roles_q.update(art.meta.get("quantization", {}))
-            recorded.update(art.meta.get("rel_l1", {}))
-        # Every MLX tensor the sources imply: name -> (hf name, file digest, info, slice, shape)
-        expected: dict[str, tuple] = {}
-        trunk_src = inputs["source"][0]
-        head_src = (inputs.get("head_source") or [trunk_src])[0]
-        has_head = any(n.startswith("language_model.mtp.") for n in model)
-        fused: dict[str, list[str]] = {}
-        for part, src in (("trunk", trunk_src), ("head", head_src)):
-            if part == "head" and not has_head:
-                continue
-            for hf, (digest, info) in ckpt.scan_source(store, src).items():
-                if hf.startswith("mtp.") != (part == "head"):
-                    continue
-                pieces = ckpt.split_experts(hf, info.shape)
-                if len(pieces) > 1:
-                    fused[hf] = [p[0] for p in pieces]
-                for mlx_name, shape, slc in pieces:
-                    expected[mlx_name] = (hf, digest, info, slc, shape)
-        full_model = model
-        if params.only:
-            expected = {k: v for k, v in expected.items() if fnmatchcase(k, params.only)}
-            model = {k: v for k, v in model.items() if fnmatchcase(k, params.only)}
-        checks = Checks()
-
-        # 1. key set, derived from the source layout and the recorded role of each module
-        want = set()
-        for name in expected:
-            base = name.removesuffix(".weight")
-            if name.endswith(".weight") and base in roles_q:
-                want |= {f"{base}.weight", f"{base}.scales", f"{base}.biases"}
-            else:
-                want.add(name)
-        missing, extra = sorted(want - set(model)), sorted(set(model) - want)
-        checks.add(
-            "key_set",
-            not missing and not extra,
-            {
-                "expected": len(want),
-                "actual": len(model),
-                "mtp_keys": sum(k.startswith("language_model.mtp.") for k in model),
-            },
-            {"missing": missing[:20], "unexpected": extra[:20]} if missing or extra else None,
-        )
-
-        # 2-5. norms, passthrough identity, dequant error, finiteness, split order: one read of
-        # each source tensor, two at a time
-        by_hf: dict[str, list] = {}
-        for name, (hf, digest, info, slc, shape) in sorted(expected.items()):
-            by_hf.setdefault(hf, [digest, info, []])[2].append((name, slc, shape))
-        items = [(hf, d, info, pieces) for hf, (d, info, pieces) in sorted(by_hf.items())]
-        norms, passes, nonfinite, shape_bad, split_bad = [], [], [], [], []
-        per_role: dict[str, list[float]] = {}
-        over: list[str] = []
-        split = {"checked": 0, "ok": 0}
-        ctx.progress.start(len(items))
-        # One task per source tensor, each handed only its own entries (under --dask they travel).
-        tasks = [(it[0], (it, *task_slice(it, model, roles_q, recorded))) for it in items]
-        sampled: dict[str, list[float]] = {}
-        over_first: list[str] = []
-        for r in ctx.map(inspect_tensor, tasks):
-            for name, (bits, err) in r["sampled"].items():
-                sampled.setdefault(bits, []).append(err)
-                if not err <= params.max_rel_l1.get(bits, 1.0):
-                    over_first.append(f"{name}: {err:.4f} in its first rows")
-            norms += r["norm"]
-            passes += r["pass"]
-            nonfinite += r["nonfinite"]
-            shape_bad += r["shape_bad"]
-            for name, (bits, err) in r["err"].items():
-                per_role.setdefault(bits, []).append(err)
-                if not err <= params.max_rel_l1.get(bits, 1.0):
-                    over.append(f"{name}: {err:.4f}")
-            if r["split"] is not None:
-                right, swapped = r["split"]
-                ok = right < 0.5 * swapped
-                split["checked"] += 1
-                split["ok"] += ok
-                split["worst_right"] = max(split.get("worst_right", 0.0), round(right, 5))
-                split["best_swapped"] = min(split.get("best_swapped", math.inf), round(swapped, 5))
-                if not ok:
-                    split_bad.append(f"{r['hf']}: gate|up {right:.4f} vs up|gate {swapped:.4f}")
-            ctx.progress.advance(1, r["bytes"])
-        norm_bad = [n for n, same in norms if not same]
-        pass_bad = [n for n, same in passes if not same]
-        checks.add(
-            "norms_shifted_once",
-            not norm_bad,
-            {"norms": len(norms), "wrong": len(norm_bad)},
-            norm_bad[:20] or None,
-        )
-        checks.add(
-            "passthrough_identical",
-            not pass_bad,
-            {"tensors": len(passes), "differ": len(pass_bad)},
-            pass_bad[:20] or None,
-        )
-        checks.add("finite", not nonfinite, {"non_finite": len(nonfinite)}, nonfinite[:20] or None)
-        checks.add(
-            "quantized_shapes", not shape_bad, {"wrong": len(shape_bad)}, shape_bad[:20] or None
-        )
-        checks.add(
-            "dequant_rel_l1",
-            not over,
-            {
-                f"{b}-bit": {
-                    "tensors": len(v),
-                    "mean": round(sum(v) / len(v), 5),
-                    "max": round(max(v), 5),
-                    "limit": params.max_rel_l1.get(b),
+        s = subject(ctx, params, inputs)
+        results: dict[str, dict] = {}
+        for check in CHECKS:
+            outcome = check(s)
+            if outcome is not None:
+                ok, figure, detail = outcome
+                results[check.__name__] = {
+                    "ok": bool(ok),
+                    "figure": figure,
+                    **({"detail": detail} if detail else {}),
                 }
-                for b, v in sorted(per_role.items())
-            },
-            over[:20] or None,
-        )
-        if sampled:  # the independent measure where quantize measured every row
-            checks.add(
-                "dequant_rel_l1_first_rows",
-                not over_first,
-                {
-                    f"{b}-bit": {"tensors": len(v), "max": round(max(v), 5)}
-                    for b, v in sorted(sampled.items())
-                },
-                over_first[:20] or None,
-            )
-        checks.add(
-            "experts_split_order", not split_bad and split["checked"] > 0, split, split_bad or None
-        )
-
-        # 6. base weights unchanged
-        if inputs.get("base"):
-            base_t = {k: v for a in inputs["base"] for k, v in a.tensors.items()}
-            differ = sorted(k for k, v in base_t.items() if full_model.get(k) != v)
-            checks.add(
-                "base_identical",
-                not differ,
-                {"tensors": len(base_t), "differ": len(differ)},
-                differ[:20] or None,
-            )
-
-        # 7. data-aware experts against data-agnostic ones, on held-out calibration text
-        if inputs.get("calibration"):
-            checks.add(
-                "calibrated_expert_error",
-                *calibrated_expert_error(
-                    ctx, inputs["calibration"][0], inputs["model"], roles_q, expected
-                ),
-            )
-
-        report = {"checks": checks.results, "ok": not checks.failed, "scope": params.only or "all"}
+        failed = [k for k, v in results.items() if not v["ok"]]
+        report = {"checks": results, "ok": not failed, "scope": params.only or "all"}
         blob = json.dumps(report, indent=2, sort_keys=True, default=str).encode()
         out = Artifact(
             files={"verify.json": ctx.store.put_blob(blob)}, meta={"report": json.loads(blob)}
         )
-        for name, r in checks.results.items():
+        for name, r in results.items():
             ctx.log(
                 f"{'ok  ' if r['ok'] else 'FAIL'} {name}: {json.dumps(r['figure'], default=str)}"
             )
-        if checks.failed:
+        if failed:
             details = "; ".join(
                 f"{k}: "
-                + json.dumps(
-                    checks.results[k].get("detail") or checks.results[k]["figure"], default=str
-                )[:300]
-                for k in checks.failed
+                + json.dumps(results[k].get("detail") or results[k]["figure"], default=str)[:300]
+                for k in failed
             )
-            raise VerifyError(f"{len(checks.failed)} check(s) failed: {details}", report=blob)
+            raise VerifyError(f"{len(failed)} check(s) failed: {details}", report=blob)
         return {"out": out}

@@ -197,10 +197,9 @@ class DirectRange:
     cache where the OS allows it: the whole blocks inside the range with ``O_DIRECT``, the
     partial blocks at its two ends (shared with whatever lies beside it in the file) through
     the page cache. So tasks may fill neighbouring ranges of one file at once (a pack's
-    tensors) and no block is ever written both ways. On a 2-core VM, 30 GB of packs written
-    through the page cache went at ~0.25 GB/s (dirty-page throttling), direct at ~1.2 GB/s.
-    Direct I/O refused: the rest through the page cache, as ``DirectFile``. ``sync``: fsync
-    the file once the range is written."""
+    tensors) and no block is ever written both ways; writes through the page cache are
+    throttled as dirty pages pile up (bench/RESULTS.md). Direct I/O refused: the rest through
+    the page cache, as ``DirectFile``. ``sync``: fsync the file once the range is written."""
 
     BLOCK = DirectFile.BLOCK
 

@@ -3,7 +3,7 @@
 A pack is a safetensors file (``{"format": "mlx"}``, the tensors of one planned shard in
 order) kept in the store as an object named by its blob digest. Publish hard-links a pack
 whose header is the shard it plans instead of writing the same bytes a second time: the real
-model's 30 GB are written once, not twice (bench/RESULTS.md, 35B). Each tensor keeps its own
+model's 30 GB are written once, not twice. Each tensor keeps its own
 tensor digest in the listing, ``{"digest", "pack": {"file", "tensor"}}``, checked whenever it
 is read, so a tensor is checked without hashing its whole pack.
 

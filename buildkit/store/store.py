@@ -271,40 +271,51 @@ class Store:
             yield self.read_tensor(entry)
             return
         n = shape[0]
-        row = nbytes(dtype, shape) // n
-        step = max(1, max_bytes // max(row, 1))
+        step = max(1, max_bytes // max(nbytes(dtype, shape) // n, 1))
         if "view" in entry:
-            path, header = self.header(entry["view"]["file"])
-            info = header.tensors.get(entry["view"]["tensor"])
-            slc = entry["view"].get("slice")
-            sliced = list(info.shape) if info is not None else []
-            if slc is not None and sliced:
-                sliced[slc[0]] = slc[2] - slc[1]
-            if (
-                info is None
-                or info.dtype != dtype
-                or tuple(sliced) != shape
-                or (slc is not None and slc[0] == 0)
-            ):
-                # Not rows of its source as they lie (a reshaped view, say; or gone, which
-                # read_tensor reports): read whole, still handed out in blocks.
-                whole = self.read_tensor(entry)
-                for a in range(0, n, step):
-                    yield whole[a : a + step]
-                return
-            stride = info.nbytes // info.shape[0]
+            yield from self._view_rows(entry, step)
+        else:
+            yield from self._object_rows(entry, step)
+
+    def _view_rows(self, entry: dict, step: int) -> Iterator[np.ndarray]:
+        """``iter_rows`` of a view: the rows read from its source file where they lie."""
+        dtype, shape = entry["dtype"], tuple(entry["shape"])
+        n = shape[0]
+        path, header = self.header(entry["view"]["file"])
+        info = header.tensors.get(entry["view"]["tensor"])
+        slc = entry["view"].get("slice")
+        sliced = list(info.shape) if info is not None else []
+        if slc is not None and sliced:
+            sliced[slc[0]] = slc[2] - slc[1]
+        if (
+            info is None
+            or info.dtype != dtype
+            or tuple(sliced) != shape
+            or (slc is not None and slc[0] == 0)
+        ):
+            # Not rows of its source as they lie (a reshaped view, say; or gone, which
+            # read_tensor reports): read whole, still handed out in blocks.
+            whole = self.read_tensor(entry)
             for a in range(0, n, step):
-                b = min(n, a + step)
-                part = replace(
-                    info,
-                    shape=(b - a, *info.shape[1:]),
-                    start=info.start + a * stride,
-                    end=info.start + b * stride,
-                )
-                arr = read_slice(part, path, *slc) if slc is not None else read_tensor(part, path)
-                self.stats.add(read=arr.nbytes)
-                yield arr
+                yield whole[a : a + step]
             return
+        stride = info.nbytes // info.shape[0]
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            part = replace(
+                info,
+                shape=(b - a, *info.shape[1:]),
+                start=info.start + a * stride,
+                end=info.start + b * stride,
+            )
+            arr = read_slice(part, path, *slc) if slc is not None else read_tensor(part, path)
+            self.stats.add(read=arr.nbytes)
+            yield arr
+
+    def _object_rows(self, entry: dict, step: int) -> Iterator[np.ndarray]:
+        """``iter_rows`` of a store object, checked against its digest as it passes."""
+        dtype, shape = entry["dtype"], tuple(entry["shape"])
+        n = shape[0]
         digest = entry["digest"]
         f, start, obj = self._open(entry)
         h = keys.tensor_hasher(dtype, shape)

@@ -1,0 +1,266 @@
+"""MTP draft acceptance by depth, teacher-forced, and the yield of drafting.
+
+The chain is formed as mlx_vlm 0.7.10's ``Qwen3_5MTPDraftModel.draft_block`` forms it. Depth 1
+is ``evaluate.head_acceptance``'s draft: the head's argmax for token t+2 from the trunk's hidden
+state at t (before the final norm) and the embedding of token t+1. Depth k+1 feeds the head the
+**embedding of the depth-k draft** and the **head's own output at depth k** (after the head's
+``norm``, mlx_vlm's ``seed_hidden``/``h_prev``), one position further on (RoPE position t+k),
+attending to the head's entries for positions 0..t (true tokens and trunk states, as the
+drafter's cache holds them after each verify) and to the chain's earlier entries, never to
+another position's chain. Every draft is read out as depth 1 is (``evaluate.Output``).
+
+A depth-k draft is accepted when it equals the trunk's own argmax at t+k (teacher-forced: the
+trunk ran on the text). Depth k counts only positions whose k-1 earlier drafts were accepted
+(the published format d1=a/b, d2=c/d), and of those only where the text itself went on with
+the accepted drafts and the target lies inside the text: elsewhere the trunk's state at t+k
+follows other tokens than the drafts, and comparing a draft with it understates acceptance
+(bench/RESULTS.md). So tried at depth k <= accepted at depth k-1. Tokens per verify cycle
+with k drafts = 1 + sum over i <= k of the product of the conditional rates r1..ri.
+
+The trunk runs once (the eval step's kept states); each depth is one pass of the head over
+every position, its attention over (depth x positions) keys.
+"""
+
+from __future__ import annotations
+
+from buildkit.core.lazy import lazy
+from buildkit.grade import evaluate as ev
+
+np = lazy("numpy", __name__)
+
+
+class _Keys:
+    """A stand-in KV cache for mlx_lm's attention: RoPE ``offset``, earlier keys (already
+    rotated) in front of the new ones; keeps the new ones for the next depth."""
+
+    def __init__(self, offset: int, keys=None, values=None):
+        self.offset, self.keys, self.values, self.new = offset, keys, values, None
+
+    def update_and_fetch(self, k, v):
+        import mlx.core as mx
+
+        self.new = (k, v)
+        if self.keys is None:
+            return k, v
+        return mx.concatenate([self.keys, k], axis=2), mx.concatenate([self.values, v], axis=2)
+
+
+def _chain_mask(n: int, depth: int):
+    """[n, depth*n] bool: a depth's query at t sees the true entries 0..t and, of each
+    earlier chain depth (and its own), only position t."""
+    import mlx.core as mx
+
+    t = mx.arange(n)
+    blocks = [t[None, :] <= t[:, None]] + [t[None, :] == t[:, None]] * (depth - 1)
+    return mx.concatenate(blocks, axis=1)
+
+
+def head_pass(head, emb, hidden, cache, mask):
+    """The head over (embeddings, hidden states) with mlx_lm's attention ``cache`` and ``mask``."""
+    import mlx.core as mx
+
+    x = head.fc(
+        mx.concatenate([head.pre_fc_norm_embedding(emb), head.pre_fc_norm_hidden(hidden)], axis=-1)
+    )
+    for layer in head.layers:
+        x = layer(x, mask=mask, cache=cache)
+    return head.norm(x)
+
+
+def drafts_by_depth(w: ev.Weights, t: ev.Trunk, tokens: list[int], depth: int) -> list[list[int]]:
+    """[[accepted, tried], ...] for depths 1..``depth`` of ``w``'s head on its own trunk ``t``
+    (``t.argmax`` filled) over ``tokens``, the text the trunk ran."""
+    return count(chains(w, t, depth), t, tokens, depth)
+
+
+def chains(w: ev.Weights, t: ev.Trunk, depth: int) -> list[list]:
+    """Per batch, per depth, the head's drafts [B, L-1] (position t drafts token t+1+depth)."""
+    import mlx.core as mx
+
+    head, out = ev.load_head(w), ev.Output(w)
+    n_batches = len(t.h)
+    hidden = [h[:, :-1] for h in t.h]  # h_t for t = 0..L-2
+    emb = [x0[:, 1:] for x0 in t.x0]  # embed(x_{t+1})
+    keys: list[_Keys | None] = [None] * n_batches
+    drafts: list[list] = [[] for _ in range(n_batches)]  # per batch, per depth: [B, L-1]
+    for d in range(1, depth + 1):
+        if d > 1:
+            emb = ev.embed(w, [np.array(dr[-1]) for dr in drafts])
+        for j in range(n_batches):
+            n = hidden[j].shape[1]
+            if d == 1:
+                cache = _Keys(0)
+                mask = "causal" if n > 1 else None  # what head_acceptance's pass gets
+            else:
+                cache = _Keys(d - 1, keys[j].keys, keys[j].values)
+                mask = _chain_mask(n, d)
+            o = head_pass(head, emb[j], hidden[j], cache, mask)
+            pred = mx.argmax(out(o), axis=-1)
+            mx.eval(o, pred)
+            k, v = cache.new
+            if keys[j] is None:
+                keys[j] = _Keys(0, k, v)
+            else:
+                keys[j].keys = mx.concatenate([keys[j].keys, k], axis=2)
+                keys[j].values = mx.concatenate([keys[j].values, v], axis=2)
+            hidden[j] = o
+            drafts[j].append(pred)
+    return drafts
+
+
+def count(drafts: list[list], t: ev.Trunk, tokens: list[int], depth: int) -> list[list[int]]:
+    """Accepted and tried drafts per depth. A depth-k draft at t is tried when the k-1 drafts
+    before it were accepted and the text itself went on with them (x_{t+1+i} = d_i): only then
+    is the trunk's state at t+k, teacher-forced on the text, the one a verify would compare
+    the draft with; and when its target, the trunk's argmax at t+k, lies inside the text."""
+    counts = np.zeros((depth, 2), np.int64)
+    ams, start = iter(t.argmax), 0
+    for j in range(len(drafts)):
+        for r in range(t.h[j].shape[0]):
+            a = np.asarray(next(ams))
+            L = a.shape[0]
+            x = np.asarray(tokens[start : start + L])
+            start += L
+            pos = np.arange(L - 1)
+            alive = np.ones(L - 1, bool)
+            for d in range(1, depth + 1):
+                draft = np.array(drafts[j][d - 1][r])
+                tried = alive & (pos + d <= L - 2)
+                ok = tried & (draft == a[np.minimum(pos + d, L - 1)])
+                counts[d - 1] += (int(ok.sum()), int(tried.sum()))
+                alive = ok & (draft == x[np.minimum(pos + d + 1, L - 1)])
+    return counts.tolist()
+
+
+def rates(drafts: list[list[int]]) -> list[float | None]:
+    """Conditional acceptance per depth (accepted / tried; None where nothing was tried)."""
+    return [a / n if n else None for a, n in drafts]
+
+
+def tokens_per_cycle(rs: list[float | None]) -> list[float]:
+    """Expected tokens per verify cycle with 1..len(rs) drafts: 1 + sum of cumulative products."""
+    out, total, prod = [], 1.0, 1.0
+    for r in rs:
+        prod *= r or 0.0
+        total += prod
+        out.append(total)
+    return out
+
+
+def verify_costs(verify_cost: float | list[float], depth: int) -> list[float]:
+    """The cost of a verify cycle with 1..depth drafts, in plain decode steps."""
+    if isinstance(verify_cost, (int, float)):
+        return [float(verify_cost)] * depth
+    if len(verify_cost) < depth:
+        from buildkit.core.errors import UsageError
+
+        raise UsageError(
+            f"verify_cost lists {len(verify_cost)} costs but depth is {depth}: "
+            "give one per draft length, or one number for all"
+        )
+    return [float(c) for c in verify_cost[:depth]]
+
+
+def best_yield(tpc: list[float], verify_cost: float | list[float]) -> dict:
+    """The draft length with the best modelled speedup (tokens per cycle / verify cost)."""
+    costs = verify_costs(verify_cost, len(tpc))
+    speed = [t / c for t, c in zip(tpc, costs, strict=True)]
+    k = int(np.argmax(speed)) + 1
+    return {"best_drafts": k, "speedup": speed[k - 1], "verify_cost": costs}
+
+
+def figures(
+    src: ev.Weights,
+    mod: ev.Weights,
+    ts: ev.Trunk,
+    tm: ev.Trunk,
+    tokens: list[int],
+    depth: int,
+    verify_cost: float | list[float],
+) -> dict:
+    """The eval report's depth figures: this head on this trunk, and the bf16 head on the
+    bf16 trunk (``*_source``)."""
+    dm = drafts_by_depth(mod, tm, tokens, depth)
+    ds = drafts_by_depth(src, ts, tokens, depth)
+    rm = rates(dm)
+    tpc = tokens_per_cycle(rm)
+    y = best_yield(tpc, verify_cost)
+    return {
+        "drafts_by_depth": dm,
+        "acceptance_by_depth": rm,
+        "tokens_per_cycle": tpc,
+        "drafts_by_depth_source": ds,
+        "tokens_per_cycle_source": tokens_per_cycle(rates(ds)),
+        "verify_cost": y["verify_cost"],
+        "best_drafts": y["best_drafts"],
+        "modelled_speedup": y["speedup"],
+    }
+
+
+def card_lines(evals: dict, text: str | None = None) -> list[str]:
+    """The card's drafting section: the published line format, tokens per cycle, the yield,
+    and mlx_vlm's own run if there was one."""
+    dm = evals.get("drafts_by_depth")
+    if not dm:
+        return []
+    acc, tried = sum(a for a, _ in dm), sum(n for _, n in dm)
+    on = f" on {evals.get('tokens', '?')} tokens of {text}" if text else ""
+    depths = ", ".join(f"d{i}={a}/{n}" for i, (a, n) in enumerate(dm, 1))
+    tpc = evals.get("tokens_per_cycle", [])
+    costs = evals.get("verify_cost") or []
+    lines = [
+        "",
+        "## Speculative decoding (MTP head)",
+        "",
+        f"Teacher-forced{on}: {acc / tried:.1%} acceptance ({acc}/{tried} drafts, depth {depths}).",
+        "",
+        "| drafts per cycle | " + " | ".join(str(i) for i in range(1, len(tpc) + 1)) + " |",
+        "|---|" + "---|" * len(tpc),
+        "| tokens per verify cycle | " + " | ".join(f"{x:.2f}" for x in tpc) + " |",
+    ]
+    if costs:
+        lines.append(
+            "| modelled speedup (tokens per cycle / verify cost "
+            f"{'/'.join(f'{c:g}' for c in costs)}) | "
+            + " | ".join(f"{x / c:.2f}x" for x, c in zip(tpc, costs, strict=False))
+            + " |"
+        )
+    spec = evals.get("speculative")
+    if spec:
+        lines.append(
+            "| mlx_vlm, float32: tokens per round | "
+            + " | ".join("-" if x is None else f"{x:.2f}" for x in spec["tokens_per_round"])
+            + " |"
+        )
+    lines += [
+        "",
+        "Drafting pays where tokens per cycle exceed the verify cost (a cycle verifying drafts "
+        "on a mixture-of-experts model costs more than a plain decode step: each draft position "
+        f"routes its own experts). Best modelled draft length: {evals.get('best_drafts')} "
+        f"({evals.get('modelled_speedup', float('nan')):.2f}x).",
+    ]
+    if spec:
+        ok = "identical to" if spec["lossless"] else "DIFFERENT from"
+        lines += [
+            "",
+            f"mlx_vlm's own speculative generation with `mtp/` (greedy, float32, "
+            f"{spec['prompts']} prompts of {spec['prompt_tokens']} tokens, "
+            f"{spec['max_tokens']} new tokens each, draft lengths 1-{len(spec['rounds'])}): "
+            f"output {ok} plain greedy decoding; rounds {spec['rounds']}, accepted "
+            f"{spec['accepted']}, drafted {spec['drafted']}; wall-clock against plain decoding "
+            f"on a CPU (not a Metal figure): "
+            + (
+                ", ".join(f"{x:.2f}x" for x in spec["wall_ratio_cpu"])
+                if "wall_ratio_cpu" in spec
+                else "not kept in a build (`buildkit eval --speculative` measures it)"
+            )
+            + f". In bf16, {spec['bf16_divergent_prompts']} of {spec['prompts']} prompts "
+            "diverge from plain greedy"
+            + (
+                f" (after {spec['bf16_tokens_before_divergence']:.1f} tokens on average)"
+                if spec.get("bf16_tokens_before_divergence") is not None
+                else ""
+            )
+            + ": batched verification and single-token decoding round differently near ties.",
+        ]
+    return lines
