@@ -166,8 +166,8 @@ class Eval(Step):
 
     def reads(self, params: EvalParams, ctx: Context) -> dict[str, Path]:
         files = {"text": cal.text_path(params.text, ctx.options.project_root)}
-        for name, spec in sorted(params.texts.items()):  # a domain's name is in the key too
-            files[f"texts.{name}"] = cal.text_path(spec, ctx.options.project_root)
+        for name, where in sorted(params.texts.items()):  # a domain's name is in the key too
+            files[f"texts.{name}"] = cal.text_path(where, ctx.options.project_root)
         return files
 
     def outdated(
@@ -212,11 +212,11 @@ class Eval(Step):
             tokens = self._tokens(ctx, params, src)
             domains = {
                 name: whole_tokens(
-                    read_text(cal.text_path(spec, ctx.options.project_root)),
+                    read_text(cal.text_path(where, ctx.options.project_root)),
                     src.tokenizer_json(),
                     params.max_tokens,
                 )[0]
-                for name, spec in sorted(params.texts.items())
+                for name, where in sorted(params.texts.items())
             }
             report, trunks = ev.evaluate(
                 src, mod, tokens, params.seq_len, progress=ctx.progress, domains=domains
