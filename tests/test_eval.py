@@ -82,6 +82,7 @@ def test_xl_mtp_reuses_xls_eval_node_and_grades_only_the_head(built):
         "verify_cost",
         "best_drafts",
         "modelled_speedup",
+        "speculative",
         "text",
     }
     trunk = {
@@ -89,7 +90,11 @@ def test_xl_mtp_reuses_xls_eval_node_and_grades_only_the_head(built):
         for k, v in eval_json(p, "xl-mtp").items()
         if not k.startswith("acceptance") and k not in head
     }
-    assert trunk == eval_json(p, "xl") | {"size_bytes": trunk["size_bytes"]}
+    xl = eval_json(p, "xl")
+    assert trunk == {k: v for k, v in xl.items() if k != "text"} | {
+        "size_bytes": trunk["size_bytes"]
+    }
+    assert eval_json(p, "xl-mtp")["text"] == xl["text"] == "builtin:calibration.txt"
 
 
 def test_the_source_against_itself_is_kld_zero_top1_one(built, capsys):

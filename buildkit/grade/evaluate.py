@@ -207,6 +207,18 @@ class Trunk:
     groups: list = field(default_factory=list)
 
 
+def only(t: Trunk, group: str = "") -> Trunk:
+    """The batches of ``t`` from one text ("" the main one) and their sequences' argmax."""
+    groups = t.groups or [""] * len(t.h)
+    rows, at = [], 0
+    for h, g in zip(t.h, groups, strict=True):
+        if g == group:
+            rows += t.argmax[at : at + h.shape[0]]
+        at += h.shape[0]
+    keep = [j for j, g in enumerate(groups) if g == group]
+    return Trunk([t.x0[j] for j in keep], [t.h[j] for j in keep], rows, [group] * len(keep))
+
+
 def embed(w: Weights, seqs: list[np.ndarray]) -> list:
     """The embeddings [B, L, H] of each batch of token ids, float32."""
     import mlx.core as mx

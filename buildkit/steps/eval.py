@@ -203,7 +203,8 @@ class Eval(Step):
                     )
             report = {"tokens": inputs["trunk"][0].meta["tokens"], **ev.heads(src, mod, ts, tm)}
             tokens = ctx.store.read_tensor(inputs["trunk"][0].tensors["tokens"]).tolist()
-            report |= drafting.figures(src, mod, ts, tm, tokens, params.depth, params.verify_cost)
+            main = ev.only(ts), ev.only(tm)  # the drafts run on the main text's batches
+            report |= drafting.figures(src, mod, *main, tokens, params.depth, params.verify_cost)
             report["text"] = params.text
             if params.speculative is not None:
                 report["speculative"] = self._speculative(ctx, params, inputs, src, tokens)
