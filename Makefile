@@ -2,20 +2,29 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
+# Two stamps: `make xl-mtp` installs buildkit and what building needs; `make test` (and lint)
+# add the test extras (pytest, ruff, mlx-vlm, moto, ...).
 STAMP   := $(VENV)/.installed
+TESTSTAMP := $(VENV)/.installed-test
 BUILDKIT := $(BIN)/buildkit
 JOBS    ?= 2
 
-.PHONY: install xl xl-mtp oq4e-mtp-xl all fixture test lint bench bench-35b release clean
+.PHONY: install install-test xl xl-mtp oq4e-mtp-xl all fixture test lint bench bench-35b release clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]" -c constraints.txt
+	$(BIN)/pip install --quiet -e . -c constraints.txt
 	$(BIN)/python -m compileall -q buildkit  # as a wheel install would: every run starts from bytecode
 	touch $(STAMP)
 
+$(TESTSTAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e ".[test]" -c constraints.txt
+	touch $(TESTSTAMP)
+
 install: $(STAMP)
+
+install-test: $(TESTSTAMP)
 
 xl xl-mtp oq4e-mtp-xl: $(STAMP)
 	$(BUILDKIT) build $@ --jobs $(JOBS)
@@ -25,10 +34,10 @@ all: xl xl-mtp oq4e-mtp-xl
 fixture: $(STAMP)
 	$(BUILDKIT) fixture build/fixture
 
-test: $(STAMP)
+test: $(TESTSTAMP)
 	$(BIN)/python -m pytest -q
 
-lint: $(STAMP)
+lint: $(TESTSTAMP)
 	$(BIN)/ruff format --check buildkit tests bench training
 	$(BIN)/ruff check buildkit tests bench training
 

@@ -324,7 +324,9 @@ def test_status_shows_every_variant_with_its_last_build(project, seed):
         and rows["xl"]["state"] == "fresh"
         and rows["xl"]["source"] == "fixture:trained"
     )
-    assert rows["oq4e-mtp-xl"]["state"] == "never built"
+    # oq4e-mtp-xl shares xl's fetch and sanitize: stale, not "never built"
+    assert rows["oq4e-mtp-xl"]["state"] == "stale" and not rows["oq4e-mtp-xl"]["built"]
+    assert rows["oq4e-mtp-xl"]["reason"].endswith("steps in the store, shared with xl, xl-mtp)")
     xl = project.manifests / "xl.toml"
     xl.write_text(
         xl.read_text().replace("embedding     = { bits = 8,", "embedding     = { bits = 4,")

@@ -352,3 +352,25 @@ def test_an_existing_empty_directory_is_published_into(project, seed):
     assert sorted(p.name for p in empty.glob("model-*.safetensors")) == sorted(
         p.name for p in (seed.out / "xl").glob("model-*.safetensors")
     )
+
+
+def test_publish_copies_only_the_files_a_model_directory_needs(project, tmp_path):
+    """Tokenizer, processor configs, chat template and generation config come from the source;
+    a source's other files (a README.txt, a held-out text, notes in a folder) stay behind."""
+    from buildkit.fixtures.generated import FixtureSpec, generate
+
+    src = generate(tmp_path / "src", FixtureSpec())
+    own = {p.name for p in src.iterdir() if not p.name.endswith(".safetensors")}
+    (src / "README.txt").write_text("how this checkpoint was made\n")
+    (src / "heldout.txt").write_text("text kept out of training\n")
+    (src / "notes").mkdir()
+    (src / "notes" / "eval.json").write_text("{}\n")
+    project.build("xl", "--source", str(src))
+    out = project.out / "xl"
+    published = {p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(".")}
+    assert not {"README.txt", "heldout.txt", "notes"} & published and not (out / "notes").exists()
+    assert own - {"model.safetensors.index.json"} <= published  # config.json is publish's own
+    assert {"tokenizer.json", "chat_template.jinja", "preprocessor_config.json"} <= published
+    for name in own - {"config.json", "model.safetensors.index.json"}:
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert "how this checkpoint was made" not in (out / "README.md").read_text()

@@ -22,7 +22,7 @@ def cmd_status(args) -> int:
     for root in store.roots():  # oldest first: the last one wins
         last[root["request"].get("variant")] = root
     rows = [
-        status_row(p, last.get(p.stem), args.manifests, store, remote)
+        status_row(p, last.get(p.stem), args.manifests, store, remote, last)
         for p in sorted(Path(args.manifests).glob("*.toml"))
     ]
     if args.json:
@@ -32,8 +32,36 @@ def cmd_status(args) -> int:
     return 0
 
 
-def status_row(path: Path, root: dict | None, manifests: str, store, remote) -> dict:
-    """One variant's line of ``status``: its last build (``root``), planned against the store."""
+def built_by_others(m, store, remote, last: dict[str, dict]) -> dict:
+    """A variant with no build of its own, planned as it would build: fresh or stale when other
+    builds made some of its nodes (and which builds share them), else nothing to add."""
+    from buildkit.engine.plan import Planner
+    from buildkit.engine.step import BuildOptions
+
+    states = Planner(m, store, BuildOptions(project_root=Path.cwd(), remote=remote)).plan()
+    fresh = [s for s in states if s.fresh]
+    if not fresh:
+        return {}
+    made = {s.key for s in fresh}
+    by = sorted(
+        v
+        for v, root in last.items()
+        if made & {n.get("key") for n in (root.get("nodes") or {}).values()}
+    )
+    note = f"{len(fresh)} of {len(states)} steps in the store" + (
+        f", shared with {', '.join(by)}" if by else ""
+    )
+    stale = [s for s in states if not s.fresh]
+    if stale:
+        return {"state": "stale", "reason": f"{stale[0].name}: {stale[0].reasons[0]} ({note})"}
+    return {"state": "fresh", "reason": note, "built_by": by}
+
+
+def status_row(
+    path: Path, root: dict | None, manifests: str, store, remote, last: dict[str, dict]
+) -> dict:
+    """One variant's line of ``status``: its last build (``root``), planned against the store;
+    with none, what other builds (``last``: each variant's last root) made of it."""
     from buildkit.engine import manifest
     from buildkit.engine.plan import Planner
     from buildkit.engine.step import BuildOptions
@@ -42,8 +70,11 @@ def status_row(path: Path, root: dict | None, manifests: str, store, remote) -> 
     row = {"variant": path.stem, "built": False}
     try:
         if root is None:
-            manifest.load(str(path), manifests)
-            return {**row, "state": "never built", "reason": "never built"}
+            m = manifest.load(str(path), manifests)
+            row.update(state="never built", reason="never built")
+            if last:  # other builds may have made its nodes (xl's, by xl-mtp's build)
+                row.update(built_by_others(m, store, remote, last))
+            return row
         req = root["request"]
         m = manifest.load(str(path), manifests, source=req.get("source"))
         out = Path(req["out"]) if req.get("out") else None

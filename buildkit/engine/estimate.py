@@ -53,9 +53,16 @@ def source_layout(source: str) -> tuple[dict, dict[str, tuple[str, tuple[int, ..
         m = HF_RE.match(source)
         if not m:
             raise UsageError(f"expected hf://org/repo@revision, got {source!r}")
+        from buildkit.store.hub import explain
+
         repo, rev = m["repo"], m["rev"]
-        config = json.loads(Path(hf_hub_download(repo, "config.json", revision=rev)).read_text())
-        meta = HfApi().get_safetensors_metadata(repo, revision=rev)
+        try:
+            config = json.loads(
+                Path(hf_hub_download(repo, "config.json", revision=rev)).read_text()
+            )
+            meta = HfApi().get_safetensors_metadata(repo, revision=rev)
+        except Exception as e:  # hub errors come in many types: each says what to do
+            raise explain(e, f"cannot estimate from {source}", repo, rev) from e
         found = {}
         for fm in meta.files_metadata.values():
             for name, t in fm.tensors.items():

@@ -195,14 +195,7 @@ def push(sched, states, repo_id: str) -> None:
             continue
         node = sched.m.nodes[st.name]
         path = sched.context(st.name).out_path(node.params.out)
-        from huggingface_hub import HfApi
+        from buildkit.store.hub import upload
 
-        api = HfApi()
-        api.create_repo(repo_id, exist_ok=True)
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=path,
-            ignore_patterns=[".*"],
-            commit_message=f"buildkit {sched.m.name} {keys.short(st.key)}",
-        )
-        print(f"uploaded {path} to {info}")
+        url = upload(path, repo_id, f"buildkit {sched.m.name} {keys.short(st.key)}")
+        print(f"uploaded {path} to {url}")

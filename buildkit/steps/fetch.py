@@ -1,7 +1,8 @@
 """fetch: resolve a source to local files and record their content digests.
 
 Sources: a local directory; ``hf://org/repo@revision`` (huggingface_hub
-``snapshot_download``, which honours HF_HUB_OFFLINE and the HF cache); or
+``snapshot_download``, which honours HF_HUB_OFFLINE and the HF cache; every file checked
+against the Hub's sha256 or git blob id by ``store.hub.verify_snapshot``); or
 ``fixture:`` / ``fixture:seed=1,layers=4`` (a deterministic generated
 checkpoint, kept under the store); or ``fixture:trained`` / ``fixture:trained=NAME``
 (a small trained checkpoint of ``buildkit.fixtures.trained``, also written under the
@@ -12,7 +13,6 @@ content digests do.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from pydantic import field_validator
@@ -75,7 +75,7 @@ class Fetch(Step):
                     f"source {params.source!r}: a release build needs a pinned revision "
                     "(hf://org/repo@<40-hex commit sha>)"
                 )
-            from huggingface_hub import snapshot_download
+            from buildkit.store.hub import download
 
             rev = m["rev"] or "main"
             if not PINNED.match(rev):
@@ -83,33 +83,7 @@ class Fetch(Step):
                     f"warning: {params.source} is not pinned to a commit: this build is not "
                     "reproducible (the revision can move); pin it as hf://org/repo@<commit sha>"
                 )
-            try:
-                # A pinned commit already in the HF cache needs no network (and keeps no-op
-                # builds fast); anything else asks the Hub (or fails offline with its reason).
-                if not PINNED.match(rev):
-                    raise LookupError(rev)
-                path = Path(
-                    snapshot_download(
-                        m["repo"], revision=rev, allow_patterns=HF_PATTERNS, local_files_only=True
-                    )
-                )
-            except Exception:
-                try:
-                    path = Path(
-                        snapshot_download(m["repo"], revision=rev, allow_patterns=HF_PATTERNS)
-                    )
-                except Exception as e:  # hub errors come in many types; all mean "cannot fetch"
-                    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-                        hint = (
-                            "HF_HUB_OFFLINE is set and this revision is not in the local HF cache: "
-                            "download it on a machine online (or unset HF_HUB_OFFLINE)"
-                        )
-                    else:
-                        hint = "Offline? Set HF_HUB_OFFLINE=1 to use the local HF cache"
-                    raise SourceError(
-                        f"cannot fetch {params.source}: {e}. {hint}, "
-                        "or pass --source with a local directory"
-                    ) from e
+            path = download(m["repo"], rev, HF_PATTERNS, ctx.store, ctx.log)
             return path, {"type": "hf", "repo": m["repo"], "revision": path.name}
         if kind == "fixture":
             from buildkit.fixtures.generated import generate

@@ -51,7 +51,26 @@ from buildkit.store.swap import clear_leftovers, exchange, write_synced
 
 STAMP = ".buildkit-publish.json"
 COPY_CHUNK = 8 << 20
-SKIP_SOURCE_FILES = {"config.json", "model.safetensors.index.json", "README.md", ".gitattributes"}
+# What a model directory needs from its source beside config and weights: tokenizer, processor,
+# chat template and generation config. Nothing else a source carries (a README.txt, a held-out
+# text) is published; config.json, the index and the card are publish's own.
+SIDE_FILES = frozenset(
+    {
+        "added_tokens.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "generation_config.json",
+        "merges.txt",
+        "preprocessor_config.json",
+        "processor_config.json",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+        "video_preprocessor_config.json",
+        "vocab.json",
+    }
+)
 HEAD_PREFIX, DRAFTER_DIR = ckpt.HEAD_PREFIX, ckpt.DRAFTER_DIR
 DRAFTER_SHARD = f"{DRAFTER_DIR}/model.safetensors"
 
@@ -115,7 +134,7 @@ class Staged:
 @register
 class Publish(Step):
     kind = "publish"
-    version = 3  # 3: the drafter directory mtp/ for MTP variants
+    version = 4  # 4: only the source's SIDE_FILES are copied (3: the drafter directory mtp/)
     Params = PublishParams
     inputs = {
         "model": Slot(many=True),
@@ -215,11 +234,7 @@ class Publish(Step):
             )
         try:
             if params.load_check:
-                side = {
-                    k: v
-                    for k, v in src.files.items()
-                    if k not in SKIP_SOURCE_FILES and "/" not in k
-                }
+                side = {k: v for k, v in src.files.items() if k in SIDE_FILES}
                 staged.load_check = loadcheck.lookup(
                     store, config, tensors, self.writer, side, image=not missing
                 )
@@ -336,7 +351,7 @@ class Publish(Step):
                 drafter_config(staged.config), indent=2, sort_keys=True
             ).encode()
         for name, digest in sorted(src.files.items()):
-            if name not in SKIP_SOURCE_FILES and "/" not in name:
+            if name in SIDE_FILES:
                 files[name] = store.get_blob(digest)
         params_total = sum(
             r["params"] for a in parts for r in a.meta.get("role_table", {}).values()
