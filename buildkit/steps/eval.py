@@ -188,43 +188,8 @@ class Eval(Step):
 
     def run(self, ctx: Context, params: EvalParams, inputs) -> dict[str, Artifact]:
         src, mod = weights(ctx, inputs)
-        if params.scope == "head":
-            if not inputs.get("trunk"):
-                raise StepError(
-                    "scope 'head' grades heads on an eval node's trunks: "
-                    'give input trunk = "eval:trunk"'
-                )
-            ts, tm = _get_trunks(ctx.store, inputs["trunk"][0])
-            for who, w in (("model", mod), ("source", src)):
-                if not w.has_head():
-                    raise StepError(
-                        f"scope 'head': the {who} input has no MTP head "
-                        "(language_model.mtp.* tensors)"
-                    )
-            report = {"tokens": inputs["trunk"][0].meta["tokens"], **ev.heads(src, mod, ts, tm)}
-            tokens = ctx.store.read_tensor(inputs["trunk"][0].tensors["tokens"]).tolist()
-            main = ev.only(ts), ev.only(tm)  # the drafts run on the main text's batches
-            report |= drafting.figures(src, mod, *main, tokens, params.depth, params.verify_cost)
-            report["text"] = params.text
-            if params.speculative is not None:
-                report["speculative"] = self._speculative(ctx, params, inputs, src, tokens)
-            trunk = Artifact(meta={"tokens": report["tokens"]})
-        else:
-            tokens = self._tokens(ctx, params, src)
-            domains = {
-                name: whole_tokens(
-                    read_text(cal.text_path(where, ctx.options.project_root)),
-                    src.tokenizer_json(),
-                    params.max_tokens,
-                )[0]
-                for name, where in sorted(params.texts.items())
-            }
-            report, trunks = ev.evaluate(
-                src, mod, tokens, params.seq_len, progress=ctx.progress, domains=domains
-            )
-            report["text"] = text_name(params.text)
-            report |= model_size(inputs["model"])
-            trunk = _put_trunks(ctx.store, trunks, tokens)
+        grade = self._heads if params.scope == "head" else self._trunks
+        report, trunk = grade(ctx, params, inputs, src, mod)
         report = {"scope": params.scope, "label": params.label, **report}
         for k, v in report.items():
             if isinstance(v, float) and not math.isfinite(v):
@@ -247,6 +212,48 @@ class Eval(Step):
             "out": Artifact(files={"eval.json": ctx.store.put_blob(blob)}, meta={"report": report}),
             "trunk": trunk,
         }
+
+    def _heads(self, ctx: Context, params: EvalParams, inputs, src, mod):
+        """scope 'head': the heads' drafts on the trunks an eval node kept."""
+        if not inputs.get("trunk"):
+            raise StepError(
+                "scope 'head' grades heads on an eval node's trunks: "
+                'give input trunk = "eval:trunk"'
+            )
+        ts, tm = _get_trunks(ctx.store, inputs["trunk"][0])
+        for who, w in (("model", mod), ("source", src)):
+            if not w.has_head():
+                raise StepError(
+                    f"scope 'head': the {who} input has no MTP head (language_model.mtp.* tensors)"
+                )
+        report = {"tokens": inputs["trunk"][0].meta["tokens"], **ev.heads(src, mod, ts, tm)}
+        tokens = ctx.store.read_tensor(inputs["trunk"][0].tensors["tokens"]).tolist()
+        main = ev.only(ts), ev.only(tm)  # the drafts run on the main text's batches
+        report |= drafting.figures(src, mod, *main, tokens, params.depth, params.verify_cost)
+        report["text"] = params.text
+        if params.speculative is not None:
+            report["speculative"] = self._speculative(ctx, params, inputs, src, tokens)
+        trunk = Artifact(meta={"tokens": report["tokens"]})
+        return report, trunk
+
+    def _trunks(self, ctx: Context, params: EvalParams, inputs, src, mod):
+        """The model against its source on the text (and each domain's)."""
+        tokens = self._tokens(ctx, params, src)
+        domains = {
+            name: whole_tokens(
+                read_text(cal.text_path(where, ctx.options.project_root)),
+                src.tokenizer_json(),
+                params.max_tokens,
+            )[0]
+            for name, where in sorted(params.texts.items())
+        }
+        report, trunks = ev.evaluate(
+            src, mod, tokens, params.seq_len, progress=ctx.progress, domains=domains
+        )
+        report["text"] = text_name(params.text)
+        report |= model_size(inputs["model"])
+        trunk = _put_trunks(ctx.store, trunks, tokens)
+        return report, trunk
 
     @staticmethod
     def _speculative(ctx: Context, params: EvalParams, inputs, src, tokens: list[int]) -> dict:
