@@ -11,7 +11,9 @@ order, each as a child process under ``/usr/bin/time -v`` (wall, CPU, peak RSS):
 2. ``buildkit build xl`` into an empty store (verification included: verify and the load check;
    not eval, which convert has no counterpart of: the variants' publish takes no eval input);
 3. ``buildkit build xl-mtp`` after it (the head only);
-4. ``buildkit estimate`` of both, against the bytes the builds published.
+4. ``buildkit estimate`` of both, against the bytes the builds published;
+5. eval, its own rows: ``buildkit eval`` of the published xl against the source, then
+   ``buildkit build xl`` itself, whose eval step is all that is not cached (and publish).
 
 Bytes read and written are ``rchar``/``wchar`` of ``/proc/<pid>/io`` of the exited
 ``/usr/bin/time`` process (a process's counters include its reaped children's), read before
@@ -240,6 +242,31 @@ def run(args) -> dict:
             json.loads(est.stdout) if est.returncode == 0 else {"error": est.stderr[-500:]}
         )
         R[v] = r
+    # eval as its own rows: `buildkit eval` of the published xl against the source, and the
+    # variant's own build with its eval step (everything else cached by the run above)
+    R["eval_cli"] = measure(
+        "eval",
+        [*bk, "eval", out / "xl", "--source", src, "--max-tokens", args.eval_tokens, "--json"],
+        logs,
+    )
+    R["eval_build"] = measure(
+        "xl-eval",
+        [
+            *bk,
+            "--store",
+            store,
+            "--manifests",
+            manifests,
+            "build",
+            "xl",
+            "--source",
+            src,
+            "--out",
+            out / "xl-eval",
+        ],
+        logs,
+    )
+    R["eval_tokens"] = args.eval_tokens
     R["disk_total"] = du(work)
     if not args.keep:
         shutil.rmtree(work)
@@ -278,6 +305,11 @@ def report(R: dict) -> str:
         L.append(row("mlx_lm.convert -q --q-bits 6 --q-group-size 64", conv, conv["published"]))
     L.append(row("buildkit build xl (cold, verify + load check)", xl, xl["published"]))
     L.append(row("buildkit build xl-mtp (after xl)", mtp, mtp["published"]))
+    ev, evb = R.get("eval_cli"), R.get("eval_build")
+    if ev:
+        L.append(row(f"buildkit eval xl --source SRC --max-tokens {R['eval_tokens']}", ev, 0))
+    if evb:
+        L.append(row("buildkit build xl (after xl: its eval step and publish)", evb, 0))
     L += [
         "",
         f"buildkit store after both: {mtp['store_disk'] / GB:.2f} GB on disk; "
@@ -325,6 +357,14 @@ def report(R: dict) -> str:
         f"xl-mtp {mtp['peak_rss'] / 1e6:,.0f} MB: "
         f"{'met' if max(xl['peak_rss'], mtp['peak_rss']) < 1e9 else '**MISSED**'}."
     )
+    if evb and "eval" in evb["steps"]:
+        t = evb["steps"]["eval"]
+        L.append(
+            f"- Target xl's eval step <= 0.5 x the build's wall and peak RSS < 1 GB: "
+            f"{t / xl['wall']:.2f} x ({t:.1f} / {xl['wall']:.1f} s), "
+            f"{evb['peak_rss'] / 1e6:,.0f} MB: "
+            f"{'met' if t <= 0.5 * xl['wall'] and evb['peak_rss'] < 1e9 else '**MISSED**'}."
+        )
     w = xl["wchar"] / max(xl["published"], 1)
     L.append(
         f"- Target bytes written <= 1.1 x published (xl): {w:.2f} x ({xl['wchar'] / GB:.2f} / "
@@ -355,6 +395,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--skip-convert", action="store_true", help="buildkit only")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    p.add_argument(
+        "--eval-tokens", default="128", help="`buildkit eval --max-tokens` (default 128)"
+    )
     p.add_argument(
         "--no-results", action="store_true", help="print the table instead of writing RESULTS.md"
     )

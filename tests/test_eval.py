@@ -61,9 +61,7 @@ def test_figures_are_finite_and_sane(built):
         and 0 <= e["acceptance_source"] <= 1
     )
     assert e["ppl_model"] > 1 and e["ppl_source"] > 1
-    assert (
-        e["tokens"] == 1024 and e["positions"] == 1024 - 8
-    )  # 8 sequences of 128, none past its end
+    assert e["tokens"] == 128 and e["positions"] == 127  # the default: one sequence of 128
     card = (p.out / "xl-mtp" / "README.md").read_text()
     assert "## Evaluation" in card and "KL divergence KL(p_bf16 ‖ p_model), mean" in card
     assert f"{e['kld_mean']:.5f}" in card
@@ -84,6 +82,7 @@ def test_xl_mtp_reuses_xls_eval_node_and_grades_only_the_head(built):
         "verify_cost",
         "best_drafts",
         "modelled_speedup",
+        "speculative",
         "text",
     }
     trunk = {
@@ -91,7 +90,11 @@ def test_xl_mtp_reuses_xls_eval_node_and_grades_only_the_head(built):
         for k, v in eval_json(p, "xl-mtp").items()
         if not k.startswith("acceptance") and k not in head
     }
-    assert trunk == eval_json(p, "xl") | {"size_bytes": trunk["size_bytes"]}
+    xl = eval_json(p, "xl")
+    assert trunk == {k: v for k, v in xl.items() if k != "text"} | {
+        "size_bytes": trunk["size_bytes"]
+    }
+    assert eval_json(p, "xl-mtp")["text"] == xl["text"] == "builtin:calibration.txt"
 
 
 def test_the_source_against_itself_is_kld_zero_top1_one(built, capsys):
@@ -136,6 +139,55 @@ def test_buildkit_eval_grades_an_mlx_lm_convert_directory(built, capsys, tmp_pat
     )  # 6/8-bit beats 4-bit
 
 
+def n_sequences(tokens: list[int]) -> int:
+    return sum(b.shape[0] for b in ev.sequences(tokens, 128))
+
+
+def test_eval_text_grades_every_line_of_the_file(built, capsys, tmp_path):
+    """A user's own text is graded whole: its '#' lines, blank lines and every other line."""
+    from tokenizers import Tokenizer
+
+    p, src, *_ = built
+    lines = ["# a header line, graded too", ""] + [
+        f"line {i}: the {'quick' if i % 2 else 'lazy'} fox number {i * 7}" for i in range(40)
+    ]
+    text = "\n".join(lines) + "\n"
+    (tmp_path / "mine.txt").write_text(text)
+    e = cli_json(
+        p,
+        capsys,
+        "eval",
+        str(src),
+        "--source",
+        str(src),
+        "--text",
+        str(tmp_path / "mine.txt"),
+        "--json",
+        "--max-tokens",
+        "100000",
+    )
+    tok = Tokenizer.from_str((src / "tokenizer.json").read_text())
+    want = tok.encode(text, add_special_tokens=False).ids
+    assert e["tokens"] == e["text_tokens"] == len(want) > 256
+    assert e["positions"] == len(want) - n_sequences(want)  # all but each sequence's last
+    held = heldout_tokens(text, 5, (src / "tokenizer.json").read_bytes(), 100000)
+    assert e["tokens"] > 4 * len(held)  # not the held-out fifth
+    capped = cli_json(
+        p,
+        capsys,
+        "eval",
+        str(src),
+        "--source",
+        str(src),
+        "--text",
+        str(tmp_path / "mine.txt"),
+        "--json",
+        "--max-tokens",
+        "200",
+    )
+    assert capped["tokens"] == 200 and capped["text_tokens"] == len(want)
+
+
 def _mlx_lm_ppl(model, tokens: list[int]) -> float:
     nll = []
     for b in ev.sequences(tokens, 128):
@@ -153,7 +205,7 @@ def test_perplexity_is_mlx_lms_on_the_same_tokens(built):
     from mlx_lm import load
 
     p, src, *_ = built
-    tokens = heldout_tokens(TEXT.read_text(), 5, (src / "tokenizer.json").read_bytes(), 1024)
+    tokens = heldout_tokens(TEXT.read_text(), 5, (src / "tokenizer.json").read_bytes(), 128)
     model, _ = load(str(p.out / "xl"))
     want = eval_json(p, "xl")["ppl_model"]
     bf16 = _mlx_lm_ppl(model, tokens)  # as users run it: bf16 arithmetic
@@ -225,6 +277,8 @@ def test_a_gate_fails_a_release_build_with_a_clear_message(built, tmp_path):
 def test_oq4e_grades_a_data_agnostic_baseline_beside_itself(built, tmp_path, capsys):
     p0, src, *_ = built
     p = Project(tmp_path).adopt(p0)
+    oq4e = p.manifests / "oq4e-mtp-xl.toml"  # a donor with this source's vocabulary (512)
+    oq4e.write_text(oq4e.read_text().replace("fixture:seed=1,vocab=2048", "fixture:seed=1"))
     p.build("oq4e-mtp-xl", "--source", str(src))
     e = eval_json(p, "oq4e-mtp-xl")
     base = e["others"]["data-agnostic 4-bit (baseline)"]
@@ -236,6 +290,34 @@ def test_oq4e_grades_a_data_agnostic_baseline_beside_itself(built, tmp_path, cap
         "oq4e-mtp-xl [data-agnostic 4-bit (baseline)]",
     ]
     assert rows[1]["size_bytes"] == rows[0]["size_bytes"]  # the same bits, other bytes
+
+    # calibration skew: each domain text graded whole, for the model and its baseline
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str((src / "tokenizer.json").read_text())
+    texts = Path(ev.__file__).parents[1] / "data" / "texts"
+    for figs in (e, base):
+        assert set(figs["domains"]) == {"prose", "code", "fr"}
+        for name, d in figs["domains"].items():
+            whole = tok.encode((texts / f"{name}.txt").read_text(), add_special_tokens=False)
+            assert d["tokens"] == min(len(whole.ids), 128), name
+            assert math.isfinite(d["kld_mean"]) and 0 <= d["top1_agreement"] <= 1, name
+            assert d["positions"] == d["tokens"] - n_sequences(whole.ids[:128])
+    assert all(0 <= d["acceptance"] <= 1 for d in e["domains"].values())  # its head, per domain
+    assert e["text"] == "builtin:calibration.txt"
+    card = (p.out / "oq4e-mtp-xl" / "README.md").read_text()
+    assert "held-out lines of builtin:calibration.txt" in card
+    for name, d in e["domains"].items():
+        ratio = d["kld_mean"] / base["domains"][name]["kld_mean"]
+        assert f"| {name} | {d['tokens']} | {d['kld_mean']:.5f} |" in card
+        assert f"| {ratio:.3f} |" in card
+    assert rows[0]["domains"]["code"]["kld_mean"] == e["domains"]["code"]["kld_mean"]
+    capsys.readouterr()
+    assert p.cli("compare", "oq4e-mtp-xl") == 0
+    table = [ln.split()[0] for ln in capsys.readouterr().out.splitlines()[1:]]
+    assert table == ["oq4e-mtp-xl", "code", "fr", "prose", "oq4e-mtp-xl", "code", "fr", "prose"]
+    status = {r["variant"]: r for r in cli_json(p, capsys, "status", "--json")}
+    assert set(status["oq4e-mtp-xl"]["eval"]["domains"]) == {"prose", "code", "fr"}
 
 
 # ---- with the trained fixture (buildkit/data/trained) ------------------------------------------
@@ -260,8 +342,11 @@ def trained(tmp_path_factory):
     xl = p.manifests / "xl.toml"
     line = next(ln for ln in xl.read_text().splitlines() if ln.startswith("params.text"))
     xl.write_text(
-        xl.read_text().replace(line, f'params.text = "{text}"\nparams.heldout_every = {every}')
-    )
+        xl.read_text().replace(
+            line,
+            f'params.text = "{text}"\nparams.heldout_every = {every}\nparams.max_tokens = 1024',
+        )
+    )  # 1024 tokens: these figures are compared within a few points
     for bits in (4, 3):
         p.write_manifest(
             f"xl-{bits}bit",
@@ -305,14 +390,21 @@ class Broken(ev.DirWeights):
         super().__init__(path)
         self.how = how
 
-    def read(self, name):
-        head = name.startswith(ev.HEAD)
-        if head and self.how == "gate_up" and ".switch_mlp." in name:
-            name = (
+    def swapped(self, name):
+        if name.startswith(ev.HEAD) and self.how == "gate_up" and ".switch_mlp." in name:
+            return (
                 name.replace("gate_proj", "\0")
                 .replace("up_proj", "gate_proj")
                 .replace("\0", "up_proj")
             )
+        return name
+
+    def iter_rows(self, name, rows):  # the experts are read in blocks of rows
+        yield from super().iter_rows(self.swapped(name), rows)
+
+    def read(self, name):
+        head = name.startswith(ev.HEAD)
+        name = self.swapped(name)
         a = super().read(name)
         if (
             head
@@ -354,7 +446,8 @@ def test_trained_data_aware_experts_beat_data_agnostic_at_the_same_bits(tmp_path
     p.write_manifest(
         "oq4e-trained",
         'extends = "oq4e-mtp-xl"\nsource = "fixture:trained"\n'
-        '[steps.donor_fetch]\nparams.source = "fixture:trained"\n',
+        '[steps.donor_fetch]\nparams.source = "fixture:trained"\n'
+        "[steps.eval]\nparams.max_tokens = 1024\n[steps.eval_baseline]\nparams.max_tokens = 1024\n",
     )
     p.build("oq4e-trained")
     e = eval_json(p, "oq4e-trained")

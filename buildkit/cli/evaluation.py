@@ -93,6 +93,8 @@ def status_row(
         figures = grades.last_results(store, path.stem)
         if figures:
             row["eval"] = {k: figures[0].get(k) for k, _, _ in grades.COLUMNS if k in figures[0]}
+            if figures[0].get("domains"):
+                row["eval"]["domains"] = figures[0]["domains"]
     except BuildkitError as e:
         row.update(state="invalid", reason=str(e).splitlines()[0])
     return row
@@ -117,12 +119,14 @@ def print_status(rows: list[dict]) -> None:
                 f"{'':16} "
                 + ", ".join(f"{h} {f(e[k])}" for k, h, f in grades.COLUMNS if e.get(k) is not None)
             )
+            for name, d in sorted((e.get("domains") or {}).items()):
+                print(f"{'':18}{grades.domain_line(name, d)}")
 
 
 def cmd_eval(args) -> int:
     from buildkit.grade import calibration as cal
     from buildkit.grade import evaluate as ev
-    from buildkit.steps.eval import EvalParams, heldout_tokens
+    from buildkit.steps.eval import EvalParams, heldout_tokens, read_text, whole_tokens
 
     p = EvalParams()
     model, source = ev.DirWeights(Path(args.model)), ev.DirWeights(Path(args.source))
@@ -130,14 +134,17 @@ def cmd_eval(args) -> int:
         raise UsageError(
             f"--source {args.source} is quantized; point it at the bf16 source directory"
         )
-    path = cal.text_path(args.text or p.text, Path.cwd())
-    tokens = heldout_tokens(
-        path.read_text(encoding="utf-8"),
-        p.heldout_every,
-        source.tokenizer_json(),
-        args.max_tokens or p.max_tokens,
-    )
+    limit = args.max_tokens or p.max_tokens
+    if args.text:  # the user's own text: graded whole
+        text = read_text(cal.text_path(args.text, Path.cwd()))
+        tokens, in_text = whole_tokens(text, source.tokenizer_json(), limit)
+        graded = {"text": args.text, "text_tokens": in_text, "lines": "all"}
+    else:  # the builtin calibration text: its held-out lines, as the eval step grades it
+        text = read_text(cal.text_path(p.text, Path.cwd()))
+        tokens = heldout_tokens(text, p.heldout_every, source.tokenizer_json(), limit)
+        graded = {"text": p.text, "lines": f"held-out (every {p.heldout_every}th)"}
     figures, (ts, tm) = ev.evaluate(source, model, tokens, p.seq_len)
+    figures |= graded
     figures["size_bytes"] = model.bytes()
     if "acceptance" in figures:
         from buildkit.grade import drafting
@@ -202,9 +209,10 @@ def add(sub) -> None:
     ev.add_argument("--source", required=True, help="bf16 source directory (Hugging Face layout)")
     ev.add_argument(
         "--text",
-        help="text file whose held-out lines (every 5th) are evaluated (default: the builtin one)",
+        help="a UTF-8 text file, graded whole (default: the held-out lines, every 5th, of the "
+        "builtin calibration text)",
     )
-    ev.add_argument("--max-tokens", type=int, help="at most this many tokens (default 1024)")
+    ev.add_argument("--max-tokens", type=int, help="at most this many tokens (default 128)")
     ev.add_argument(
         "--depth", type=int, help="MTP drafts per cycle measured, teacher-forced (default 3)"
     )

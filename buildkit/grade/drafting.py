@@ -77,7 +77,9 @@ def chains(w: ev.Weights, t: ev.Trunk, depth: int) -> list[list]:
     """Per batch, per depth, the head's drafts [B, L-1] (position t drafts token t+1+depth)."""
     import mlx.core as mx
 
-    head, out = ev.load_head(w), ev.Output(w)
+    from buildkit.grade import evalstream as es
+
+    head = ev.load_head(w)
     n_batches = len(t.h)
     hidden = [h[:, :-1] for h in t.h]  # h_t for t = 0..L-2
     emb = [x0[:, 1:] for x0 in t.x0]  # embed(x_{t+1})
@@ -85,7 +87,7 @@ def chains(w: ev.Weights, t: ev.Trunk, depth: int) -> list[list]:
     drafts: list[list] = [[] for _ in range(n_batches)]  # per batch, per depth: [B, L-1]
     for d in range(1, depth + 1):
         if d > 1:
-            emb = ev.embed(w, [np.array(dr[-1]) for dr in drafts])
+            emb = [mx.array(es.embeddings(w, np.array(dr[-1]))) for dr in drafts]
         for j in range(n_batches):
             n = hidden[j].shape[1]
             if d == 1:
@@ -95,7 +97,9 @@ def chains(w: ev.Weights, t: ev.Trunk, depth: int) -> list[list]:
                 cache = _Keys(d - 1, keys[j].keys, keys[j].values)
                 mask = _chain_mask(n, d)
             o = head_pass(head, emb[j], hidden[j], cache, mask)
-            pred = mx.argmax(out(o), axis=-1)
+            # the trunk's final norm and lm_head, the vocabulary streamed (es.HeadScan)
+            arg = es.HeadScan([w], [es.final_norm(w, [o])]).arg[0]
+            pred = mx.array(arg.reshape(o.shape[:2]).astype(np.int32))
             mx.eval(o, pred)
             k, v = cache.new
             if keys[j] is None:

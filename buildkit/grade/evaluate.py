@@ -20,8 +20,8 @@ tensor by tensor as sanitize does). Both name tensors as MLX does.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from buildkit.core.errors import SourceError, UsageError
@@ -30,8 +30,9 @@ from buildkit.formats import checkpoint as ckpt
 from buildkit.formats.convert import (
     mlx_layout,  # the conversion sanitize does, as verify recomputes it
 )
-from buildkit.formats.tensors import read_header, read_tensor, to_mlx
+from buildkit.formats.tensors import read_header, read_slice, read_tensor, to_mlx
 from buildkit.grade.calibration import batches, build_model
+from buildkit.grade.evalstream import layer_mask, quantize_as_loaded
 
 np = lazy("numpy", __name__)
 
@@ -52,6 +53,12 @@ class Weights:
 
     def read(self, name: str) -> np.ndarray:
         raise NotImplementedError
+
+    def iter_rows(self, name: str, rows: int) -> Iterator[np.ndarray]:
+        """A tensor in blocks of ``rows`` along its first axis, read one block at a time."""
+        whole = self.read(name)
+        for a in range(0, max(whole.shape[0], 1), rows):
+            yield whole[a : a + rows]
 
     def has_head(self) -> bool:
         return any(n.startswith(HEAD) for n in self.names)
@@ -87,6 +94,11 @@ class StoreWeights(Weights):
 
     def read(self, name):
         return self.store.read_tensor(self.entries[name])
+
+    def iter_rows(self, name, rows):
+        e = self.entries[name]
+        row = _nbytes(self, name) // max(e["shape"][0], 1) if e["shape"] else 1
+        yield from self.store.iter_rows(e, max_bytes=rows * max(row, 1))
 
     def tokenizer_json(self):
         if self.tok is None:
@@ -135,6 +147,26 @@ class DirWeights(Weights):
         raw = read_tensor(info, path)
         return raw if hf is None else mlx_layout(hf, raw, info.dtype, slc, shape)
 
+    def iter_rows(self, name, rows):
+        hf, path, info, slc, shape = self.where[name]
+        moved = hf is not None and (
+            ckpt.is_offset_norm(hf) or ckpt.is_conv1d(hf) or ckpt.is_patch_embed(hf)
+        )
+        if moved or not shape or (slc is not None and slc[0] == 0):
+            yield from super().iter_rows(name, rows)  # small tensors, converted whole
+            return
+        stride = info.nbytes // info.shape[0]
+        for a in range(0, shape[0], rows):
+            b = min(shape[0], a + rows)
+            part = replace(
+                info,
+                shape=(b - a, *info.shape[1:]),
+                start=info.start + a * stride,
+                end=info.start + b * stride,
+            )
+            arr = read_slice(part, path, *slc) if slc is not None else read_tensor(part, path)
+            yield arr.reshape(b - a, *shape[1:])
+
     def tokenizer_json(self):
         p = self.path / "tokenizer.json"
         if not p.is_file():
@@ -145,31 +177,6 @@ class DirWeights(Weights):
 
 
 # ---- mlx_lm's model, quantized as mlx_lm.load does, loaded a module at a time ----------
-
-
-def _quantize(module, w: Weights, prefix: str) -> None:
-    """nn.quantize with mlx_lm's predicate: a per-path entry of config["quantization"], else
-    its defaults for a module whose ``.scales`` are stored; others stay unquantized."""
-    import mlx.nn as nn
-
-    q = w.quantization
-    if not q:
-        return
-    default = {k: q[k] for k in ("group_size", "bits", "mode") if k in q}
-
-    def predicate(path, m):
-        path = prefix + path
-        if isinstance(q.get(path), dict):
-            return q[path]
-        return hasattr(m, "to_quantized") and f"{path}.scales" in w.names and default
-
-    nn.quantize(
-        module,
-        group_size=default.get("group_size", 64),
-        bits=default.get("bits", 4),
-        mode=default.get("mode", "affine"),
-        class_predicate=predicate,
-    )
 
 
 def _load(module, w: Weights, prefix: str) -> None:
@@ -184,21 +191,32 @@ def _load(module, w: Weights, prefix: str) -> None:
     mx.eval(module.parameters())
 
 
-def _mask(layer, h):
-    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-
-    return create_ssm_mask(h, None) if layer.is_linear else create_attention_mask(h, None)
+# names this module's callers used before they moved to evalstream
+_quantize, _mask = quantize_as_loaded, layer_mask
 
 
 @dataclass
 class Trunk:
     """One model's pass over the text: per batch of sequences, the embeddings x0 and the last
-    decoder layer's output h (before the final norm), float32 [B, L, H]; and per sequence its
-    argmax per position."""
+    decoder layer's output h (before the final norm), float32 [B, L, H]; per sequence its
+    argmax per position; and per batch the text it is from ("" the main one, else a domain)."""
 
     x0: list = field(default_factory=list)
     h: list = field(default_factory=list)
     argmax: list = field(default_factory=list)
+    groups: list = field(default_factory=list)
+
+
+def only(t: Trunk, group: str = "") -> Trunk:
+    """The batches of ``t`` from one text ("" the main one) and their sequences' argmax."""
+    groups = t.groups or [""] * len(t.h)
+    rows, at = [], 0
+    for h, g in zip(t.h, groups, strict=True):
+        if g == group:
+            rows += t.argmax[at : at + h.shape[0]]
+        at += h.shape[0]
+    keep = [j for j, g in enumerate(groups) if g == group]
+    return Trunk([t.x0[j] for j in keep], [t.h[j] for j in keep], rows, [group] * len(keep))
 
 
 def embed(w: Weights, seqs: list[np.ndarray]) -> list:
@@ -206,7 +224,7 @@ def embed(w: Weights, seqs: list[np.ndarray]) -> list:
     import mlx.core as mx
 
     model = build_model(w.config)
-    _quantize(model, w, "")
+    quantize_as_loaded(model, w, "")
     module = model.language_model.model.embed_tokens
     _load(module, w, "language_model.model.embed_tokens.")
     x0 = [module(mx.array(s)) for s in seqs]
@@ -221,7 +239,7 @@ def decoder_layer(w: Weights, i: int, args):
 
     layer = DecoderLayer(args, i)
     prefix = f"language_model.model.layers.{i}."
-    _quantize(layer, w, prefix)
+    quantize_as_loaded(layer, w, prefix)
     _load(layer, w, prefix)
     return layer
 
@@ -230,31 +248,25 @@ def run_layer(layer, hs: list) -> list:
     """One decoder layer over each batch of hidden states (no cache: whole sequences)."""
     import mlx.core as mx
 
-    out = [layer(h, mask=_mask(layer, h), cache=None) for h in hs]
+    out = [layer(h, mask=layer_mask(layer, h), cache=None) for h in hs]
     mx.eval(out)
     return out
 
 
 def run_trunk(w: Weights, seqs: list[np.ndarray], progress=None) -> Trunk:
-    """Every layer over every batch of ``seqs`` ([B, L] token ids), one layer in memory."""
+    """Every layer over every batch of ``seqs`` ([B, L] token ids), one layer's small modules
+    in memory, its experts and the embedding streamed (``evalstream``)."""
     import mlx.core as mx
 
-    model = build_model(w.config)
-    text = model.language_model.model
-    _quantize(model, w, "")
-    _load(text.embed_tokens, w, "language_model.model.embed_tokens.")
-    x0 = [text.embed_tokens(mx.array(s)) for s in seqs]
-    mx.eval(x0)
-    text.embed_tokens = None  # free it; only the decoder layers are used from here on
+    from buildkit.grade import evalstream as es
+
+    args = build_model(w.config).language_model.args
+    x0 = [mx.array(es.embeddings(w, s)) for s in seqs]
     h = list(x0)
-    layers = text.layers
-    for i in range(len(layers)):
-        layer = layers[i]
-        _load(layer, w, f"language_model.model.layers.{i}.")
-        for j in range(len(h)):
-            h[j] = layer(h[j], mask=_mask(layer, h[j]), cache=None)
-            mx.eval(h[j])
-        layers[i] = None  # free this layer's weights before loading the next
+    for i in range(args.num_hidden_layers):
+        layer = es.streamed_layer(w, f"language_model.model.layers.{i}.", args, i)
+        h = es.run_streamed(layer, h)
+        del layer  # free this layer's weights before loading the next
         if progress:
             progress.advance(1)
     return Trunk(x0, h)
@@ -265,7 +277,7 @@ class Output:
 
     def __init__(self, w: Weights):
         model = build_model(w.config)
-        _quantize(model, w, "")
+        quantize_as_loaded(model, w, "")
         self.norm, self.lm_head = model.language_model.model.norm, model.language_model.lm_head
         _load(self.norm, w, "language_model.model.norm.")
         _load(self.lm_head, w, "language_model.lm_head.")
@@ -315,34 +327,47 @@ def compare_outputs(
 ) -> dict:
     """KL, top-1 agreement and perplexities over every position that has a next token; fills
     each Trunk's ``argmax``."""
-    import mlx.core as mx
+    return summarize(position_figures(src, mod, ts, tm, seqs))
 
-    heads = (Output(src), Output(mod))
-    kl, agree, nll_s, nll_m = [], [], [], []
-    for j, r, s in rows(seqs):
-        s = s[None]
-        lp = [_logprobs(o(t.h[j][r])) for o, t in zip(heads, (ts, tm), strict=False)]
-        am = [mx.argmax(x, axis=-1) for x in lp]
-        k = mx.sum(mx.exp(lp[0]) * (lp[0] - lp[1]), axis=-1)
-        nxt = mx.array(s[0, 1:])[:, None]
-        nl = [-mx.take_along_axis(x[:-1], nxt, axis=-1)[:, 0] for x in lp]
-        mx.eval(k, *am, *nl)
-        ts.argmax.append(np.array(am[0]))
-        tm.argmax.append(np.array(am[1]))
-        n = s.shape[1] - 1
-        kl.append(np.maximum(np.array(k[:n]), 0.0))  # clip float rounding below zero
-        agree.append(np.array(am[0][:n]) == np.array(am[1][:n]))
-        nll_s.append(np.array(nl[0]))
-        nll_m.append(np.array(nl[1]))
-    kl_all, agree_all = np.concatenate(kl).astype(np.float64), np.concatenate(agree)
+
+def position_figures(
+    src: Weights, mod: Weights, ts: Trunk, tm: Trunk, seqs: list[np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Per position with a next token (``rows``' order): KL(p_source || p_model), top-1
+    agreement, each model's negative log-likelihood of the next token, and the batch it is in.
+    Both heads are streamed over the vocabulary (``evalstream.HeadScan``); fills each Trunk's
+    ``argmax`` (every position)."""
+    from buildkit.grade import evalstream as es
+
+    targets = np.concatenate([np.append(s[1:], -1) for _, _, s in rows(seqs)])
+    scan = es.HeadScan([src, mod], [es.final_norm(src, ts.h), es.final_norm(mod, tm.h)], targets)
+    lengths = [len(s) for _, _, s in rows(seqs)]
+    for t, arg in zip((ts, tm), scan.arg, strict=True):
+        t.argmax = np.split(arg, np.cumsum(lengths)[:-1])
+    valid = targets >= 0
+    batch = np.concatenate([np.full(len(s), j) for j, _, s in rows(seqs)])
     return {
-        "positions": int(len(kl_all)),
-        "kld_mean": float(kl_all.mean()),
-        "kld_median": float(np.median(kl_all)),
-        "kld_p99": float(np.percentile(kl_all, 99)),
-        "top1_agreement": float(agree_all.mean()),
-        "ppl_source": float(np.exp(np.concatenate(nll_s).astype(np.float64).mean())),
-        "ppl_model": float(np.exp(np.concatenate(nll_m).astype(np.float64).mean())),
+        "kl": scan.kl()[valid],
+        "agree": (scan.arg[0] == scan.arg[1])[valid],
+        "nll_source": scan.nll(0)[valid],
+        "nll_model": scan.nll(1)[valid],
+        "batch": batch[valid],
+    }
+
+
+def summarize(f: dict[str, np.ndarray], where: np.ndarray | None = None) -> dict:
+    """The figures of ``position_figures`` over all positions, or those ``where`` is true."""
+    if where is not None:
+        f = {k: v[where] for k, v in f.items()}
+    kl = f["kl"].astype(np.float64)
+    return {
+        "positions": int(len(kl)),
+        "kld_mean": float(kl.mean()),
+        "kld_median": float(np.median(kl)),
+        "kld_p99": float(np.percentile(kl, 99)),
+        "top1_agreement": float(f["agree"].mean()),
+        "ppl_source": float(np.exp(f["nll_source"].astype(np.float64).mean())),
+        "ppl_model": float(np.exp(f["nll_model"].astype(np.float64).mean())),
     }
 
 
@@ -375,7 +400,7 @@ def _head_class():
                 )
             )
             for layer in self.layers:
-                x = layer(x, mask=_mask(layer, x), cache=None)
+                x = layer(x, mask=layer_mask(layer, x), cache=None)
             return self.norm(x)
 
     return Head
@@ -383,25 +408,50 @@ def _head_class():
 
 def head_acceptance(w: Weights, t: Trunk) -> dict:
     """Teacher-forced depth-1 draft acceptance of ``w``'s head on its own trunk ``t``."""
+    hits, totals = head_hits(w, t)
+    total = sum(totals)
+    return {"positions": total, "acceptance": sum(hits) / total if total else float("nan")}
+
+
+def head_hits(w: Weights, t: Trunk) -> tuple[list[int], list[int]]:
+    """Per batch of ``t``: the head's hits and the positions graded. The head's own decoder
+    layer streams its experts, the trunk's lm_head its vocabulary (``evalstream``)."""
     import mlx.core as mx
+
+    from buildkit.grade import evalstream as es
 
     if not w.has_head():
         raise SourceError("the model has no MTP head (no language_model.mtp.* tensors)")
     args = build_model(w.config).language_model.args
     head = _head_class()(args)
-    _quantize(head, w, HEAD)
-    _load(head, w, HEAD)
-    out = Output(w)
-    hits = total = 0
+    head.layers = []  # its decoder layer is loaded streamed, below
+    quantize_as_loaded(head, w, HEAD)
+    es.load_module(head, w, HEAD, skip=HEAD + "layers.")
+    es.linears_to_numpy(head)
+    layer = es.streamed_layer(w, HEAD + "layers.0.", args, args.full_attention_interval - 1)
+    xs = [
+        head.fc(
+            mx.concatenate(
+                [head.pre_fc_norm_embedding(x0[:, 1:]), head.pre_fc_norm_hidden(h[:, :-1])],
+                axis=-1,
+            )
+        )
+        for x0, h in zip(t.x0, t.h, strict=True)
+    ]
+    ys = [head.norm(y) for y in es.run_streamed(layer, xs)]
+    del layer
+    # token t+2 for t = 0..L-2, through the trunk's final norm and lm_head, as Output does
+    pred = es.HeadScan([w], [es.final_norm(w, ys)]).arg[0]
+    hits, totals, at = [], [], 0
     ams = iter(t.argmax)
-    for x0, h in zip(t.x0, t.h, strict=False):
-        pred = mx.argmax(out(head(x0[:, 1:], h[:, :-1])), axis=-1)  # token t+2 for t = 0..L-2
-        mx.eval(pred)
-        for r in range(h.shape[0]):
-            want = mx.array(next(ams)[1:])  # the trunk's own argmax at t+1
-            hits += int(mx.sum(pred[r, :-1] == want[:-1]).item())  # t+2 inside the text
-            total += max(h.shape[1] - 2, 0)
-    return {"positions": total, "acceptance": hits / total if total else float("nan")}
+    for h in t.h:
+        B, L = h.shape[0], h.shape[1]
+        p = pred[at : at + B * (L - 1)].reshape(B, L - 1)
+        at += B * (L - 1)
+        want = np.stack([next(ams)[1:] for _ in range(B)])  # the trunk's own argmax at t+1
+        hits.append(int((p[:, :-1] == want[:, :-1]).sum()))  # t+2 inside the text
+        totals.append(B * max(L - 2, 0))
+    return hits, totals
 
 
 def load_head(w: Weights):
@@ -426,31 +476,71 @@ def sequences(tokens: list[int], seq_len: int) -> list[np.ndarray]:
 
 
 def evaluate(
-    src: Weights, mod: Weights, tokens: list[int], seq_len: int, head: bool = True, progress=None
+    src: Weights,
+    mod: Weights,
+    tokens: list[int],
+    seq_len: int,
+    head: bool = True,
+    progress=None,
+    domains: dict[str, list[int]] | None = None,
 ):
     """(figures, trunks): the trunk figures and, if ``head`` and both models have one, the
-    acceptance of each head on its own trunk."""
+    acceptance of each head on its own trunk. ``domains`` (name -> token ids) run through the
+    same pass (the weights are read once for all texts); each gets its figures under
+    ``figures["domains"][name]``."""
     import mlx.core  # noqa: F401  (so that its buffer cache can be turned off before the first layer)
 
     from buildkit.core.allocator import tune_imported
 
     tune_imported()  # freed layers go back to malloc, not to a second reserve in mlx
-    seqs = sequences(tokens, seq_len)
+    seqs, groups = [], []
+    for g, toks in {"": tokens, **(domains or {})}.items():
+        for b in sequences(toks, seq_len):
+            seqs.append(b)
+            groups.append(g)
     n_layers = ckpt.text_config(src.config)["num_hidden_layers"]
     if progress:
         progress.start(2 * n_layers, "layers")
     ts = run_trunk(src, seqs, progress)
     tm = run_trunk(mod, seqs, progress)
-    fig = {"tokens": len(tokens), **compare_outputs(src, mod, ts, tm, seqs)}
+    ts.groups = tm.groups = groups
+    pf = position_figures(src, mod, ts, tm, seqs)
+    in_group = np.array(groups)[pf["batch"]]
+    fig = {"tokens": len(tokens), **summarize(pf, in_group == "")}
+    if domains:
+        fig["domains"] = {
+            g: {"tokens": len(toks), **summarize(pf, in_group == g)} for g, toks in domains.items()
+        }
     if head and mod.has_head() and src.has_head():
-        fig |= heads(src, mod, ts, tm)
+        _merge(fig, heads(src, mod, ts, tm))
     return fig, (ts, tm)
 
 
+def _merge(fig: dict, more: dict) -> None:
+    for k, v in more.items():
+        if k == "domains":
+            for g, d in v.items():
+                fig.setdefault("domains", {}).setdefault(g, {}).update(d)
+        else:
+            fig[k] = v
+
+
 def heads(src: Weights, mod: Weights, ts: Trunk, tm: Trunk) -> dict:
-    a, b = head_acceptance(mod, tm), head_acceptance(src, ts)
-    return {
-        "acceptance": a["acceptance"],
-        "acceptance_source": b["acceptance"],
-        "acceptance_positions": a["positions"],
-    }
+    """Each head's acceptance on its own trunk: over the main text, and per domain."""
+    (a, na), (b, nb) = head_hits(mod, tm), head_hits(src, ts)
+    groups = tm.groups or [""] * len(na)
+
+    def acc(hits, totals, g):
+        h = sum(x for x, y in zip(hits, groups, strict=True) if y == g)
+        n = sum(x for x, y in zip(totals, groups, strict=True) if y == g)
+        return (h / n if n else float("nan")), n
+
+    out = {}
+    for g in dict.fromkeys(groups):
+        (am, n), (asrc, _) = acc(a, na, g), acc(b, nb, g)
+        fig = {"acceptance": am, "acceptance_source": asrc, "acceptance_positions": n}
+        if g:
+            out.setdefault("domains", {})[g] = fig
+        else:
+            out |= fig
+    return out

@@ -89,6 +89,22 @@ def last_results(store: Store, variant: str) -> list[dict]:
     return rows
 
 
+def with_domains(rows: list[dict]) -> list[dict]:
+    """Each row followed by one row per domain text it was graded on (named "  name")."""
+    out = []
+    for r in rows:
+        out.append(r)
+        out += [{"variant": f"  {n}", **d} for n, d in sorted((r.get("domains") or {}).items())]
+    return out
+
+
+def domain_line(name: str, d: dict) -> str:
+    """One domain's figures in a line (``buildkit status``)."""
+    return f"{name}: " + ", ".join(
+        f"{h} {f(d[k])}" for k, h, f in COLUMNS if isinstance(d.get(k), (int, float))
+    )
+
+
 def table(rows: list[dict]) -> str:
     heads = ["variant", *(h for _, h, _ in COLUMNS)]
     cells = [
@@ -96,7 +112,7 @@ def table(rows: list[dict]) -> str:
             r["variant"],
             *(f(r[k]) if _shown(r.get(k)) else "-" for k, _, f in COLUMNS),
         ]
-        for r in rows
+        for r in with_domains(rows)
     ]
     width = [max(len(x) for x in col) for col in zip(heads, *cells)]
 
@@ -150,11 +166,11 @@ def merge_evals(reports: list[dict]) -> dict:
         if rep.get("label"):
             out.setdefault("others", {})[rep["label"]] = figures
         else:
-            out.update(
-                figures
-                if rep.get("scope") != "head"
-                else {k: v for k, v in figures.items() if k != "tokens"}
-            )
+            if rep.get("scope") == "head":
+                figures = {k: v for k, v in figures.items() if k != "tokens"}
+            for name, d in figures.pop("domains", {}).items():  # a head's acceptance joins
+                out.setdefault("domains", {}).setdefault(name, {}).update(d)
+            out.update(figures)
     return out
 
 
@@ -173,8 +189,9 @@ EVAL_ROWS = (  # (key, what it is, format)
 def eval_table(evals: dict) -> list[str]:
     """The card's evaluation table: this model, then each labelled comparison, as columns."""
     cols = [("this model", evals), *sorted(evals.get("others", {}).items())]
+    text = f" of {evals['text']}" if evals.get("text") else ""
     lines = [
-        f"On {evals.get('positions', '?')} positions of held-out text "
+        f"On {evals.get('positions', '?')} positions of the held-out lines{text} "
         f"({evals.get('tokens', '?')} tokens), next-token distributions against the bf16 source, "
         "both run with mlx_lm's classes in float32.",
         "",
@@ -188,4 +205,43 @@ def eval_table(evals: dict) -> list[str]:
                 + " | ".join(fmt.format(f[key]) if f.get(key) is not None else "" for _, f in cols)
                 + " |"
             )
+    return lines + domain_table(evals)
+
+
+DOMAIN_COLUMNS = (  # (key, heading, format)
+    ("tokens", "tokens", "{}"),
+    ("kld_mean", "KLD mean", "{:.5f}"),
+    ("top1_agreement", "top-1", "{:.2%}"),
+    ("acceptance", "MTP acceptance", "{:.2%}"),
+)
+
+
+def domain_table(evals: dict) -> list[str]:
+    """Per domain text (graded whole): this model's figures and, for each labelled comparison
+    that graded the same domains (a data-agnostic baseline), this model's KLD as a ratio of
+    its."""
+    domains = evals.get("domains") or {}
+    if not domains:
+        return []
+    cols = [c for c in DOMAIN_COLUMNS if any(c[0] in d for d in domains.values())]
+    others = [(lab, o["domains"]) for lab, o in sorted(evals.get("others", {}).items())]
+    others = [(lab, d) for lab, d in others if d]
+    lines = [
+        "",
+        "Per domain, each text graded whole (calibration skew: a data-aware model's error "
+        "where its calibration text says little):",
+        "",
+        "| domain | "
+        + " | ".join(h for _, h, _ in cols)
+        + "".join(f" | KLD / {lab}" for lab, _ in others)
+        + " |",
+        "|---|" + "---|" * (len(cols) + len(others)),
+    ]
+    for name, d in sorted(domains.items()):
+        cells = [fmt.format(d[k]) if d.get(k) is not None else "" for k, _, fmt in cols]
+        for _, od in others:
+            base = (od.get(name) or {}).get("kld_mean")
+            ok = base and d.get("kld_mean") is not None
+            cells.append(f"{d['kld_mean'] / base:.3f}" if ok else "")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines

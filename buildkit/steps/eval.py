@@ -40,9 +40,13 @@ HEAD_ONLY = ("depth", "verify_cost", "speculative")  # figures of scope "head" a
 
 class EvalParams(Params):
     text: str = "builtin:calibration.txt"  # identity is the content digest, not this path
+    # domain name -> text graded whole beside ``text`` (keyed by name and content digest)
+    texts: dict[str, str] = Field(default_factory=dict)
     heldout_every: int = Field(default=5, ge=2)
     seq_len: int = Field(default=128, ge=2)
-    max_tokens: int = Field(default=1024, ge=2)
+    # 128: on the 35B shapes eval's compute is ~0.2 s a token on 2 cores; more and it outgrows
+    # half the build (bench/RESULTS.md); small checkpoints' manifests may ask for more
+    max_tokens: int = Field(default=128, ge=2)
     scope: Literal["trunk", "head"] = "trunk"
     label: str = ""  # names these figures beside others (e.g. "data-agnostic baseline")
     depth: int = Field(default=3, ge=1, le=16)  # drafts per cycle measured, teacher-forced
@@ -103,7 +107,7 @@ def weights(ctx: Context, inputs) -> tuple[ev.StoreWeights, ev.StoreWeights]:
 
 
 def _put_trunks(store, trunks, tokens: list[int]) -> Artifact:
-    art = Artifact(meta={"tokens": len(tokens)})
+    art = Artifact(meta={"tokens": len(tokens), "groups": trunks[0].groups})
     art.tensors["tokens"] = store.put_tensor("I32", np.array(tokens, np.int32))
     for who, t in zip(("source", "model"), trunks, strict=False):
         for j, (x0, h) in enumerate(zip(t.x0, t.h, strict=False)):
@@ -129,6 +133,7 @@ def _get_trunks(store, art: Artifact) -> tuple[ev.Trunk, ev.Trunk]:
         am = store.read_tensor(art.tensors[f"{who}.argmax"])
         L = [b.shape[1] for b in t.h for _ in range(b.shape[0])]
         t.argmax = np.split(am, np.cumsum(L)[:-1])
+        t.groups = art.meta.get("groups") or [""] * len(t.h)
         out.append(t)
     return out[0], out[1]
 
@@ -136,7 +141,7 @@ def _get_trunks(store, art: Artifact) -> tuple[ev.Trunk, ev.Trunk]:
 @register
 class Eval(Step):
     kind = "eval"
-    version = 1
+    version = 2  # 2: streamed forward, KL by running log-sum-exp; text name; domains
     Params = EvalParams
     inputs = {
         "model": Slot(many=True),  # the quantized model's artifacts
@@ -149,7 +154,7 @@ class Eval(Step):
         return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
 
     def key_params(self, params: EvalParams, inputs=None) -> dict:
-        drop = {"text", *GATES}
+        drop = {"text", "texts", *GATES}
         if params.scope != "head":
             drop |= set(HEAD_ONLY)  # no depth figures: the trunk's key stays as it was
         elif params.speculative is None:
@@ -160,7 +165,10 @@ class Eval(Step):
         return out
 
     def reads(self, params: EvalParams, ctx: Context) -> dict[str, Path]:
-        return {"text": cal.text_path(params.text, ctx.options.project_root)}
+        files = {"text": cal.text_path(params.text, ctx.options.project_root)}
+        for name, where in sorted(params.texts.items()):  # a domain's name is in the key too
+            files[f"texts.{name}"] = cal.text_path(where, ctx.options.project_root)
+        return files
 
     def outdated(
         self, params: EvalParams, outputs: dict[str, Artifact], ctx: Context
@@ -180,31 +188,8 @@ class Eval(Step):
 
     def run(self, ctx: Context, params: EvalParams, inputs) -> dict[str, Artifact]:
         src, mod = weights(ctx, inputs)
-        if params.scope == "head":
-            if not inputs.get("trunk"):
-                raise StepError(
-                    "scope 'head' grades heads on an eval node's trunks: "
-                    'give input trunk = "eval:trunk"'
-                )
-            ts, tm = _get_trunks(ctx.store, inputs["trunk"][0])
-            for who, w in (("model", mod), ("source", src)):
-                if not w.has_head():
-                    raise StepError(
-                        f"scope 'head': the {who} input has no MTP head "
-                        "(language_model.mtp.* tensors)"
-                    )
-            report = {"tokens": inputs["trunk"][0].meta["tokens"], **ev.heads(src, mod, ts, tm)}
-            tokens = ctx.store.read_tensor(inputs["trunk"][0].tensors["tokens"]).tolist()
-            report |= drafting.figures(src, mod, ts, tm, tokens, params.depth, params.verify_cost)
-            report["text"] = params.text
-            if params.speculative is not None:
-                report["speculative"] = self._speculative(ctx, params, inputs, src, tokens)
-            trunk = Artifact(meta={"tokens": report["tokens"]})
-        else:
-            tokens = self._tokens(ctx, params, src)
-            report, trunks = ev.evaluate(src, mod, tokens, params.seq_len, progress=ctx.progress)
-            report |= model_size(inputs["model"])
-            trunk = _put_trunks(ctx.store, trunks, tokens)
+        grade = self._heads if params.scope == "head" else self._trunks
+        report, trunk = grade(ctx, params, inputs, src, mod)
         report = {"scope": params.scope, "label": params.label, **report}
         for k, v in report.items():
             if isinstance(v, float) and not math.isfinite(v):
@@ -227,6 +212,48 @@ class Eval(Step):
             "out": Artifact(files={"eval.json": ctx.store.put_blob(blob)}, meta={"report": report}),
             "trunk": trunk,
         }
+
+    def _heads(self, ctx: Context, params: EvalParams, inputs, src, mod):
+        """scope 'head': the heads' drafts on the trunks an eval node kept."""
+        if not inputs.get("trunk"):
+            raise StepError(
+                "scope 'head' grades heads on an eval node's trunks: "
+                'give input trunk = "eval:trunk"'
+            )
+        ts, tm = _get_trunks(ctx.store, inputs["trunk"][0])
+        for who, w in (("model", mod), ("source", src)):
+            if not w.has_head():
+                raise StepError(
+                    f"scope 'head': the {who} input has no MTP head (language_model.mtp.* tensors)"
+                )
+        report = {"tokens": inputs["trunk"][0].meta["tokens"], **ev.heads(src, mod, ts, tm)}
+        tokens = ctx.store.read_tensor(inputs["trunk"][0].tensors["tokens"]).tolist()
+        main = ev.only(ts), ev.only(tm)  # the drafts run on the main text's batches
+        report |= drafting.figures(src, mod, *main, tokens, params.depth, params.verify_cost)
+        report["text"] = params.text
+        if params.speculative is not None:
+            report["speculative"] = self._speculative(ctx, params, inputs, src, tokens)
+        trunk = Artifact(meta={"tokens": report["tokens"]})
+        return report, trunk
+
+    def _trunks(self, ctx: Context, params: EvalParams, inputs, src, mod):
+        """The model against its source on the text (and each domain's)."""
+        tokens = self._tokens(ctx, params, src)
+        domains = {
+            name: whole_tokens(
+                read_text(cal.text_path(where, ctx.options.project_root)),
+                src.tokenizer_json(),
+                params.max_tokens,
+            )[0]
+            for name, where in sorted(params.texts.items())
+        }
+        report, trunks = ev.evaluate(
+            src, mod, tokens, params.seq_len, progress=ctx.progress, domains=domains
+        )
+        report["text"] = text_name(params.text)
+        report |= model_size(inputs["model"])
+        trunk = _put_trunks(ctx.store, trunks, tokens)
+        return report, trunk
 
     @staticmethod
     def _speculative(ctx: Context, params: EvalParams, inputs, src, tokens: list[int]) -> dict:
@@ -256,12 +283,30 @@ class Eval(Step):
 
     @staticmethod
     def _tokens(ctx: Context, params: EvalParams, src: ev.StoreWeights) -> list[int]:
-        path = cal.text_path(params.text, ctx.options.project_root)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise StepError(f"evaluation text {path}: not UTF-8 ({e})") from None
+        text = read_text(cal.text_path(params.text, ctx.options.project_root))
         return heldout_tokens(text, params.heldout_every, src.tokenizer_json(), params.max_tokens)
+
+
+def read_text(path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise StepError(f"evaluation text {path}: not UTF-8 ({e}); give a UTF-8 file") from None
+
+
+def text_name(spec: str) -> str:
+    """How the card names the graded text: a builtin one by its name (its content is buildkit's
+    own), a project file as such (its path is not in the key, only its content)."""
+    return spec if spec.startswith(cal.BUILTIN) else "a project file"
+
+
+def whole_tokens(text: str, tokenizer_json: bytes, max_tokens: int) -> tuple[list[int], int]:
+    """(the first ``max_tokens`` token ids of a whole text, every line and character of it, as
+    the source's tokenizer reads it; the text's full token count)."""
+    tokens = cal.tokenize(tokenizer_json, [text], len(text.encode("utf-8")) + 1)
+    if len(tokens) < 2:
+        raise StepError(f"the text has {len(tokens)} tokens; evaluation needs at least 2")
+    return tokens[:max_tokens], len(tokens)
 
 
 def heldout_tokens(

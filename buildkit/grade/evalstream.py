@@ -1,0 +1,427 @@
+"""Eval's forward at the real model's size: every large tensor streamed in blocks of rows.
+
+Nothing vocabulary- or expert-stack-sized is ever widened whole (the real embedding and
+lm_head are 248320 x 2048, each layer's experts 256 x 3 x 512 x 2048):
+
+- the embedding: only the rows of the tokens the text uses are kept as its blocks pass;
+- a decoder layer: its attention, router and shared expert loaded as mlx_lm's modules, their
+  linears as float32 numpy matmuls (``calibration``: mlx's CPU matmul is 10-20x slower than
+  OpenBLAS); the MoE runs once over every position of every batch, its routed experts read a
+  block at a time (only those a position is routed to are widened or dequantized), on two
+  threads;
+- the output head: both models' lm_head in the same blocks of vocabulary rows, their logits
+  for every position reduced block by block (``HeadScan``): a running log-sum-exp of each, the
+  KL divergence in its streaming form, argmax and the next token's logit.
+
+Memory is a block of rows (``BLOCK_BYTES`` of float32), a layer's small modules and the hidden
+states; blocks are read (and checked against their digests) in the calling thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from buildkit.core import workers
+from buildkit.core.lazy import lazy
+from buildkit.formats.tensors import dequantize, to_float32, to_mlx
+
+np = lazy("numpy", __name__)
+
+BLOCK_BYTES = 8 << 20  # float32 bytes of a block of rows once widened
+FLOATS = ("BF16", "F16", "F32")
+EMBED = "language_model.model.embed_tokens"
+LM_HEAD = "language_model.lm_head"
+
+
+# ---- weights in blocks of rows ---------------------------------------------------------
+
+
+def quantization(w, module: str) -> dict | None:
+    """mlx_lm's choice for a module: its per-path entry, else the defaults if it has scales."""
+    q = w.quantization
+    if not q:
+        return None
+    if isinstance(q.get(module), dict):
+        return q[module]
+    if f"{module}.scales" in w.names:
+        return {k: q[k] for k in ("group_size", "bits", "mode") if k in q}
+    return None
+
+
+def _parts(w, module: str) -> tuple[list[str], dict | None]:
+    q = quantization(w, module)
+    names = [f"{module}.weight"]
+    if q is not None:
+        names += [n for n in (f"{module}.scales", f"{module}.biases") if n in w.names]
+    return names, q
+
+
+def row_width(w, module: str) -> int:
+    """Elements in one row of the module's weight, dequantized (its input size for a linear)."""
+    names, q = _parts(w, module)
+    shape = w.shapes[names[0]]
+    n = int(np.prod(shape[1:]))
+    return n * 32 // q.get("bits", 4) if q is not None else n
+
+
+def rows_per_block(w, module: str) -> int:
+    return max(1, BLOCK_BYTES // (4 * row_width(w, module)))
+
+
+def raw_blocks(w, module: str, step: int, pick: np.ndarray | None = None) -> Iterator[tuple]:
+    """(first row, stored arrays of rows ``[a, a + step)``) of a module's weight (and scales
+    and biases), read as they lie; with ``pick`` (sorted row ids), only those rows are kept and
+    a block none of them falls in is read (and checked) but not handed out."""
+    names, _ = _parts(w, module)
+    a = 0
+    for parts in zip(*(w.iter_rows(n, step) for n in names), strict=True):
+        b = a + parts[0].shape[0]
+        if pick is None:
+            yield a, parts
+        else:
+            sel = pick[(pick >= a) & (pick < b)] - a
+            if len(sel):
+                yield a, tuple(p[sel] for p in parts), sel
+        a = b
+
+
+def widen(w, module: str, parts: tuple) -> np.ndarray:
+    """Stored rows of a module's weight as float32: widened, or dequantized as mlx_lm does
+    (affine in numpy, other modes with mlx)."""
+    names, q = _parts(w, module)
+    if q is None:
+        return to_float32(parts[0], w.names[names[0]])
+    bits, group, mode = q.get("bits", 4), q.get("group_size", 64), q.get("mode", "affine")
+    scales = to_float32(parts[1], w.names[names[1]])
+    if mode == "affine" and len(parts) == 3:
+        return dequantize(parts[0], scales, to_float32(parts[2], w.names[names[2]]), bits, group)
+    import mlx.core as mx
+
+    biases = mx.array(to_float32(parts[2], w.names[names[2]])) if len(parts) == 3 else None
+    out = mx.dequantize(
+        mx.array(parts[0]), mx.array(scales), biases, group_size=group, bits=bits, mode=mode
+    )
+    return np.array(out.astype(mx.float32))
+
+
+def embeddings(w, ids: np.ndarray) -> np.ndarray:
+    """The embedding rows of token ids (any shape) as float32 [..., H], the table streamed."""
+    ids = np.asarray(ids)
+    uniq, inv = np.unique(ids, return_inverse=True)
+    table = np.empty((len(uniq), row_width(w, EMBED)), np.float32)
+    at = 0
+    for _a, parts, sel in raw_blocks(w, EMBED, rows_per_block(w, EMBED), uniq):
+        table[at : at + len(sel)] = widen(w, EMBED, parts)
+        at += len(sel)
+    return table[inv.reshape(ids.shape)]
+
+
+# ---- a decoder layer -------------------------------------------------------------------
+
+
+def quantize_as_loaded(module, w, prefix: str) -> None:
+    """nn.quantize with mlx_lm's predicate: a per-path entry of config["quantization"], else
+    its defaults for a module whose ``.scales`` are stored; others stay unquantized."""
+    import mlx.nn as nn
+
+    q = w.quantization
+    if not q:
+        return
+    default = {k: q[k] for k in ("group_size", "bits", "mode") if k in q}
+
+    def predicate(path, m):
+        path = prefix + path
+        if isinstance(q.get(path), dict):
+            return q[path]
+        return hasattr(m, "to_quantized") and f"{path}.scales" in w.names and default
+
+    nn.quantize(
+        module,
+        group_size=default.get("group_size", 64),
+        bits=default.get("bits", 4),
+        mode=default.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def layer_mask(layer, h):
+    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+    return create_ssm_mask(h, None) if layer.is_linear else create_attention_mask(h, None)
+
+
+def _np_linear():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class NpLinear(nn.Module):
+        """``x @ W.T`` with a float32 numpy W [out, in] (qwen3_5_moe's linears have no bias)."""
+
+        def __init__(self, weight: np.ndarray):
+            super().__init__()
+            self.w = weight
+
+        def __call__(self, x):
+            a = np.asarray(x, dtype=np.float32)
+            y = a.reshape(-1, a.shape[-1]) @ self.w.T
+            return mx.array(y.reshape(*a.shape[:-1], -1))
+
+    return NpLinear
+
+
+def linears_to_numpy(module) -> None:
+    """Swap a module's bias-free linears, quantized or not, for numpy matmuls of their float32
+    weights (a quantized one dequantized once, as mlx_lm's kernel would per call)."""
+    import mlx.nn as nn
+
+    NpLinear = _np_linear()
+    for path, m in module.named_modules():
+        if "bias" in m or not isinstance(m, (nn.Linear, nn.QuantizedLinear)):
+            continue
+        if isinstance(m, nn.QuantizedLinear):
+            biases = getattr(m, "biases", None)
+            if m.mode == "affine" and biases is not None:
+                w = dequantize(
+                    np.array(m.weight),
+                    np.array(m.scales),
+                    np.array(biases),
+                    m.bits,
+                    m.group_size,
+                )
+            else:
+                import mlx.core as mx
+
+                w = np.array(
+                    mx.dequantize(
+                        m.weight,
+                        m.scales,
+                        biases,
+                        group_size=m.group_size,
+                        bits=m.bits,
+                        mode=m.mode,
+                    )
+                )
+        else:
+            w = np.array(m.weight)
+        parent, _, name = path.rpartition(".")
+        owner = module
+        for part in filter(None, parent.split(".")):
+            owner = owner[int(part)] if isinstance(owner, list) else getattr(owner, part)
+        setattr(owner, name, NpLinear(np.ascontiguousarray(w, np.float32)))
+
+
+def _switch_class():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class StreamedSwitchGLU(nn.Module):
+        """mlx_lm's SwitchGLU (``down(silu(gate x) * up x)`` per chosen expert, out [..., k, H])
+        with the experts read from the weights a block at a time: only experts some row is
+        routed to are widened, each over its own rows, blocks on two threads."""
+
+        def __init__(self, w, prefix: str):
+            super().__init__()
+            self._w, self._prefix = w, prefix
+
+        def __call__(self, x, indices, **kw):
+            a = np.asarray(x, dtype=np.float32)
+            k = np.asarray(indices).shape[-1]
+            return mx.array(self.run(x, indices).reshape(*a.shape[:-1], k, -1))
+
+        def weighted(self, x, indices, scores) -> np.ndarray:
+            """sum_j scores[:, j] * expert_j(x) [N, H], as SparseMoeBlock sums the k outputs
+            (in order of j), without an mlx copy of the [N, k, H] outputs."""
+            y = self.run(x, indices)
+            s = np.asarray(scores, dtype=np.float32)
+            y = y.reshape(s.shape[0], s.shape[1], -1)
+            acc = y[:, 0] * s[:, :1]
+            for j in range(1, s.shape[1]):
+                acc += y[:, j] * s[:, j : j + 1]
+            return acc
+
+        def run(self, x, indices) -> np.ndarray:
+            """Each (row, choice)'s expert output, [N * k, H] float32."""
+            w, p = self._w, self._prefix
+            a = np.asarray(x, dtype=np.float32)
+            xs = a.reshape(-1, a.shape[-1])
+            idx = np.asarray(indices).reshape(xs.shape[0], -1)
+            k = idx.shape[1]
+            order = np.argsort(idx.reshape(-1), kind="stable")
+            n_experts = w.shapes[f"{p}.down_proj.weight"][0]
+            counts = np.bincount(idx.reshape(-1), minlength=n_experts)
+            starts = np.concatenate([[0], np.cumsum(counts)])
+            out = np.empty((idx.size, xs.shape[1]), np.float32)
+            projs = [f"{p}.{q}" for q in ("gate_proj", "up_proj", "down_proj")]
+            step = min(rows_per_block(w, m) for m in projs)
+            active = np.flatnonzero(counts)
+
+            def blocks():
+                streams = [raw_blocks(w, m, step, active) for m in projs]
+                for got in zip(*streams, strict=True):
+                    yield got[0][0], got[0][2], [g[1] for g in got]
+
+            def run(item):
+                a0, sel, raw = item
+                gate, up, down = (widen(w, m, r) for m, r in zip(projs, raw, strict=True))
+                for i, e in enumerate(sel + a0):
+                    rows = order[starts[e] : starts[e + 1]]
+                    xe = xs[rows // k]
+                    g, u = (gate[i] @ xe.T).T, (up[i] @ xe.T).T
+                    out[rows] = ((g / (1.0 + np.exp(-g))) * u) @ down[i].T
+
+            for _ in workers.imap("eval", run, blocks(), window=4):
+                pass
+            return out
+
+    return StreamedSwitchGLU
+
+
+def load_module(module, w, prefix: str, skip: str) -> None:
+    """Load a module's tensors under ``prefix`` (floating ones widened to float32), but those
+    under ``skip``."""
+    import mlx.core as mx
+
+    arrays = []
+    for name in sorted(n for n in w.names if n.startswith(prefix) and not n.startswith(skip)):
+        a = to_mlx(w.read(name), w.names[name])
+        arrays.append((name[len(prefix) :], a.astype(mx.float32) if w.names[name] in FLOATS else a))
+    module.load_weights(arrays, strict=True)
+    mx.eval(module.parameters())
+
+
+def streamed_layer(w, prefix: str, args, index: int):
+    """mlx_lm's DecoderLayer ``index`` of ``args``, weights under ``prefix`` (ending in "."):
+    its small modules loaded (quantized as mlx_lm.load quantizes them, then their linears as
+    numpy matmuls), its routed experts left in ``w`` to be streamed."""
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+
+    layer = DecoderLayer(args, index)
+    switch = prefix + "mlp.switch_mlp"
+    layer.mlp.switch_mlp = _switch_class()(w, switch)
+    quantize_as_loaded(layer, w, prefix)
+    load_module(layer, w, prefix, skip=switch + ".")
+    linears_to_numpy(layer)
+    return layer
+
+
+def run_streamed(layer, hs: list) -> list:
+    """The layer over each batch of hidden states [B, L, H] (whole sequences, no cache): the
+    attention per batch, then the MoE once over every position (it is position-wise), so the
+    experts are read once."""
+    import mlx.core as mx
+
+    attn = layer.linear_attn if layer.is_linear else layer.self_attn
+    mid = []
+    for h in hs:
+        rows = []
+        for r in range(h.shape[0]):  # one sequence at a time: the gated delta net's memory
+            x = h[r : r + 1]  # grows with the batch (2.3 GB at 8 x 128 on the 35B shapes)
+            rows.append(x + attn(layer.input_layernorm(x), layer_mask(layer, x), None))
+            mx.eval(rows[-1])
+        mid.append(mx.concatenate(rows) if len(rows) > 1 else rows[0])
+    flat = mx.concatenate([m.reshape(-1, m.shape[-1]) for m in mid])
+    y = moe(layer.mlp, layer.post_attention_layernorm(flat))
+    mx.eval(y)
+    out, at = [], 0
+    for m in mid:
+        n = m.shape[0] * m.shape[1]
+        out.append(m + y[at : at + n].reshape(m.shape))
+        at += n
+    mx.eval(out)
+    return out
+
+
+def moe(mlp, x):
+    """mlx_lm's SparseMoeBlock on x [N, H] (router softmax, top-k, the shared expert, gated),
+    the routed experts' weighted sum made in numpy by the streamed switch."""
+    import mlx.core as mx
+
+    gates = mx.softmax(mlp.gate(x), axis=-1, precise=True)
+    k = mlp.top_k
+    inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    if mlp.norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    mx.eval(inds, scores)
+    y = mx.array(mlp.switch_mlp.weighted(x, inds, scores))
+    return y + mx.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x)
+
+
+# ---- the output head, streamed over the vocabulary --------------------------------------
+
+
+def final_norm(w, hs: list) -> np.ndarray:
+    """The final norm of hidden states [B, L, H] (each batch's rows in order) as [N, H]."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    H = hs[0].shape[-1]
+    norm = nn.RMSNorm(H)
+    load_module(norm, w, "language_model.model.norm.", skip="\0")
+    out = [np.array(norm(h)).reshape(-1, H) for h in hs]
+    mx.eval(norm.parameters())
+    return np.concatenate(out)
+
+
+def head_module(w) -> str:
+    """The output head's module: lm_head, or the embedding where the config ties them."""
+    return LM_HEAD if f"{LM_HEAD}.weight" in w.names else EMBED
+
+
+class HeadScan:
+    """Per position, over the whole vocabulary, of one or two models' logits ``h @ W.T``:
+    log-sum-exp, argmax, the logit of a target token and (two models) KL(p_0 || p_1), in one
+    pass over the heads' blocks of rows. KL = E_p0[a - b] - lse(a) + lse(b) with a, b the
+    logits; E_p0[a - b] is summed block by block, rescaled as the running max of a moves."""
+
+    def __init__(self, ws: list, hns: list[np.ndarray], targets: np.ndarray | None = None):
+        self.ws, self.hns, self.targets = ws, hns, targets
+        n = hns[0].shape[0]
+        self.m = [np.full(n, -np.inf) for _ in ws]  # running max (float64)
+        self.s = [np.zeros(n) for _ in ws]  # sum exp(logit - m)
+        self.arg = [np.zeros(n, np.int64) for _ in ws]
+        self.tgt = [np.full(n, np.nan) for _ in ws]
+        self.t = np.zeros(n)  # sum exp(a - m_0) (a - b)
+        self.run()
+
+    def run(self) -> None:
+        mods = [head_module(w) for w in self.ws]
+        step = min(rows_per_block(w, m) for w, m in zip(self.ws, mods, strict=True))
+        streams = [raw_blocks(w, m, step) for w, m in zip(self.ws, mods, strict=True)]
+
+        def logits(item):
+            return item[0][0], [
+                hn @ widen(w, m, raw).T
+                for (_, raw), w, m, hn in zip(item, self.ws, mods, self.hns, strict=True)
+            ]
+
+        for a, ls in workers.imap("eval", logits, zip(*streams, strict=True), window=3):
+            self.add(a, ls)
+
+    def add(self, a: int, ls: list[np.ndarray]) -> None:
+        rows = np.arange(len(self.m[0]))
+        for i, lg in enumerate(ls):
+            top = lg.argmax(axis=1)
+            mx_ = lg[rows, top].astype(np.float64)
+            new = np.maximum(self.m[i], mx_)
+            scale = np.exp(self.m[i] - new)
+            e = np.exp(lg - new[:, None].astype(np.float32))
+            self.s[i] = self.s[i] * scale + e.sum(axis=1, dtype=np.float64)
+            if i == 0 and len(ls) == 2:
+                diff = lg - ls[1]
+                self.t = self.t * scale + (e * diff).sum(axis=1, dtype=np.float64)
+            self.arg[i] = np.where(mx_ > self.m[i], top + a, self.arg[i])
+            self.m[i] = new
+            if self.targets is not None:
+                inside = (self.targets >= a) & (self.targets < a + lg.shape[1])
+                self.tgt[i][inside] = lg[rows[inside], self.targets[inside] - a]
+
+    def lse(self, i: int) -> np.ndarray:
+        return self.m[i] + np.log(self.s[i])
+
+    def kl(self) -> np.ndarray:
+        """KL(p_0 || p_1) per position, float rounding below zero clipped."""
+        return np.maximum(self.t / self.s[0] - self.lse(0) + self.lse(1), 0.0)
+
+    def nll(self, i: int) -> np.ndarray:
+        return self.lse(i) - self.tgt[i]
