@@ -18,7 +18,7 @@ from buildkit.grade import drafting
 from buildkit.grade import evaluate as ev
 from buildkit.steps.eval import EvalParams, gate_failures, heldout_tokens
 
-TEXT = Path(__file__).resolve().parents[1] / "buildkit" / "data" / "calibration.txt"
+TEXT = Path(__file__).resolve().parents[2] / "buildkit" / "data" / "calibration.txt"
 # 1024 tokens (eval's default is 128): enough positions that every depth is tried
 SPEC = "[steps.eval]\nparams.max_tokens = 1024\n[steps.eval_head]\nparams.speculative = {}\n"
 

@@ -1,6 +1,6 @@
 """oq4e: calibration, data-aware 4-bit routed experts, donor MTP graft, on the search's variant
 (oq4e-search-mtp-xl: what calibration's stop and the search do; oq4e-mtp-xl's GPTQ experts
-are tests/test_gptq.py's)."""
+are tests/quant/test_gptq.py's)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from buildkit.quant.roles import Role
 from buildkit.steps.calibrate import Calibrate, CalibrateParams
 from buildkit.store.store import Store
 
-TRAINED_TEXT = Path(__file__).resolve().parents[1] / "buildkit" / "data" / "trained" / "heldout.txt"
+TRAINED_TEXT = Path(__file__).resolve().parents[2] / "buildkit" / "data" / "trained" / "heldout.txt"
 
 
 def correlated(n: int, c: int, seed: int) -> np.ndarray:

@@ -16,7 +16,7 @@ from buildkit.grade import evaluate as ev
 from buildkit.steps.eval import heldout_tokens
 from buildkit.store.store import Store
 
-TEXT = Path(__file__).resolve().parents[1] / "buildkit" / "data" / "calibration.txt"
+TEXT = Path(__file__).resolve().parents[2] / "buildkit" / "data" / "calibration.txt"
 FIGURES = (
     "kld_mean",
     "kld_median",
@@ -74,7 +74,7 @@ def test_xl_mtp_reuses_xls_eval_node_and_grades_only_the_head(built):
     assert "eval_head" in ran(mtp)
     store = Store(p.store)
     assert store.get_ref("xl")["keys"]["eval"] == store.get_ref("xl-mtp")["keys"]["eval"]
-    head = {  # eval_head's own figures (drafting by depth, tests/test_spec.py)
+    head = {  # eval_head's own figures (drafting by depth, tests/grade/test_spec.py)
         "drafts_by_depth",
         "drafts_by_depth_source",
         "tokens_per_cycle",
