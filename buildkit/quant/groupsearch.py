@@ -4,7 +4,7 @@ ROWS rows of one group column are copied, transposed, into a block x [g, ROWS], 
 runs over the rows innermost: each sum over a group's columns runs in a fixed order and the
 loop vectorises without reordering it (no fastmath), so the bytes do not depend on the SIMD
 width, and they are the bytes this file's Python gives under the interpreter
-(tests/test_oq4e.py runs both). What keeps it near mx.quantize's time per weight (bench/
+(tests/scenarios/test_oq4e.py runs both). What keeps it near mx.quantize's time per weight (bench/
 RESULTS.md "oq4e speed"):
 
 - a pass over the block takes KC columns of a row into registers before it stores its sums
