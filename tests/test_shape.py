@@ -20,6 +20,7 @@ ALLOWED = {
     "buildkit.grade.drafting:card_lines": "the card's drafting section, literal Markdown",
     "buildkit.clients.speculative:run": "mlx_vlm's plain, drafted, bf16 runs, in timed order",
     "buildkit.grade.evalstream:_switch_class": "a class built at run time over lazy-imported mlx",
+    "buildkit.steps.sensitivity:Sensitivity.run": "a linear script: checks, text, cost, measure",
 }
 
 

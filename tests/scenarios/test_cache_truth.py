@@ -232,7 +232,7 @@ def render(rules, bits: dict[str, int], description: str, comment: str, child: l
     lines = [
         f"# {comment}",
         f'description = "{description}"',
-        'source = "fixture:seed=0"',
+        'source = "fixture:trained"',  # the seed's source: planned against its store
         "",
         "[recipe.roles]",
     ]

@@ -76,14 +76,15 @@ def test_digest_scheme():
 
 
 def test_fetch_and_sanitize_keys_of_the_default_fixture_are_pinned(seed):
-    """The generated fixture is byte-identical on any machine and neither step hashes a library
-    version, so these keys hold everywhere (quantize's holds only per mlx version)."""
+    """The default source (the trained fixture) is written byte-identical on any machine and
+    neither step hashes a library version, so these keys hold everywhere (quantize's holds only
+    per mlx version)."""
     ref = json.loads((seed.store / "refs" / "xl.json").read_text())
-    assert ref["keys"]["fetch"] == "xxh3_128:d8c66f549e3f38a5fda93ce1c13603e6"
-    assert ref["keys"]["sanitize"] == "xxh3_128:36d3e37a47e5e53ae1a880dd0babd2f3"
+    assert ref["keys"]["fetch"] == "xxh3_128:f7e38d65f514fc4b98ece075018e26f1"
+    assert ref["keys"]["sanitize"] == "xxh3_128:59759e2ade764d5b266ed1224d520f53"
     assert ref["nodes"]["sanitize"]["outputs"] == {
-        "model": "xxh3_128:79680aeea6998949364ef065670565c2",
-        "mtp": "xxh3_128:2f92b5a57a46bdcbbdf247cb18cdc972",
+        "model": "xxh3_128:62a7b55d83474935dce5dd7057e78f5e",
+        "mtp": "xxh3_128:7a175ed2af7ec26439475b47d2b6ca1f",
     }
     mtp = json.loads((seed.store / "refs" / "xl-mtp.json").read_text())
     for node in ("fetch", "sanitize", "quantize"):  # xl-mtp's trunk is xl's, key for key
