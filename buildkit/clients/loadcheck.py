@@ -25,7 +25,6 @@ the head, the trunk's embeddings and lm_head it binds to, and the config.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from buildkit.core import keys, lazy
 from buildkit.core.errors import StepError
+from buildkit.core.requires import importable
 from buildkit.formats import tensors
 from buildkit.formats.checkpoint import DRAFTER_DIR, HEAD_PREFIX
 from buildkit.store.store import Store
@@ -90,7 +90,7 @@ def memo_key(store: Store, config: dict, tensors: dict[str, dict], writer: dict)
 
 
 def vlm_importable() -> bool:
-    return importlib.util.find_spec("mlx_vlm") is not None
+    return importable("mlx_vlm")
 
 
 def vlm_keys(

@@ -27,6 +27,7 @@ from pydantic import Field
 from buildkit.clients import speculative as spec
 from buildkit.core.errors import StepError
 from buildkit.core.lazy import lazy
+from buildkit.core.requires import require
 from buildkit.engine.step import Context, Params, Slot, Step, library_version, register
 from buildkit.grade import calibration as cal
 from buildkit.grade import drafting
@@ -181,6 +182,10 @@ class Eval(Step):
                 "run to fail the release"
             )
         return None
+
+    def check_request(self, params: EvalParams, ctx: Context) -> None:
+        if params.speculative is not None:  # mlx_vlm's own speculative run is part of the grade
+            require("mlx_vlm", "mlx-vlm", f"step {ctx.node!r} (eval, speculative)")
 
     def watch(self, params: EvalParams, ctx: Context):
         # the release gate reads only cached figures: the text is all a stat must vouch for
