@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -401,3 +403,19 @@ def test_donor_head_disagreeing_with_its_own_config_is_refused(project, capsys, 
     )
     assert code == 1 and "step 'donor_sanitize'" in err
     assert "'mtp.fc.weight' has shape [128, 128] but config.json implies [128, 256]" in err
+
+
+def test_a_missing_package_a_step_needs_is_refused_before_any_work(project):
+    """xl-mtp's eval_head runs mlx_vlm's speculative generation: without mlx_vlm the build
+    stops before any step, in one line naming the package and how to install it."""
+    hide = "import sys; sys.modules['mlx_vlm'] = None; from buildkit.cli.main import entry; entry()"
+    argv = ["-c", hide, *project.args("build", "xl-mtp", "--out", str(project.out / "x"))]
+    p = subprocess.run([sys.executable, *argv], cwd=project.root, capture_output=True, text=True)
+    assert p.returncode == 2, p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert line == (
+        "buildkit: error: step 'eval_head' (eval, speculative) needs the package mlx-vlm, "
+        "which is not installed: pip install 'mlx-vlm' (in buildkit's checkout: make install)"
+    )
+    assert not list(project.store.glob("actions/*/*"))  # no step ran
+    assert not project.out.exists()
