@@ -2,8 +2,8 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
-# Two stamps: `make xl-mtp` installs buildkit and what building needs; `make test` (and lint)
-# add the test extras (pytest, ruff, mlx-vlm, moto, ...).
+# Two stamps: `make xl-mtp` installs buildkit and what a default build runs (mlx-vlm included);
+# `make test` (and lint) add the test extras (pytest, pytest-xdist, ruff, moto, dask, ...).
 STAMP   := $(VENV)/.installed
 TESTSTAMP := $(VENV)/.installed-test
 BUILDKIT := $(BIN)/buildkit
@@ -34,8 +34,10 @@ all: xl xl-mtp oq4e-mtp-xl
 fixture: $(STAMP)
 	$(BUILDKIT) fixture build/fixture
 
+# pytest-xdist: one worker a core; a file's tests stay on one worker, so its module fixtures
+# (a build shared by its tests) run once.
 test: $(TESTSTAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 lint: $(TESTSTAMP)
 	$(BIN)/ruff format --check buildkit tests bench training
