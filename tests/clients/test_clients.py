@@ -11,13 +11,11 @@ import json
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from conftest import HEAD_NORMS, Project
 
 from buildkit.fixtures.generated import SPECIAL_TOKENS
-
-mx = pytest.importorskip("mlx.core")
-pytest.importorskip("mlx_vlm")
 
 VARIANTS = ("xl", "xl-mtp", "oq4e-mtp-xl")
 HEAD = "language_model.mtp."

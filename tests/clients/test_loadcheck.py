@@ -169,7 +169,6 @@ def test_the_streamed_pass_computes_what_the_clients_compute(seed: Project):
     streamed = loadcheck.check_loads(path, block=block)["logits"]
     assert streamed.shape == whole.shape and bool(mx.array_equal(streamed, whole).item())
 
-    pytest.importorskip("mlx_vlm")
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.utils import load, prepare_inputs
 

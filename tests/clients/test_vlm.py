@@ -11,9 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import Project
-
-pytest.importorskip("mlx_vlm")
-from mlx_vlm import load  # noqa: E402
+from mlx_vlm import load
 
 QUANTIZED_VISION = ("attn.qkv", "attn.proj", "mlp.linear_fc1")  # in every block; merger fc1/fc2 too
 MIN_COSINE = 0.99  # 6-bit g64 weights; measured 0.9988 on the fixture
