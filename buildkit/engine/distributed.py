@@ -8,12 +8,21 @@ and reads and writes tensors there by path; futures carry the small entry dicts 
 never tensors. The client assembles the artifact and records the action as a local build
 does, so the bytes are the same.
 
-Every worker must see the store (and the source files it indexes) at the same path: one
-machine (``local:N``), or a disk all machines mount at that path.
+With ``--remote URL`` the workers share no path with the client (``store/detached.py``): a
+task carries the remote's URL and, for each source file it reads, the file's URL, size and
+sha256 (``hub.range_ref``); the client first uploads the input objects the remote lacks, a
+worker reads objects from the remote and source tensors by byte range into a store of its own
+(``BUILDKIT_STORE``, else ``buildkit-worker/`` in its working directory) and uploads what it
+makes; the client copies the outputs into its packs, each checked against its digest. Tasks
+that read one source tensor prefer one worker (chosen by the tensor's name), so its bytes
+cross the network once. Without ``--remote``, every worker must see the store (and the source
+files it indexes) at the same path: one machine (``local:N``), or a disk all machines mount
+at that path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -27,12 +36,21 @@ from buildkit.store import packs
 _stores: dict[str, object] = {}
 
 
-def _store(root: str):
+def _store(where: str | dict):
+    """The store a task runs on: the client's at its root (a shared disk), or this worker's own
+    (``detached.py``) for a build with a remote."""
     from buildkit.store.store import Store
 
-    s = _stores.get(root)
-    if s is None:
-        s = _stores[root] = Store(root)
+    if isinstance(where, str):
+        s = _stores.get(where)
+        if s is None:
+            s = _stores[where] = Store(where)
+        return s
+    from buildkit.store.detached import DetachedStore, worker_name
+
+    root = os.environ.get("BUILDKIT_STORE") or str(Path.cwd() / "buildkit-worker")
+    s = DetachedStore(root, where["remote"], where["sources"], worker_name())
+    _stores.setdefault(root, s)
     return s
 
 
@@ -44,24 +62,29 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def run_task(root: str, libraries: dict[str, str], fn: Callable, *args):
-    """On a worker: ``fn(store, *args)`` with the store at ``root``. The objects its result
-    names are made durable before their digests go back (a listing must never name an object
-    a crash loses): an fsync each, as one syncfs per task waits for everything else the
-    machine writes (bench/RESULTS.md)."""
+def run_task(where: str | dict, libraries: dict[str, str], fn: Callable, *args):
+    """On a worker: ``fn(store, *args)`` with the store at ``where`` (a root), or this worker's
+    own for a remote (``{"remote", "sources"}``: then the result and the pack slots it filled,
+    every object uploaded). The objects a result names are made durable before their digests
+    go back (a listing must never name an object a crash loses): an fsync each, as one syncfs
+    per task waits for everything else the machine writes (bench/RESULTS.md)."""
     have = {name: version(name) for name in libraries}
     if have != libraries:
         raise StepError(
             f"worker {os.uname().nodename} has {have}, the build needs {libraries}; "
             f"install buildkit with -c constraints.txt on every worker"
         )
-    if root not in _stores:  # a worker's first task: malloc as a local build has it
+    if not _stores:  # a worker's first task: malloc as a local build has it
         allocator.tune(force=True)
-    store = _store(root)
+    store = _store(where)
     packs.SYNC_WRITES = True  # a worker's pack writes are durable before its task returns
     # On buildkit's long-lived threads, not Dask's: mlx aborts a process whose mlx thread exits.
     out = workers.pool("dask-task").submit(fn, store, *args, workers=1).result()
     allocator.tune_imported()
+    if not isinstance(where, str):
+        placed, store.placed = store.placed, []
+        store.upload_outputs(out, placed)
+        return out, placed
     if isinstance(out, dict):
         paths = {
             store.object_path(e["digest"])
@@ -79,8 +102,9 @@ class DaskExecutor:
     """A Dask client for one build, connected (and for ``local:N`` a cluster started) at the
     first task: a build whose steps are all cached starts nothing."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, remote=None, store=None):
         self.address, self.workers = address, 0
+        self.remote, self.store = remote, store  # a remote: workers without the client's disk
         if address.startswith("local:"):
             n = address.removeprefix("local:")
             if not n.isdigit() or int(n) < 1:
@@ -131,6 +155,8 @@ class DaskExecutor:
     ) -> Iterator:
         """``fn(store, *args)`` for each (name, args), submitted now; the results, in task order."""
         client = self._connect()
+        if self.remote is not None:
+            return self._detached(client, fn, list(tasks), action_key, libraries)
         where = keys.short(keys.digest_json("dask-store", root), 8)
         futures = [
             client.submit(
@@ -145,6 +171,63 @@ class DaskExecutor:
             for name, args in tasks
         ]
         return self._results(client, futures)
+
+    def _detached(self, client, fn, tasks: list, action_key: str, libraries: dict) -> Iterator:
+        """Tasks for workers without the client's disk: their input objects into the remote
+        first, each task told where its source files are and steered to the worker of the
+        first source tensor it reads."""
+        from buildkit.store.detached import task_inputs
+        from buildkit.store.hub import range_ref
+
+        objs, refs, firsts = {}, {}, []
+        for _, args in tasks:
+            o, srcs = task_inputs(args)
+            objs.update(o)
+            for d, _t in srcs:
+                if d not in refs:
+                    refs[d] = range_ref(self.store.sources.resolve(d))
+            firsts.append(min(srcs, default=None))
+        try:
+            self.remote.ensure_objects(self.store, objs)
+        except StepError:
+            raise
+        except Exception as e:
+            raise StepError(
+                f"--dask with --remote: cannot upload the tasks' inputs to {self.remote.url}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        names = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        tag = keys.short(
+            keys.digest_json("dask-remote", [self.remote.url, str(self.store.root)]), 8
+        )
+        futures = []
+        for (name, args), first in zip(tasks, firsts):
+            where = {"remote": self.remote.url, "sources": refs}
+            prefer = None
+            if first and names:  # stable: quantize and verify of one tensor on one worker
+                prefer = [names[int(keys.digest_json("worker", list(first))[-8:], 16) % len(names)]]
+            futures.append(
+                client.submit(
+                    run_task,
+                    where,
+                    libraries,
+                    fn,
+                    *args,
+                    pure=False,
+                    workers=prefer,
+                    allow_other_workers=bool(prefer),
+                    key=f"{fn.__name__}-{keys.short(action_key)}-{name}-{tag}",
+                )
+            )
+        return self._placed(self._results(client, futures))
+
+    def _placed(self, results: Iterator) -> Iterator:
+        """Each detached result, once the objects it put in pack slots are in the client's."""
+        with contextlib.closing(results):
+            for out, placed in results:
+                for p in placed:
+                    self.remote.get_into(p["digest"], p["dtype"], p["shape"], *p["slot"])
+                yield out
 
     @staticmethod
     def _results(client, futures) -> Iterator:

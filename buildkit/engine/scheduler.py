@@ -71,7 +71,7 @@ class Scheduler(Planner):
             return
         from buildkit.engine.distributed import DaskExecutor
 
-        self.executor = DaskExecutor(self.options.dask)
+        self.executor = DaskExecutor(self.options.dask, self.options.remote, self.store)
         try:
             yield
         finally:

@@ -146,6 +146,31 @@ def verify_snapshot(root: Path, store, source: str, repo: str, log=print) -> int
     return len(todo)
 
 
+def range_ref(path: Path) -> dict:
+    """How a machine without this one's disk reads ``path`` by byte range: a file of an HF cache
+    snapshot (``models--org--repo/snapshots/<commit>/<file>``) as the Hub's URL of that file at
+    that commit, with its size and (an LFS file's) sha256; any other file as a ``file://`` URL,
+    which only a machine that mounts it at the same path can read."""
+    from huggingface_hub import hf_hub_url
+
+    path = Path(path)
+    parts = path.absolute().parts
+    size = path.stat().st_size
+    if "snapshots" in parts:
+        i = len(parts) - 1 - parts[::-1].index("snapshots")
+        repo_dir, commit, rel = parts[i - 1], parts[i + 1], "/".join(parts[i + 2 :])
+        if repo_dir.startswith("models--") and PINNED.match(commit) and rel:
+            repo = repo_dir.removeprefix("models--").replace("--", "/")
+            e = _expected(path)
+            return {
+                "url": hf_hub_url(repo, rel, revision=commit),
+                "size": size,
+                "sha256": e[1] if e and e[2] == "sha256" else None,
+                "hub": True,
+            }
+    return {"url": path.absolute().as_uri(), "size": size}
+
+
 def upload(folder: Path, repo_id: str, message: str) -> str:
     """Create ``repo_id`` if needed and upload ``folder`` to it (dot-files, such as publish's
     stamp, stay home); returns the commit's URL."""

@@ -138,6 +138,8 @@ class PackWriter:
 
     def _write(self, name: str, dtype: str, shape, chunks: Iterable) -> dict:
         path, off = self.slots[name]
+        if getattr(self.store, "detached", False):  # a worker without the client's disk
+            return self._detached(name, dtype, shape, chunks, (path, off))
         want = nbytes(dtype, shape)
         h = keys.tensor_hasher(dtype, shape)
         done = 0
@@ -158,6 +160,13 @@ class PackWriter:
         # the pack's name is known once its last tensor is in: ``PackSet.entry`` fills it
         pack = {"file": None, "tensor": name}
         return {"dtype": dtype, "shape": list(shape), "digest": keys.finish(h), "pack": pack}
+
+    def _detached(self, name: str, dtype: str, shape, chunks: Iterable, slot) -> dict:
+        """On a worker that cannot reach the pack (``detached.py``): an object of its own, which
+        the client puts in the slot."""
+        e = self.store.put_tensor_chunks(dtype, shape, chunks)
+        self.store.placed.append({**e, "slot": list(slot)})
+        return {**e, "pack": {"file": None, "tensor": name}}
 
     def put_row_blocks(self, rows: int, blocks, stream: str) -> dict[str, dict]:
         """``store.row_blocks`` into their slots."""

@@ -125,6 +125,8 @@ class Backend:
     def upload(self, key: str, path: Path) -> None: ...
     def list(self, prefix: str) -> Iterator[tuple[str, float]]: ...  # (key, mtime)
     def delete(self, keys_: list[str]) -> None: ...
+    def size(self, key: str) -> int: ...  # raises Absent
+    def get_range(self, key: str, start: int, end: int) -> tuple[bytes, int]: ...  # (bytes, size)
 
 
 class FileBackend(Backend):
@@ -178,6 +180,23 @@ class FileBackend(Backend):
     def delete(self, keys_: list[str]) -> None:
         for k in keys_:
             (self.root / k).unlink(missing_ok=True)
+
+    def size(self, key: str) -> int:
+        try:
+            return (self.root / key).stat().st_size
+        except FileNotFoundError:
+            raise Absent(key) from None
+
+    def get_range(self, key: str, start: int, end: int) -> tuple[bytes, int]:
+        try:
+            with open(self.root / key, "rb") as f:
+                f.seek(start)
+                data = f.read(end - start)
+                size = os.fstat(f.fileno()).st_size
+        except FileNotFoundError:
+            raise Absent(key) from None
+        self.traffic.add(gets=1, bytes_down=len(data))
+        return data, size
 
 
 class S3Backend(Backend):
@@ -280,6 +299,31 @@ class S3Backend(Backend):
                     o["LastModified"].timestamp(),
                 )
 
+    def size(self, key: str) -> int:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=self._k(key))["ContentLength"]
+        except ClientError as e:
+            if self._absent(e):
+                raise Absent(key) from None
+            raise
+
+    def get_range(self, key: str, start: int, end: int) -> tuple[bytes, int]:
+        from botocore.exceptions import ClientError
+
+        try:
+            r = self.client.get_object(
+                Bucket=self.bucket, Key=self._k(key), Range=f"bytes={start}-{end - 1}"
+            )
+        except ClientError as e:
+            if self._absent(e):
+                raise Absent(key) from None
+            raise
+        data = r["Body"].read()
+        self.traffic.add(gets=1, bytes_down=len(data))
+        return data, int(r["ContentRange"].rsplit("/", 1)[1])
+
     def delete(self, keys_: list[str]) -> None:
         for i in range(0, len(keys_), 1000):
             batch = [{"Key": self._k(k)} for k in keys_[i : i + 1000]]
@@ -310,6 +354,11 @@ def backend(url: str) -> Backend:
 
 def _fan(kind: str, digest: str) -> str:
     return f"{kind}/{fan_key(digest)}"
+
+
+def object_key(digest: str) -> str:
+    """Where an object lies in a remote (``objects/ab/<hex>``)."""
+    return _fan("objects", digest)
 
 
 def _digest_of(key: str) -> str:
@@ -756,6 +805,49 @@ class Remote:
         self.be.upload(where, path)
         self.refused.discard(digest)
         return digest, sha.hexdigest(), True
+
+    # -- a detached Dask build's side (``store/detached.py`` is the workers')
+
+    def ensure_objects(self, store: Store, objs: dict[str, tuple | None]) -> int:
+        """Upload the local objects the remote lacks (a HEAD each first, as FindMissingBlobs:
+        never re-upload what it has); how many were sent."""
+        if self.off is not None:
+            raise RemoteError(f"remote {self.url} failed earlier in this run ({self.off})")
+        with ThreadPoolExecutor(max(1, min(THREADS, len(objs))), "remote-put") as ex:
+            sent = list(ex.map(lambda kv: self._put_object(store, *kv)[2], objs.items()))
+        return sum(sent)
+
+    def get_into(self, digest: str, dtype: str, shape, path: str, offset: int) -> None:
+        """A worker's output object, checked against its digest, into a pack at ``offset``."""
+        want = nbytes(dtype, shape)
+        h = keys.tensor_hasher(dtype, shape)
+        fd = os.open(path, os.O_WRONLY)
+
+        class Sink:
+            done = 0
+
+            def write(self, data) -> int:
+                if Sink.done + len(data) > want:
+                    raise StoreMiss(f"remote object {keys.short(digest)} is longer than its shape")
+                h.update(data)
+                os.pwrite(fd, data, offset + Sink.done)
+                Sink.done += len(data)
+                return len(data)
+
+        try:
+            self.be.download(_fan("objects", digest), Sink(), want)
+        except Absent:
+            raise StoreMiss(
+                f"remote {self.url} lost object {keys.short(digest)}; rebuild"
+            ) from None
+        finally:
+            os.close(fd)
+        if Sink.done != want or keys.finish(h) != digest:
+            self.be.delete([_fan("objects", digest)])
+            raise StoreMiss(
+                f"remote object {self._where(_fan('objects', digest))} is corrupt (its bytes do "
+                "not match its digest): removed; the node is rebuilt"
+            )
 
     # -- gc
 

@@ -1,0 +1,247 @@
+"""build --dask ADDRESS --remote URL on a cluster whose workers share no disk with the client.
+
+A real ``dask scheduler`` and two ``dask worker`` processes on loopback, each with its own
+working directory and ``BUILDKIT_STORE``. Each worker runs in a mount namespace of its own
+(``unshare --mount``, as root) with an empty tmpfs over the client's project (store, outputs,
+manifests, HF cache) and the source's directory, so it cannot read them; the test checks that
+from inside the workers. The source is ``hf://`` on the loopback Hub (tests/hubserver.py), the
+remote an S3 bucket on moto's server on loopback. Every process started here is stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import REPO, Project, ran
+from hubserver import Hub
+
+from buildkit.fixtures.generated import FixtureSpec, generate
+from buildkit.formats.tensors import read_header
+
+distributed = pytest.importorskip("distributed")
+boto3 = pytest.importorskip("boto3")
+moto_server = pytest.importorskip("moto.server")
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("unshare") is None or os.geteuid() != 0,
+    reason="workers are isolated with unshare --mount, which needs root",
+)
+
+CREDS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+DASK = str(Path(sys.executable).with_name("dask"))
+# the worker's command, run with the hidden directories' paths in $HIDE
+ISOLATE = 'set -e; for d in $HIDE; do mount -t tmpfs -o size=1m tmpfs "$d"; done; exec "$0" "$@"'
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = free_port()
+    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    srv.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    src = generate(tmp_path_factory.mktemp("dask-src") / "tiny", FixtureSpec())
+    with Hub() as h:
+        h.source_dir = src
+        h.sha = h.upload_dir("org/tiny", src)
+        yield h
+
+
+class Cluster:
+    """A scheduler and workers started as processes; ``stop`` ends every one of them."""
+
+    def __init__(self, root: Path, env: dict[str, str]):
+        self.root, self.env, self.procs = root, env, []
+        self.workers: dict[str, subprocess.Popen] = {}
+        sched = root / "scheduler.json"
+        self.procs.append(self._start(
+            [DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+             "--scheduler-file", str(sched)],
+            {**env, "DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING": "False"}, root,
+        ))  # fmt: skip
+        self.address = self._wait(lambda: json.loads(sched.read_text())["address"], "scheduler")
+
+    def _start(self, argv, env, cwd) -> subprocess.Popen:
+        log = open(cwd / f"{Path(argv[0]).name}-{len(self.procs)}.log", "w")
+        return subprocess.Popen(
+            argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    @staticmethod
+    def _wait(get, what: str, timeout: float = 30):
+        t = time.monotonic()
+        while time.monotonic() - t < timeout:
+            with contextlib.suppress(Exception):
+                return get()
+            time.sleep(0.2)
+        raise AssertionError(f"{what} did not start in {timeout}s")
+
+    def add_worker(self, name: str, hide: list[Path], env: dict[str, str] | None = None) -> Path:
+        """A worker in its own mount namespace, the ``hide`` directories covered by tmpfs."""
+        home = self.root / name
+        home.mkdir(exist_ok=True)
+        wenv = {**self.env, **(env or {}), "BUILDKIT_STORE": str(home / "store")}
+        wenv.update(HIDE=" ".join(map(str, hide)), HF_HOME=str(home / "hf"))
+        proc = self._start(
+            ["unshare", "--mount", "sh", "-c", ISOLATE, DASK, "worker", self.address,
+             "--name", name, "--nthreads", "1", "--no-nanny", "--no-dashboard",
+             "--local-directory", str(home / "dask")],
+            wenv, home,
+        )  # fmt: skip
+        self.procs.append(proc)
+        self.workers[name] = proc
+        return home
+
+    def client(self):
+        return distributed.Client(self.address, timeout="30s")
+
+    def wait_for(self, n: int) -> None:
+        with self.client() as c:
+            c.wait_for_workers(n, timeout=60)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+
+
+def client_env(hub: Hub, s3: str, home: Path) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("HF_TOKEN", "HF_HUB_CACHE", "AWS_PROFILE", "BUILDKIT_REMOTE")
+        and not k.startswith("BUILDKIT_")
+    }
+    env.update(hub.env(home), **CREDS, AWS_ENDPOINT_URL=s3, PYTHONPATH=str(REPO))
+    return env
+
+
+@pytest.fixture
+def setup(tmp_path, hub, s3):
+    """A client project, a fresh bucket and a cluster of two isolated workers."""
+    project = Project(tmp_path / "client")
+    project.root.mkdir(exist_ok=True)
+    env = client_env(hub, s3, project.root / "hf")
+    bucket = "b" + uuid.uuid4().hex[:12]
+    _bucket(s3, bucket)
+    (tmp_path / "cluster").mkdir()
+    cluster = Cluster(tmp_path / "cluster", env)
+    hide = [project.root, hub.source_dir]
+    try:
+        for name in ("w0", "w1"):
+            cluster.add_worker(name, hide)
+        cluster.wait_for(2)
+        yield project, env, f"s3://{bucket}/cache", cluster, hide
+    finally:
+        cluster.stop()
+
+
+def _bucket(endpoint: str, name: str) -> None:
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=name)
+
+
+def outputs(project: Project, variant: str) -> dict:
+    ref = json.loads((project.store / "refs" / f"{variant}.json").read_text())
+    return {n: (v["key"], v["outputs"]) for n, v in sorted(ref["nodes"].items())}
+
+
+def published(out: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(out).as_posix(): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and not p.name.startswith(".")
+    }
+
+
+@pytest.fixture(scope="module")
+def local(hub, s3, tmp_path_factory) -> Project:
+    """The same variant built in one process from the same hf:// source: the bytes to match."""
+    p = Project(tmp_path_factory.mktemp("dask-local"))
+    env = client_env(hub, s3, p.root / "hf")
+    src = f"hf://org/tiny@{hub.sha}"
+    p.run("build", "xl-mtp", "--source", src, "--out", str(p.out / "xl-mtp"), env=env)
+    return p
+
+
+def build(project: Project, env, cluster: Cluster, remote: str, hub: Hub, check=True):
+    return project.run(
+        "build", "xl-mtp", "--source", f"hf://org/tiny@{hub.sha}",
+        "--out", str(project.out / "xl-mtp"), "--dask", cluster.address, "--remote", remote,
+        env=env, check=check, timeout=300,
+    )  # fmt: skip
+
+
+def ranged_reads(hub: Hub) -> dict[str, list[tuple[int, int]]]:
+    """[start, end) of every ranged GET of a shard, by file: the workers' reads (the client's
+    snapshot download asks for whole files)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for method, path, rng in hub.requests:
+        if method == "GET" and rng and path.endswith(".safetensors"):
+            a, b = re.fullmatch(r"bytes=(\d+)-(\d+)", rng).groups()
+            out.setdefault(path.rsplit("/", 1)[1], []).append((int(a), int(b) + 1))
+    return out
+
+
+def test_workers_without_the_clients_disk_build_a_local_builds_bytes(setup, hub, local):
+    project, env, remote, cluster, hide = setup
+    with cluster.client() as c:  # the workers cannot see the client's files
+        seen = c.run(lambda dirs: [os.listdir(d) for d in dirs], [str(d) for d in hide])
+    assert seen and all(v == [[], []] for v in seen.values()), seen
+    hub.requests.clear()
+    p = build(project, env, cluster, remote, hub)
+    assert {"quantize", "requantize", "verify", "verify_head"} <= set(ran(p)), p.stderr
+    assert outputs(project, "xl-mtp") == outputs(local, "xl-mtp")
+    assert published(project.out / "xl-mtp") == published(local.out / "xl-mtp")
+
+    # each source tensor's bytes crossed the network once in all, one tensor per range
+    reads = ranged_reads(hub)
+    assert reads, "the workers read nothing from the Hub"
+    for name, spans in reads.items():
+        tensors = {(t.start, t.end) for t in read_header(hub.source_dir / name).tensors.values()}
+        data = sorted(s for s in spans if s[0] >= 8 and s not in ((8, s[1]),) and s in tensors)
+        heads = [s for s in spans if s not in data]
+        assert len(data) == len(set(data)), f"{name}: a tensor was read twice: {sorted(spans)}"
+        assert all(s[0] < 8 + (1 << 20) for s in heads), heads  # the rest: headers only
+        assert len(heads) <= 2 * len(cluster.workers), heads  # once per worker at most
