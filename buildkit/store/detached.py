@@ -372,6 +372,7 @@ def worker_name() -> str:
     try:
         from distributed import get_worker
 
-        return f"{socket.gethostname()} ({get_worker().address})"
+        w = get_worker()
+        return f"{w.name} on {socket.gethostname()} ({w.address})"
     except (ImportError, ValueError):
         return f"{socket.gethostname()} (pid {os.getpid()})"

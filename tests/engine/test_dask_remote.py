@@ -173,13 +173,7 @@ def setup(tmp_path, hub, s3):
 
 
 def _bucket(endpoint: str, name: str) -> None:
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket=name)
+    s3_client(endpoint).create_bucket(Bucket=name)
 
 
 def outputs(project: Project, variant: str) -> dict:
@@ -240,8 +234,137 @@ def test_workers_without_the_clients_disk_build_a_local_builds_bytes(setup, hub,
     assert reads, "the workers read nothing from the Hub"
     for name, spans in reads.items():
         tensors = {(t.start, t.end) for t in read_header(hub.source_dir / name).tensors.values()}
-        data = sorted(s for s in spans if s[0] >= 8 and s not in ((8, s[1]),) and s in tensors)
-        heads = [s for s in spans if s not in data]
+        n = int.from_bytes((hub.source_dir / name).read_bytes()[:8], "little")
+        data = sorted(s for s in spans if s not in ((0, 8), (8, 8 + n)))
+        assert set(data) <= tensors, f"{name}: a read that is not one tensor: {set(data) - tensors}"
         assert len(data) == len(set(data)), f"{name}: a tensor was read twice: {sorted(spans)}"
-        assert all(s[0] < 8 + (1 << 20) for s in heads), heads  # the rest: headers only
-        assert len(heads) <= 2 * len(cluster.workers), heads  # once per worker at most
+        assert len(spans) - len(data) <= 2 * len(cluster.workers)  # its header once per worker
+
+
+def cluster_build(project: Project, env, cluster: Cluster, remote: str, hub: Hub):
+    """The build started in the background (its stdout and stderr read when it ends)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "buildkit.cli", *project.args(
+            "build", "xl-mtp", "--source", f"hf://org/tiny@{hub.sha}",
+            "--out", str(project.out / "xl-mtp"), "--dask", cluster.address, "--remote", remote,
+        )],
+        cwd=project.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_worker_killed_mid_task_the_task_reruns_on_the_other(setup, hub, local):
+    project, env, remote, cluster, _ = setup
+    proc = cluster_build(project, env, cluster, remote, hub)
+    killed = None
+    try:
+        with cluster.client() as c:
+            t = time.monotonic()
+            while killed is None and proc.poll() is None and time.monotonic() - t < 120:
+                busy = {a: ks for a, ks in c.processing().items() if ks}
+                names = {a: w["name"] for a, w in c.scheduler_info()["workers"].items()}
+                for addr, ks in busy.items():
+                    if any(str(k).startswith("pack_entry-") for k in ks):
+                        killed = (names[addr], [str(k) for k in ks])
+                        os.killpg(cluster.workers[names[addr]].pid, signal.SIGKILL)
+                        break
+                time.sleep(0.05)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert killed, "no worker was running a quantize task"
+    assert proc.returncode == 0, err
+    assert cluster.workers[killed[0]].poll() is not None  # it stayed dead: the other ran them
+    assert outputs(project, "xl-mtp") == outputs(local, "xl-mtp")
+    assert published(project.out / "xl-mtp") == published(local.out / "xl-mtp")
+
+
+def test_corrupt_object_in_the_remote_is_refused_by_its_reader_and_rebuilt(setup, hub, local):
+    """An object the client would upload is already in the bucket, with wrong bytes: the
+    client skips it (the bucket has it), the worker that reads it refuses it, named, and
+    removes it; the build runs the node again, the client uploads its own copy."""
+    project, env, remote, cluster, _ = setup
+    from buildkit.store.artifact import objects
+    from buildkit.store.store import Store
+
+    store = Store(local.store)
+    art = store.get_artifact(outputs(local, "xl-mtp")["sanitize"][1]["model"])
+    digest = next(d for d, shape in sorted(objects(art).items()) if shape)
+    bad = bytearray(store.object_path(digest).read_bytes())
+    bad[0] ^= 0xFF
+    bucket, prefix = remote.removeprefix("s3://").split("/", 1)
+    key = f"{prefix}/objects/{digest.split(':')[1][:2]}/{digest.split(':')[1][2:]}"
+    s3_client(env["AWS_ENDPOINT_URL"]).put_object(Bucket=bucket, Key=key, Body=bytes(bad))
+    p = build(project, env, cluster, remote, hub)
+    refused = [line for line in p.stderr.splitlines() if "is corrupt" in line]
+    assert refused and re.search(r"worker w[01] on ", refused[0]), p.stderr
+    assert f"{remote}/{key.split('/', 1)[1]}" in refused[0]
+    assert "building again" in p.stderr
+    assert outputs(project, "xl-mtp") == outputs(local, "xl-mtp")
+    assert published(project.out / "xl-mtp") == published(local.out / "xl-mtp")
+    got = s3_client(env["AWS_ENDPOINT_URL"]).get_object(Bucket=bucket, Key=key)["Body"].read()
+    assert got == store.object_path(digest).read_bytes()  # the good copy is there now
+
+
+def test_remote_unreachable_from_a_worker_fails_the_build_cleanly(tmp_path, hub, s3):
+    """Workers whose S3 endpoint is a closed port: the first task fails, naming its worker
+    and the remote; the build stops (exit 1) and records nothing for the failed steps."""
+    project = Project(tmp_path / "client")
+    env = client_env(hub, s3, project.root / "hf")
+    bucket = "b" + uuid.uuid4().hex[:12]
+    _bucket(s3, bucket)
+    (tmp_path / "cluster").mkdir()
+    cluster = Cluster(tmp_path / "cluster", env)
+    try:
+        cluster.add_worker(
+            "w0", [project.root], {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
+        )
+        cluster.wait_for(1)
+        p = build(project, env, cluster, f"s3://{bucket}/cache", hub, check=False)
+    finally:
+        cluster.stop()
+    assert p.returncode == 1, p.stderr
+    err = p.stderr.splitlines()[-1]
+    assert re.search(rf"worker w0 on .*the remote s3://{bucket}/cache failed", err), p.stderr
+    assert "check that this worker reaches it" in err
+    assert not (project.store / "refs" / "xl-mtp.json").exists()
+    done = {
+        json.loads(f.read_text())["node"]
+        for f in (project.store / "actions").rglob("*")
+        if f.is_file()
+    }
+    assert done <= {"fetch", "sanitize", "graft"}, done  # whole steps only
+    assert not list((project.store / "tmp").glob("pack-*"))
+
+
+def test_worker_with_other_library_versions_is_refused(tmp_path, hub, s3):
+    """A worker whose mlx metadata says another version refuses its tasks, as today."""
+    project = Project(tmp_path / "client")
+    env = client_env(hub, s3, project.root / "hf")
+    bucket = "b" + uuid.uuid4().hex[:12]
+    _bucket(s3, bucket)
+    fake = tmp_path / "fake"
+    (fake / "mlx-0.0.1.dist-info").mkdir(parents=True)
+    (fake / "mlx-0.0.1.dist-info" / "METADATA").write_text("Name: mlx\nVersion: 0.0.1\n")
+    (tmp_path / "cluster").mkdir()
+    cluster = Cluster(tmp_path / "cluster", env)
+    try:
+        cluster.add_worker("w0", [project.root], {"PYTHONPATH": f"{fake}:{REPO}"})
+        cluster.wait_for(1)
+        p = build(project, env, cluster, f"s3://{bucket}/cache", hub, check=False)
+    finally:
+        cluster.stop()
+    assert p.returncode == 1, p.stderr
+    assert "'mlx': '0.0.1'" in p.stderr and "the build needs" in p.stderr, p.stderr
+    assert "install buildkit with -c constraints.txt on every worker" in p.stderr
+
+
+def s3_client(endpoint: str):
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
