@@ -13,10 +13,20 @@ Wall, CPU (user + sys, the build and the processes it started and reaped) and pe
 largest single process) come from ``/usr/bin/time -v``; run 3's workers are the bench's
 children, so its CPU and RSS are the client's only.
 
+``--no-shared-disk``: the fixture (~2 GB at 28 layers) served by the loopback Hub
+(tests/hubserver.py), a remote on moto's S3 server on loopback behind a proxy that counts the
+bytes each way, and three builds of ``xl --source hf://…`` (the client's HF cache filled
+first, not timed): local; ``--dask local:2`` (a shared disk); and a ``dask scheduler`` with two
+``dask worker`` processes, each with its own ``BUILDKIT_STORE``, and ``--remote``. Bytes moved
+are the Hub's ranged reads (the workers'), the remote's uploads and downloads (all machines'),
+against the source's tensor bytes read once plus the published bytes. Its table goes between
+the ``dask-remote`` markers.
+
 Usage::
 
     python bench/dask_bench.py                  # ~400 MB fixture under build/dask-bench
     python bench/dask_bench.py --layers 12 --no-write
+    python bench/dask_bench.py --no-shared-disk # ~2 GB fixture, workers without a shared disk
 """
 
 from __future__ import annotations
@@ -151,22 +161,8 @@ def task_cpu(store_dir: Path, outputs: dict) -> list[dict]:
     return out[1:]  # the first pays mlx's import
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", type=Path, default=REPO / "build" / "dask-bench")
-    ap.add_argument("--layers", type=int, default=6, help="fixture layers (6: ~400 MB of bf16)")
-    ap.add_argument(
-        "--no-write", action="store_true", help="print the table, leave RESULTS.md alone"
-    )
-    args = ap.parse_args(argv)
-    work = args.work.absolute()
-    work.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    env.pop("BUILDKIT_DASK", None)
-    src = work / f"fixture-l{args.layers}"
+def fixture(work: Path, layers: int, env: dict) -> Path:
+    src = work / f"fixture-l{layers}"
     if not src.exists():
         subprocess.run(
             [
@@ -176,7 +172,7 @@ def main(argv=None) -> int:
                 "--hidden",
                 "1024",
                 "--layers",
-                str(args.layers),
+                str(layers),
                 "--experts",
                 "16",
                 "--moe-intermediate",
@@ -189,8 +185,37 @@ def main(argv=None) -> int:
             check=True,
             env=env,
         )
+    return src
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=REPO / "build" / "dask-bench")
+    ap.add_argument("--layers", type=int, help="fixture layers (6: ~400 MB of bf16; 28: ~2 GB)")
+    ap.add_argument(
+        "--no-shared-disk", action="store_true", help="workers with their own disks (see above)"
+    )
+    ap.add_argument(
+        "--no-write", action="store_true", help="print the table, leave RESULTS.md alone"
+    )
+    args = ap.parse_args(argv)
+    work = args.work.absolute()
+    work.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    env.pop("BUILDKIT_DASK", None)
     shutil.rmtree(work / "manifests", ignore_errors=True)
     shutil.copytree(REPO / "manifests", work / "manifests", ignore=shutil.ignore_patterns("*.lock"))
+    if args.no_shared_disk:
+        from dask_remote_bench import no_shared_disk
+
+        text, same = no_shared_disk(work, fixture(work, args.layers or 28, env), env, build)
+        if not args.no_write:
+            write_results(text, "dask-remote", "Distributed builds without a shared disk")
+        return 0 if same else 1
+    src = fixture(work, args.layers or 6, env)
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
 
     t0 = time.time()
@@ -242,15 +267,19 @@ def main(argv=None) -> int:
     print(text)
     (work / "tasks.json").write_text(json.dumps({"dask": tasks, "serial": cpu}, indent=1))
     if not args.no_write:
-        res = REPO / "bench" / "RESULTS.md"
-        body = res.read_text()
-        a, b = "<!-- dask:begin -->", "<!-- dask:end -->"
-        if a in body:
-            body = body[: body.index(a)] + a + "\n" + text + "\n" + body[body.index(b) :]
-        else:
-            body += f"\n## Distributed builds (`bench/dask_bench.py`)\n\n{a}\n{text}\n{b}\n"
-        res.write_text(body)
+        write_results(text, "dask", "Distributed builds")
     return 0 if same else 1
+
+
+def write_results(text: str, marker: str, title: str) -> None:
+    res = REPO / "bench" / "RESULTS.md"
+    body = res.read_text()
+    a, b = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    if a in body:
+        body = body[: body.index(a)] + a + "\n" + text + "\n" + body[body.index(b) :]
+    else:
+        body += f"\n## {title} (`bench/dask_bench.py`)\n\n{a}\n{text}\n{b}\n"
+    res.write_text(body)
 
 
 if __name__ == "__main__":
