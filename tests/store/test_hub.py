@@ -266,3 +266,53 @@ def test_a_branch_resolves_to_its_commit_through_the_revision_api(project, hub, 
     assert ("GET", "/api/models/org/tiny/revision/main", None) in hub.requests
     snaps = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots"
     assert [p.name for p in snaps.iterdir()] == [sha]
+
+
+def test_a_worker_reads_one_tensor_by_range_and_only_from_the_file_indexed(
+    hub, small, tmp_path, monkeypatch
+):
+    """``detached.DetachedStore``: a source tensor read by HTTP Range from the Hub (its header,
+    then its bytes, once); a file whose sha256 or size is not the one the client indexed is
+    refused, naming the URL."""
+    from buildkit.core.errors import SourceError
+    from buildkit.formats.tensors import read_header
+    from buildkit.store.detached import DetachedStore
+    from buildkit.store.hub import range_ref
+    from buildkit.store.store import Store
+
+    sha = hub.upload_dir("org/tiny", small)
+    env = client_env(hub, tmp_path / "hf")
+    script = (
+        "import sys; from huggingface_hub import snapshot_download as s; "
+        f"print(s('org/tiny', revision='{sha}'))"
+    )
+    snap = Path(subprocess.run([sys.executable, "-c", script], env=env, check=True,
+                               capture_output=True, text=True).stdout.strip())  # fmt: skip
+    from huggingface_hub import constants
+
+    # as HF_ENDPOINT sets them when huggingface_hub is imported in a client process
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    template = hub.url + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    client = Store(tmp_path / "client")
+    digest = client.sources.digest_file(snap / SHARD1)
+    ref = range_ref(snap / SHARD1)
+    want = hashlib.sha256((small / SHARD1).read_bytes()).hexdigest()
+    assert ref["sha256"] == want and ref["url"].startswith(hub.url)
+    info = next(t for t in read_header(small / SHARD1).tensors.values() if t.nbytes > 1000)
+    entry = {"dtype": info.dtype, "shape": list(info.shape),
+             "view": {"file": digest, "tensor": info.name}}  # fmt: skip
+    hub.requests.clear()
+    worker = DetachedStore(tmp_path / "worker", "file:///nonexistent", {digest: ref}, "w0")
+    got = worker.read_tensor(entry)
+    assert got.tobytes() == (small / SHARD1).read_bytes()[info.start : info.end]
+    worker.read_tensor(entry)  # kept: not read again
+    n = int.from_bytes((small / SHARD1).read_bytes()[:8], "little")
+    ranges = [r for _, p, r in hub.requests if p.endswith(SHARD1)]
+    assert ranges == ["bytes=0-7", f"bytes=8-{7 + n}", f"bytes={info.start}-{info.end - 1}"]
+
+    for bad in ({**ref, "sha256": "0" * 64}, {**ref, "size": ref["size"] + 1}):
+        other = DetachedStore(tmp_path / "other", "file:///nonexistent", {digest: bad}, "w1")
+        with pytest.raises(SourceError, match=r"worker w1: .* not the same file") as e:
+            other.read_tensor(entry)
+        assert ref["url"] in str(e.value)
