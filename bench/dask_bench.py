@@ -212,6 +212,7 @@ def main(argv=None) -> int:
         from dask_remote_bench import no_shared_disk
 
         text, same = no_shared_disk(work, fixture(work, args.layers or 28, env), env, build)
+        print(text)
         if not args.no_write:
             write_results(text, "dask-remote", "Distributed builds without a shared disk")
         return 0 if same else 1

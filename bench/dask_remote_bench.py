@@ -106,6 +106,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 def no_shared_disk(work: Path, src: Path, env: dict, build) -> tuple[str, bool]:
     """The three runs and their table (markdown); whether their outputs are identical."""
+    import logging
     import shutil
 
     import boto3
@@ -114,6 +115,7 @@ def no_shared_disk(work: Path, src: Path, env: dict, build) -> tuple[str, bool]:
 
     from buildkit.formats.tensors import read_header
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -49,8 +49,10 @@ def _store(where: str | dict):
     from buildkit.store.detached import DetachedStore, worker_name
 
     root = os.environ.get("BUILDKIT_STORE") or str(Path.cwd() / "buildkit-worker")
-    s = DetachedStore(root, where["remote"], where["sources"], worker_name())
-    _stores.setdefault(root, s)
+    s = _stores.get(where["remote"])
+    if s is None:  # one per remote: the headers it has read stay parsed
+        s = _stores[where["remote"]] = DetachedStore(root, where["remote"], {}, worker_name())
+    s.sources_ref.update(where["sources"])
     return s
 
 
@@ -79,12 +81,13 @@ def run_task(where: str | dict, libraries: dict[str, str], fn: Callable, *args):
     store = _store(where)
     packs.SYNC_WRITES = True  # a worker's pack writes are durable before its task returns
     # On buildkit's long-lived threads, not Dask's: mlx aborts a process whose mlx thread exits.
-    out = workers.pool("dask-task").submit(fn, store, *args, workers=1).result()
-    allocator.tune_imported()
     if not isinstance(where, str):
-        placed, store.placed = store.placed, []
+        out, placed = workers.pool("dask-task").submit(_placed, fn, store, args, workers=1).result()
+        allocator.tune_imported()
         store.upload_outputs(out, placed)
         return out, placed
+    out = workers.pool("dask-task").submit(fn, store, *args, workers=1).result()
+    allocator.tune_imported()
     if isinstance(out, dict):
         paths = {
             store.object_path(e["digest"])
@@ -96,6 +99,12 @@ def run_task(where: str | dict, libraries: dict[str, str], fn: Callable, *args):
         for d in sorted({p.parent for p in paths}):
             _fsync(d)
     return out
+
+
+def _placed(fn: Callable, store, args: tuple) -> tuple:
+    """``fn(store, *args)`` and the pack slots it filled, on the one thread that runs tasks."""
+    store.placed = []
+    return fn(store, *args), store.placed
 
 
 class DaskExecutor:
