@@ -188,15 +188,18 @@ class DaskExecutor:
         from buildkit.store.detached import task_inputs
         from buildkit.store.hub import range_ref
 
-        objs, refs, firsts = {}, {}, []
+        objs, packed, refs, firsts = {}, {}, {}, []
         for _, args in tasks:
-            o, srcs = task_inputs(args)
+            o, p, srcs = task_inputs(args)
             objs.update(o)
+            packed.update(p)
             for d, _t in srcs:
                 if d not in refs:
                     refs[d] = range_ref(self.store.sources.resolve(d))
             firsts.append(min(srcs, default=None))
-        try:
+        try:  # a packed tensor a worker uploaded alone is read so; else from its pack
+            missing = self.remote.missing(list(packed))
+            objs.update({packed[t][0]: None for t in missing})
             self.remote.ensure_objects(self.store, objs)
         except StepError:
             raise

@@ -42,12 +42,14 @@ TIMEOUT = 60  # seconds a range request may take before the task fails, naming t
 # ---- what a task reads: found in its arguments --------------------------------------
 
 
-def task_inputs(args) -> tuple[dict[str, tuple | None], set[tuple[str, str]]]:
-    """(store objects {digest: (dtype, shape) or None for a blob such as a pack}, source
-    tensors {(file digest, tensor)}) named anywhere in a task's arguments: tensor entries
-    (``{"digest", "dtype", "shape"}``, in a pack or alone), views (``{"view": {"file",
-    "tensor"}}``) and a file digest followed by its ``TensorInfo`` (verify's items)."""
+def task_inputs(args) -> tuple[dict[str, tuple | None], dict[str, tuple], set[tuple[str, str]]]:
+    """What a task reads, named anywhere in its arguments: store objects {digest: (dtype,
+    shape)}, tensors in packs {tensor digest: (pack digest, (dtype, shape))} and source tensors
+    {(file digest, tensor)}; from tensor entries (``{"digest", "dtype", "shape"}``, in a pack or
+    alone), views (``{"view": {"file", "tensor"}}``) and a file digest followed by its
+    ``TensorInfo`` (verify's items)."""
     objs: dict[str, tuple | None] = {}
+    packed: dict[str, tuple] = {}
     srcs: set[tuple[str, str]] = set()
 
     def walk(x) -> None:
@@ -58,7 +60,7 @@ def task_inputs(args) -> tuple[dict[str, tuple | None], set[tuple[str, str]]]:
             if "digest" in x and "dtype" in x and "shape" in x:
                 pack = x.get("pack")
                 if isinstance(pack, dict) and pack.get("file"):
-                    objs[pack["file"]] = None
+                    packed[x["digest"]] = (pack["file"], (x["dtype"], tuple(x["shape"])))
                 elif pack is None:
                     objs[x["digest"]] = (x["dtype"], tuple(x["shape"]))
                 return
@@ -72,7 +74,7 @@ def task_inputs(args) -> tuple[dict[str, tuple | None], set[tuple[str, str]]]:
                 walk(v)
 
     walk(args)
-    return objs, srcs
+    return objs, packed, srcs
 
 
 # ---- reading a file by byte range ---------------------------------------------------
@@ -284,6 +286,12 @@ class DetachedStore(Store):
             return super()._span(entry)
         if self.has_object(pack["file"]):
             return super()._span(entry)
+        alone = {k: v for k, v in entry.items() if k != "pack"}
+        if self.has_object(entry["digest"]):  # this worker made it (quantize, then verify)
+            return super()._span(alone)
+        with contextlib.suppress(Absent):  # a worker uploaded it: no pack needed
+            self._download(entry["digest"], (entry["dtype"], entry["shape"]), missing=Absent)
+            return super()._span(alone)
         self.want(pack["file"], pack["tensor"])
         sp, h = self._sparse[pack["file"]]
         info = h.tensors[pack["tensor"]]
@@ -293,7 +301,9 @@ class DetachedStore(Store):
 
     # -- whole objects
 
-    def _download(self, digest: str, shape: tuple | None) -> None:
+    def _download(self, digest: str, shape: tuple | None, missing=StoreMiss) -> None:
+        """An object from the remote, checked against its digest; ``missing`` raised if the
+        remote has none."""
         h = keys.tensor_hasher(*shape) if shape else keys.blob_hasher()
         tmp = self.layout.tmp / f".worker.{os.getpid()}.{keys.short(digest, 16)}.tmp"
 
@@ -317,7 +327,7 @@ class DetachedStore(Store):
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, dest)
         except Absent:
-            raise StoreMiss(
+            raise missing(
                 f"worker {self.who}: object {keys.short(digest)} is not in the remote "
                 f"{self.be.url}; rebuild"
             ) from None

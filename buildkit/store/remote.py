@@ -817,6 +817,12 @@ class Remote:
             sent = list(ex.map(lambda kv: self._put_object(store, *kv)[2], objs.items()))
         return sum(sent)
 
+    def missing(self, digests: list[str]) -> set[str]:
+        """The objects the remote lacks (a HEAD each)."""
+        with ThreadPoolExecutor(max(1, min(THREADS, len(digests))), "remote-head") as ex:
+            have = list(ex.map(lambda d: self.be.head(_fan("objects", d)), digests))
+        return {d for d, h in zip(digests, have) if not h}
+
     def get_into(self, digest: str, dtype: str, shape, path: str, offset: int) -> None:
         """A worker's output object, checked against its digest, into a pack at ``offset``."""
         want = nbytes(dtype, shape)
