@@ -19,6 +19,7 @@ LAYERS = (
     "grade",
     "quant",
     "clients",
+    "present",
     "engine",
     "steps",
     "cli",

@@ -15,6 +15,60 @@ from buildkit.cli.common import (
 from buildkit.core.errors import BuildkitError, UsageError
 
 
+def last_root(store, variant: str) -> dict | None:
+    last = None
+    for root in store.roots():  # oldest first
+        if root["request"].get("variant") == variant:
+            last = root
+    return last
+
+
+def _outputs(store, key: str) -> dict:
+    rec = store.get_action(key) or {}
+    return {k: store.get_artifact(d) for k, d in rec.get("outputs", {}).items()}
+
+
+def last_results(store, variant: str) -> list[dict]:
+    """Rows for a variant's last build: the model's figures (its eval nodes merged, size and
+    bits per weight as published), then one row per labelled eval (a baseline). Empty if the
+    variant was never built or its last build had no eval."""
+    from buildkit.present.tables import merge_evals
+
+    root = last_root(store, variant)
+    if root is None:
+        return []
+    reports, published = [], {}
+    for _name, node in sorted(root["nodes"].items()):
+        kind = (node.get("ingredients") or {}).get("kind")
+        if kind not in ("eval", "publish"):
+            continue
+        outs = _outputs(store, node["key"])
+        if "out" not in outs:
+            continue
+        if kind == "eval":
+            reports.append(outs["out"].meta.get("report", {}))
+        else:
+            meta = outs["out"].meta
+            published = {
+                "bits_per_weight": meta.get("bits_per_weight"),
+                "size_bytes": sum(
+                    s for n, s in meta.get("sizes", {}).items() if n.endswith(".safetensors")
+                ),
+            }
+    reports.sort(key=lambda r: (bool(r.get("label")), r.get("scope") == "head"))
+    merged = merge_evals(reports)  # trunk, head, labelled
+    if not merged:
+        return []
+    others = merged.pop("others", {})
+    rows = [{"variant": variant, **merged, **{k: v for k, v in published.items() if v}}]
+    for label, figs in sorted(others.items()):
+        row = {"variant": f"{variant} [{label}]", **figs}
+        if published.get("size_bytes") and figs.get("size_bytes") == merged.get("size_bytes"):
+            row.update(published)  # the same bits in other bytes: the published model's size
+        rows.append(row)
+    return rows
+
+
 def cmd_status(args) -> int:
     store = open_store(args)
     remote = open_remote(args)
@@ -65,7 +119,6 @@ def status_row(
     from buildkit.engine import manifest
     from buildkit.engine.plan import Planner
     from buildkit.engine.step import BuildOptions
-    from buildkit.grade import grades
 
     row = {"variant": path.stem, "built": False}
     try:
@@ -90,18 +143,36 @@ def status_row(
             state="stale" if stale else "fresh",
             reason=f"{stale[0].name}: {stale[0].reasons[0]}" if stale else "",
         )
-        figures = grades.last_results(store, path.stem)
+        figures = last_results(store, path.stem)
         if figures:
-            row["eval"] = {k: figures[0].get(k) for k, _, _ in grades.COLUMNS if k in figures[0]}
-            if figures[0].get("domains"):
-                row["eval"]["domains"] = figures[0]["domains"]
+            row["eval"] = {k: v for k, v in figures[0].items() if k in STATUS_KEYS}
     except BuildkitError as e:
         row.update(state="invalid", reason=str(e).splitlines()[0])
     return row
 
 
+STATUS_KEYS = {
+    "size_bytes",
+    "bits_per_weight",
+    "kld_mean",
+    "kld_p99",
+    "top1_agreement",
+    "ppl_model",
+    "ppl_source",
+    "acceptance",
+    "acceptance_source",
+    "drafts_by_depth",
+    "tokens_per_cycle",
+    "speculative",
+    "domains",
+    "ci95",
+    "tokens",
+    "text_tokens",
+}
+
+
 def print_status(rows: list[dict]) -> None:
-    from buildkit.grade import grades
+    from buildkit.present import tables
 
     for r in rows:
         where = (
@@ -115,34 +186,23 @@ def print_status(rows: list[dict]) -> None:
         )
         if r.get("eval"):
             e = r["eval"]
-            print(
-                f"{'':16} "
-                + ", ".join(f"{h} {f(e[k])}" for k, h, f in grades.COLUMNS if e.get(k) is not None)
-            )
+            print(f"{'':16} {tables.line(e)}")
             for name, d in sorted((e.get("domains") or {}).items()):
-                print(f"{'':18}{grades.domain_line(name, d)}")
+                print(f"{'':18}{name}: {tables.line(d)}")
 
 
 def cmd_eval(args) -> int:
-    from buildkit.grade import calibration as cal
     from buildkit.grade import evaluate as ev
-    from buildkit.steps.eval import EvalParams, heldout_tokens, read_text, whole_tokens
 
-    p = EvalParams()
     model, source = ev.DirWeights(Path(args.model)), ev.DirWeights(Path(args.source))
     if source.quantization:
         raise UsageError(
             f"--source {args.source} is quantized; point it at the bf16 source directory"
         )
-    limit = args.max_tokens or p.max_tokens
-    if args.text:  # the user's own text: graded whole
-        text = read_text(cal.text_path(args.text, Path.cwd()))
-        tokens, in_text = whole_tokens(text, source.tokenizer_json(), limit)
-        graded = {"text": args.text, "text_tokens": in_text, "lines": "all"}
-    else:  # the builtin calibration text: its held-out lines, as the eval step grades it
-        text = read_text(cal.text_path(p.text, Path.cwd()))
-        tokens = heldout_tokens(text, p.heldout_every, source.tokenizer_json(), limit)
-        graded = {"text": p.text, "lines": f"held-out (every {p.heldout_every}th)"}
+    from buildkit.steps.eval import EvalParams
+
+    p = EvalParams()
+    tokens, graded = eval_tokens(args, source, p)
     figures, (ts, tm) = ev.evaluate(source, model, tokens, p.seq_len)
     figures |= graded
     figures["size_bytes"] = model.bytes()
@@ -150,47 +210,92 @@ def cmd_eval(args) -> int:
         from buildkit.grade import drafting
 
         depth = args.depth or p.depth
-        figures |= drafting.figures(source, model, ts, tm, tokens, depth, p.verify_cost)
+        ev.merge(figures, drafting.figures(source, model, ts, tm, tokens, depth, p.verify_cost))
     if args.speculative:
-        from buildkit.clients import speculative as spec
-
-        if "acceptance" not in figures:
-            raise UsageError(f"--speculative: {args.model} has no MTP head to draft with")
-        sp = spec.SpeculativeParams()
-        prompts = spec.decode_prompts(
-            source.tokenizer_json(), spec.prompt_ids(tokens, sp.prompts, sp.prompt_tokens)
-        )
-        figures["speculative"] = spec.run(Path(args.model), prompts, depth, sp)
+        figures["speculative"] = speculative(args, source, tokens, "acceptance" in figures)
     rc = 1 if figures.get("speculative", {}).get("lossless") is False else 0
     if args.json:
         print(json.dumps(figures, indent=2, sort_keys=True))
-        return rc
-    for k, v in figures.items():
-        print(f"{k:20} {v:.6g}" if isinstance(v, float) else f"{k:20} {v}")
+    else:
+        print_eval(figures)
     return rc
 
 
+def eval_tokens(args, source, p) -> tuple[list[int], dict]:
+    """The tokens ``buildkit eval`` grades and what they are: a user's ``--text`` whole (unless
+    ``--max-tokens`` caps it), else the builtin text's held-out lines as the step grades them."""
+    from buildkit.grade import calibration as cal
+    from buildkit.steps.eval import heldout_tokens, read_text, whole_tokens
+
+    if args.text:  # the user's own text: graded whole
+        text = read_text(cal.text_path(args.text, Path.cwd()))
+        tokens, in_text = whole_tokens(text, source.tokenizer_json(), args.max_tokens or 1 << 62)
+        return tokens, {"text": args.text, "text_tokens": in_text, "lines": "all"}
+    text = read_text(cal.text_path(p.text, Path.cwd()))
+    every = heldout_tokens(text, p.heldout_every, source.tokenizer_json(), 1 << 62)
+    tokens = every[: args.max_tokens or p.max_tokens]
+    held = f"held-out (every {p.heldout_every}th)"
+    return tokens, {"text": p.text, "text_tokens": len(every), "lines": held}
+
+
+def speculative(args, source, tokens: list[int], has_head: bool) -> dict:
+    from buildkit.clients import speculative as spec
+    from buildkit.steps.eval import EvalParams
+
+    if not has_head:
+        raise UsageError(f"--speculative: {args.model} has no MTP head to draft with")
+    sp = spec.SpeculativeParams()
+    prompts = spec.decode_prompts(
+        source.tokenizer_json(), spec.prompt_ids(tokens, sp.prompts, sp.prompt_tokens)
+    )
+    return spec.run(Path(args.model), prompts, args.depth or EvalParams().depth, sp)
+
+
+SKIP = {"ci95", "per_window", "per_window_acceptance", "kld_tail_positions", "domains"}
+
+
+def print_eval(figures: dict) -> None:
+    """``buildkit eval``'s figures, one a line, each ``value ± half-width``: first how many of
+    the text's tokens were graded."""
+    from buildkit.present import tables
+
+    n, m = figures["tokens"], figures.get("text_tokens", figures["tokens"])
+    cut = "" if n >= m else " (capped by --max-tokens)"
+    print(f"{'graded':20} {n} of {m} tokens of {figures['text']}{cut}")
+    ci = figures.get("ci95") or {}
+    for k, v in figures.items():
+        if k in SKIP or k in ("tokens", "text_tokens", "text"):
+            continue
+        if isinstance(v, float):
+            print(f"{k:20} {tables.pm(v, ci.get(k), '{:.6g}'.format)}")
+        else:
+            print(f"{k:20} {v}")
+    cells = tables.depth_cells(figures)
+    if "tokens_per_cycle" in cells:
+        print(f"{'tok/cycle ± 95%':20} {cells['tokens_per_cycle']}")
+
+
 def cmd_compare(args) -> int:
-    from buildkit.grade import grades
+    from buildkit.present import plots, tables
 
     store = open_store(args)
     rows, missing = [], []
     for v in args.variants:
-        got = grades.last_results(store, Path(v).stem)
+        got = last_results(store, Path(v).stem)
         rows += got
         if not got:
             missing.append(v)
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
     elif rows:
-        print(grades.table(rows))
+        print(tables.table(rows))
     for v in missing:
         print(
             f"{v}: no eval results (never built, or its last build has no eval step)",
             file=sys.stderr,
         )
     if args.plot and rows:
-        grades.plot(rows, Path(args.plot))
+        plots.plot(rows, Path(args.plot))
         print(f"wrote {args.plot}", file=sys.stderr)
     return 1 if missing else 0
 
@@ -212,7 +317,12 @@ def add(sub) -> None:
         help="a UTF-8 text file, graded whole (default: the held-out lines, every 5th, of the "
         "builtin calibration text)",
     )
-    ev.add_argument("--max-tokens", type=int, help="at most this many tokens (default 128)")
+    ev.add_argument(
+        "--max-tokens",
+        type=int,
+        help="at most this many tokens (default: all of --text; the eval step's max_tokens "
+        "of the builtin text)",
+    )
     ev.add_argument(
         "--depth", type=int, help="MTP drafts per cycle measured, teacher-forced (default 3)"
     )

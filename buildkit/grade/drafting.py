@@ -15,7 +15,9 @@ trunk ran on the text). Depth k counts only positions whose k-1 earlier drafts w
 the accepted drafts and the target lies inside the text: elsewhere the trunk's state at t+k
 follows other tokens than the drafts, and comparing a draft with it understates acceptance
 (bench/RESULTS.md). So tried at depth k <= accepted at depth k-1. Tokens per verify cycle
-with k drafts = 1 + sum over i <= k of the product of the conditional rates r1..ri.
+with k drafts = 1 + sum over i <= k of the product of the conditional rates r1..ri, reported
+only up to the last depth with enough tries (``stats.depth_figures``: rates, intervals, the
+best draft length).
 
 The trunk runs once (the eval step's kept states); each depth is one pass of the head over
 every position, its attention over (depth x positions) keys.
@@ -68,8 +70,8 @@ def head_pass(head, emb, hidden, cache, mask):
 
 
 def drafts_by_depth(w: ev.Weights, t: ev.Trunk, tokens: list[int], depth: int) -> list[list[int]]:
-    """[[accepted, tried], ...] for depths 1..``depth`` of ``w``'s head on its own trunk ``t``
-    (``t.argmax`` filled) over ``tokens``, the text the trunk ran."""
+    """Per window, [[accepted, tried], ...] for depths 1..``depth`` of ``w``'s head on its own
+    trunk ``t`` (``t.argmax`` filled) over ``tokens``, the text the trunk ran."""
     return count(chains(w, t, depth), t, tokens, depth)
 
 
@@ -112,12 +114,13 @@ def chains(w: ev.Weights, t: ev.Trunk, depth: int) -> list[list]:
     return drafts
 
 
-def count(drafts: list[list], t: ev.Trunk, tokens: list[int], depth: int) -> list[list[int]]:
-    """Accepted and tried drafts per depth. A depth-k draft at t is tried when the k-1 drafts
+def count(drafts: list[list], t: ev.Trunk, tokens: list[int], depth: int) -> list:
+    """Per window, accepted and tried drafts per depth ([window][depth] = [accepted, tried]:
+    the bootstrap resamples windows). A depth-k draft at t is tried when the k-1 drafts
     before it were accepted and the text itself went on with them (x_{t+1+i} = d_i): only then
     is the trunk's state at t+k, teacher-forced on the text, the one a verify would compare
     the draft with; and when its target, the trunk's argmax at t+k, lies inside the text."""
-    counts = np.zeros((depth, 2), np.int64)
+    out = []
     ams, start = iter(t.argmax), 0
     for j in range(len(drafts)):
         for r in range(t.h[j].shape[0]):
@@ -127,27 +130,14 @@ def count(drafts: list[list], t: ev.Trunk, tokens: list[int], depth: int) -> lis
             start += L
             pos = np.arange(L - 1)
             alive = np.ones(L - 1, bool)
+            counts = np.zeros((depth, 2), np.int64)
             for d in range(1, depth + 1):
                 draft = np.array(drafts[j][d - 1][r])
                 tried = alive & (pos + d <= L - 2)
                 ok = tried & (draft == a[np.minimum(pos + d, L - 1)])
                 counts[d - 1] += (int(ok.sum()), int(tried.sum()))
                 alive = ok & (draft == x[np.minimum(pos + d + 1, L - 1)])
-    return counts.tolist()
-
-
-def rates(drafts: list[list[int]]) -> list[float | None]:
-    """Conditional acceptance per depth (accepted / tried; None where nothing was tried)."""
-    return [a / n if n else None for a, n in drafts]
-
-
-def tokens_per_cycle(rs: list[float | None]) -> list[float]:
-    """Expected tokens per verify cycle with 1..len(rs) drafts: 1 + sum of cumulative products."""
-    out, total, prod = [], 1.0, 1.0
-    for r in rs:
-        prod *= r or 0.0
-        total += prod
-        out.append(total)
+            out.append(counts.tolist())
     return out
 
 
@@ -165,14 +155,6 @@ def verify_costs(verify_cost: float | list[float], depth: int) -> list[float]:
     return [float(c) for c in verify_cost[:depth]]
 
 
-def best_yield(tpc: list[float], verify_cost: float | list[float]) -> dict:
-    """The draft length with the best modelled speedup (tokens per cycle / verify cost)."""
-    costs = verify_costs(verify_cost, len(tpc))
-    speed = [t / c for t, c in zip(tpc, costs, strict=True)]
-    k = int(np.argmax(speed)) + 1
-    return {"best_drafts": k, "speedup": speed[k - 1], "verify_cost": costs}
-
-
 def figures(
     src: ev.Weights,
     mod: ev.Weights,
@@ -182,89 +164,18 @@ def figures(
     depth: int,
     verify_cost: float | list[float],
 ) -> dict:
-    """The eval report's depth figures: this head on this trunk, and the bf16 head on the
-    bf16 trunk (``*_source``)."""
-    dm = drafts_by_depth(mod, tm, tokens, depth)
-    ds = drafts_by_depth(src, ts, tokens, depth)
-    rm = rates(dm)
-    tpc = tokens_per_cycle(rm)
-    y = best_yield(tpc, verify_cost)
+    """The eval report's depth figures, with intervals (``stats.depth_figures``): this head on
+    this trunk, and the bf16 head on the bf16 trunk (``*_source``)."""
+    from buildkit.grade import stats
+
+    costs = verify_costs(verify_cost, depth)
+    fm = stats.depth_figures(drafts_by_depth(mod, tm, tokens, depth), costs, len(tokens))
+    fs = stats.depth_figures(drafts_by_depth(src, ts, tokens, depth), costs, len(tokens))
+    ci = fm.pop("ci95")
+    ci["tokens_per_cycle_source"] = fs["ci95"]["tokens_per_cycle"]
     return {
-        "drafts_by_depth": dm,
-        "acceptance_by_depth": rm,
-        "tokens_per_cycle": tpc,
-        "drafts_by_depth_source": ds,
-        "tokens_per_cycle_source": tokens_per_cycle(rates(ds)),
-        "verify_cost": y["verify_cost"],
-        "best_drafts": y["best_drafts"],
-        "modelled_speedup": y["speedup"],
+        **fm,
+        "drafts_by_depth_source": fs["drafts_by_depth"],
+        "tokens_per_cycle_source": fs["tokens_per_cycle"],
+        "ci95": ci,
     }
-
-
-def card_lines(evals: dict, text: str | None = None) -> list[str]:
-    """The card's drafting section: the published line format, tokens per cycle, the yield,
-    and mlx_vlm's own run if there was one."""
-    dm = evals.get("drafts_by_depth")
-    if not dm:
-        return []
-    acc, tried = sum(a for a, _ in dm), sum(n for _, n in dm)
-    on = f" on {evals.get('tokens', '?')} tokens of {text}" if text else ""
-    depths = ", ".join(f"d{i}={a}/{n}" for i, (a, n) in enumerate(dm, 1))
-    tpc = evals.get("tokens_per_cycle", [])
-    costs = evals.get("verify_cost") or []
-    lines = [
-        "",
-        "## Speculative decoding (MTP head)",
-        "",
-        f"Teacher-forced{on}: {acc / tried:.1%} acceptance ({acc}/{tried} drafts, depth {depths}).",
-        "",
-        "| drafts per cycle | " + " | ".join(str(i) for i in range(1, len(tpc) + 1)) + " |",
-        "|---|" + "---|" * len(tpc),
-        "| tokens per verify cycle | " + " | ".join(f"{x:.2f}" for x in tpc) + " |",
-    ]
-    if costs:
-        lines.append(
-            "| modelled speedup (tokens per cycle / verify cost "
-            f"{'/'.join(f'{c:g}' for c in costs)}) | "
-            + " | ".join(f"{x / c:.2f}x" for x, c in zip(tpc, costs, strict=False))
-            + " |"
-        )
-    spec = evals.get("speculative")
-    if spec:
-        lines.append(
-            "| mlx_vlm, float32: tokens per round | "
-            + " | ".join("-" if x is None else f"{x:.2f}" for x in spec["tokens_per_round"])
-            + " |"
-        )
-    lines += [
-        "",
-        "Drafting pays where tokens per cycle exceed the verify cost (a cycle verifying drafts "
-        "on a mixture-of-experts model costs more than a plain decode step: each draft position "
-        f"routes its own experts). Best modelled draft length: {evals.get('best_drafts')} "
-        f"({evals.get('modelled_speedup', float('nan')):.2f}x).",
-    ]
-    if spec:
-        ok = "identical to" if spec["lossless"] else "DIFFERENT from"
-        lines += [
-            "",
-            f"mlx_vlm's own speculative generation with `mtp/` (greedy, float32, "
-            f"{spec['prompts']} prompts of {spec['prompt_tokens']} tokens, "
-            f"{spec['max_tokens']} new tokens each, draft lengths 1-{len(spec['rounds'])}): "
-            f"output {ok} plain greedy decoding; rounds {spec['rounds']}, accepted "
-            f"{spec['accepted']}, drafted {spec['drafted']}; wall-clock against plain decoding "
-            f"on a CPU (not a Metal figure): "
-            + (
-                ", ".join(f"{x:.2f}x" for x in spec["wall_ratio_cpu"])
-                if "wall_ratio_cpu" in spec
-                else "not kept in a build (`buildkit eval --speculative` measures it)"
-            )
-            + f". In bf16, {spec['bf16_divergent_prompts']} of {spec['prompts']} prompts "
-            "diverge from plain greedy"
-            + (
-                f" (after {spec['bf16_tokens_before_divergence']:.1f} tokens on average)"
-                if spec.get("bf16_tokens_before_divergence") is not None
-                else ""
-            )
-            + ": batched verification and single-token decoding round differently near ties.",
-        ]
-    return lines

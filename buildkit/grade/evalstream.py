@@ -382,6 +382,7 @@ class HeadScan:
         self.arg = [np.zeros(n, np.int64) for _ in ws]
         self.tgt = [np.full(n, np.nan) for _ in ws]
         self.t = np.zeros(n)  # sum exp(a - m_0) (a - b)
+        self.at_ref = np.full(n, -np.inf)  # model 1's logit at model 0's running argmax
         self.run()
 
     def run(self) -> None:
@@ -410,6 +411,9 @@ class HeadScan:
             if i == 0 and len(ls) == 2:
                 diff = lg - ls[1]
                 self.t = self.t * scale + (e * diff).sum(axis=1, dtype=np.float64)
+            if i == 0 and len(ls) == 2:  # for delta p: model 1's logit where model 0 tops
+                up = mx_ > self.m[0]
+                self.at_ref = np.where(up, ls[1][rows, top].astype(np.float64), self.at_ref)
             self.arg[i] = np.where(mx_ > self.m[i], top + a, self.arg[i])
             self.m[i] = new
             if self.targets is not None:
@@ -422,6 +426,10 @@ class HeadScan:
     def kl(self) -> np.ndarray:
         """KL(p_0 || p_1) per position, float rounding below zero clipped."""
         return np.maximum(self.t / self.s[0] - self.lse(0) + self.lse(1), 0.0)
+
+    def delta_p(self) -> np.ndarray:
+        """p_1 - p_0 of the token model 0 ranks first (llama.cpp's delta p), per position."""
+        return np.exp(self.at_ref - self.lse(1)) - np.exp(self.m[0] - self.lse(0))
 
     def nll(self, i: int) -> np.ndarray:
         return self.lse(i) - self.tgt[i]

@@ -334,9 +334,10 @@ def position_figures(
     src: Weights, mod: Weights, ts: Trunk, tm: Trunk, seqs: list[np.ndarray]
 ) -> dict[str, np.ndarray]:
     """Per position with a next token (``rows``' order): KL(p_source || p_model), top-1
-    agreement, each model's negative log-likelihood of the next token, and the batch it is in.
-    Both heads are streamed over the vocabulary (``evalstream.HeadScan``); fills each Trunk's
-    ``argmax`` (every position)."""
+    agreement, delta p (the change in the probability of the source's top token), each model's
+    negative log-likelihood of the next token, and the window (sequence) it is in. Both heads
+    are streamed over the vocabulary (``evalstream.HeadScan``); fills each Trunk's ``argmax``
+    (every position)."""
     from buildkit.grade import evalstream as es
 
     targets = np.concatenate([np.append(s[1:], -1) for _, _, s in rows(seqs)])
@@ -345,30 +346,25 @@ def position_figures(
     for t, arg in zip((ts, tm), scan.arg, strict=True):
         t.argmax = np.split(arg, np.cumsum(lengths)[:-1])
     valid = targets >= 0
-    batch = np.concatenate([np.full(len(s), j) for j, _, s in rows(seqs)])
+    window = np.concatenate([np.full(len(s), i) for i, (_, _, s) in enumerate(rows(seqs))])
     return {
         "kl": scan.kl()[valid],
         "agree": (scan.arg[0] == scan.arg[1])[valid],
+        "delta_p": scan.delta_p()[valid],
         "nll_source": scan.nll(0)[valid],
         "nll_model": scan.nll(1)[valid],
-        "batch": batch[valid],
+        "window": window[valid],
     }
 
 
 def summarize(f: dict[str, np.ndarray], where: np.ndarray | None = None) -> dict:
-    """The figures of ``position_figures`` over all positions, or those ``where`` is true."""
+    """The figures of ``position_figures`` over all positions, or those ``where`` is true,
+    each with its interval (``stats.trunk_figures``)."""
+    from buildkit.grade import stats
+
     if where is not None:
         f = {k: v[where] for k, v in f.items()}
-    kl = f["kl"].astype(np.float64)
-    return {
-        "positions": int(len(kl)),
-        "kld_mean": float(kl.mean()),
-        "kld_median": float(np.median(kl)),
-        "kld_p99": float(np.percentile(kl, 99)),
-        "top1_agreement": float(f["agree"].mean()),
-        "ppl_source": float(np.exp(f["nll_source"].astype(np.float64).mean())),
-        "ppl_model": float(np.exp(f["nll_model"].astype(np.float64).mean())),
-    }
+    return stats.trunk_figures(f)
 
 
 # ---- the MTP head ----------------------------------------------------------------------
@@ -414,8 +410,8 @@ def head_acceptance(w: Weights, t: Trunk) -> dict:
 
 
 def head_hits(w: Weights, t: Trunk) -> tuple[list[int], list[int]]:
-    """Per batch of ``t``: the head's hits and the positions graded. The head's own decoder
-    layer streams its experts, the trunk's lm_head its vocabulary (``evalstream``)."""
+    """Per window (sequence) of ``t``: the head's hits and the positions graded. The head's
+    own decoder layer streams its experts, the trunk's lm_head its vocabulary (``evalstream``)."""
     import mlx.core as mx
 
     from buildkit.grade import evalstream as es
@@ -448,9 +444,10 @@ def head_hits(w: Weights, t: Trunk) -> tuple[list[int], list[int]]:
         B, L = h.shape[0], h.shape[1]
         p = pred[at : at + B * (L - 1)].reshape(B, L - 1)
         at += B * (L - 1)
-        want = np.stack([next(ams)[1:] for _ in range(B)])  # the trunk's own argmax at t+1
-        hits.append(int((p[:, :-1] == want[:, :-1]).sum()))  # t+2 inside the text
-        totals.append(B * max(L - 2, 0))
+        for r in range(B):  # per window: the bootstrap resamples whole windows
+            want = next(ams)[1:]  # the trunk's own argmax at t+1
+            hits.append(int((p[r, :-1] == want[:-1]).sum()))  # t+2 inside the text
+            totals.append(max(L - 2, 0))
     return hits, totals
 
 
@@ -485,16 +482,57 @@ def evaluate(
     domains: dict[str, list[int]] | None = None,
 ):
     """(figures, trunks): the trunk figures and, if ``head`` and both models have one, the
-    acceptance of each head on its own trunk. ``domains`` (name -> token ids) run through the
-    same pass (the weights are read once for all texts); each gets its figures under
-    ``figures["domains"][name]``."""
+    acceptance of each head on its own trunk, each with its interval. ``domains`` (name ->
+    token ids) run through the same pass (the weights are read once for all texts); each gets
+    its figures under ``figures["domains"][name]``."""
+    m = measure(src, mod, {"": tokens, **(domains or {})}, seq_len, head, progress)
+    return report(m, {"": len(tokens), **{g: len(t) for g, t in (domains or {}).items()}}), (
+        m.ts,
+        m.tm,
+    )
+
+
+@dataclass
+class Measured:
+    """One or more passes of both models over windows: per-position figures (``window`` numbers
+    every window of every pass in order), each window's text ("" the main one, else a
+    domain), both trunks and, with heads, each head's hits and graded positions per window."""
+
+    pf: dict
+    groups: list[str]
+    ts: Trunk
+    tm: Trunk
+    hits: dict | None = None  # "model"/"source" -> (hits, totals) per window
+
+    def extend(self, more: Measured) -> None:
+        """Append another pass (its windows numbered after these)."""
+        off = len(self.groups)
+        for k, v in more.pf.items():
+            self.pf[k] = np.concatenate([self.pf[k], v + off if k == "window" else v])
+        self.groups += more.groups
+        for a, b in ((self.ts, more.ts), (self.tm, more.tm)):
+            a.x0, a.h, a.argmax, a.groups = (
+                a.x0 + b.x0,
+                a.h + b.h,
+                list(a.argmax) + list(b.argmax),
+                a.groups + b.groups,
+            )
+        if self.hits and more.hits:
+            for k in self.hits:
+                self.hits[k] = tuple(x + y for x, y in zip(self.hits[k], more.hits[k], strict=True))
+
+
+def measure(
+    src: Weights, mod: Weights, texts: dict[str, list[int]], seq_len: int, head=True, progress=None
+) -> Measured:
+    """Both models over every text's windows (name -> token ids, "" the main text)."""
     import mlx.core  # noqa: F401  (so that its buffer cache can be turned off before the first layer)
 
     from buildkit.core.allocator import tune_imported
 
     tune_imported()  # freed layers go back to malloc, not to a second reserve in mlx
     seqs, groups = [], []
-    for g, toks in {"": tokens, **(domains or {})}.items():
+    for g, toks in texts.items():
         for b in sequences(toks, seq_len):
             seqs.append(b)
             groups.append(g)
@@ -505,40 +543,60 @@ def evaluate(
     tm = run_trunk(mod, seqs, progress)
     ts.groups = tm.groups = groups
     pf = position_figures(src, mod, ts, tm, seqs)
-    in_group = np.array(groups)[pf["batch"]]
-    fig = {"tokens": len(tokens), **summarize(pf, in_group == "")}
-    if domains:
-        fig["domains"] = {
-            g: {"tokens": len(toks), **summarize(pf, in_group == g)} for g, toks in domains.items()
-        }
+    window_groups = [groups[j] for j, _, _ in rows(seqs)]
+    hits = None
     if head and mod.has_head() and src.has_head():
-        _merge(fig, heads(src, mod, ts, tm))
-    return fig, (ts, tm)
+        hits = {"model": head_hits(mod, tm), "source": head_hits(src, ts)}
+    return Measured(pf, window_groups, ts, tm, hits)
 
 
-def _merge(fig: dict, more: dict) -> None:
+def report(m: Measured, tokens: dict[str, int]) -> dict:
+    """The figures of a measurement: the main text's, and each domain's under ``domains``."""
+    in_group = np.array(m.groups)[m.pf["window"]]
+    fig = {"tokens": tokens[""], **summarize(m.pf, in_group == "")}
+    doms = [g for g in tokens if g]
+    if doms:
+        fig["domains"] = {g: {"tokens": tokens[g], **summarize(m.pf, in_group == g)} for g in doms}
+    if m.hits:
+        merge(fig, heads(m.hits, m.groups))
+    return fig
+
+
+def merge(fig: dict, more: dict) -> None:
+    """Add ``more``'s figures to ``fig``'s, domains and intervals merged, not replaced."""
     for k, v in more.items():
         if k == "domains":
             for g, d in v.items():
-                fig.setdefault("domains", {}).setdefault(g, {}).update(d)
+                merge(fig.setdefault("domains", {}).setdefault(g, {}), d)
+        elif k == "ci95":
+            fig.setdefault("ci95", {}).update(v)
         else:
             fig[k] = v
 
 
-def heads(src: Weights, mod: Weights, ts: Trunk, tm: Trunk) -> dict:
-    """Each head's acceptance on its own trunk: over the main text, and per domain."""
-    (a, na), (b, nb) = head_hits(mod, tm), head_hits(src, ts)
-    groups = tm.groups or [""] * len(na)
+def window_groups(t: Trunk) -> list[str]:
+    """Each window's (sequence's) text, from a trunk's per-batch ``groups``."""
+    groups = t.groups or [""] * len(t.h)
+    return [g for h, g in zip(t.h, groups, strict=True) for _ in range(h.shape[0])]
 
-    def acc(hits, totals, g):
-        h = sum(x for x, y in zip(hits, groups, strict=True) if y == g)
-        n = sum(x for x, y in zip(totals, groups, strict=True) if y == g)
-        return (h / n if n else float("nan")), n
+
+def heads(hits: dict, groups: list[str]) -> dict:
+    """Each head's acceptance on its own trunk (``hits``: "model"/"source" -> per-window hits
+    and totals; ``groups``: each window's text), over the main text and per domain, with
+    intervals."""
+    from buildkit.grade import stats
 
     out = {}
     for g in dict.fromkeys(groups):
-        (am, n), (asrc, _) = acc(a, na, g), acc(b, nb, g)
-        fig = {"acceptance": am, "acceptance_source": asrc, "acceptance_positions": n}
+        sel = [i for i, y in enumerate(groups) if y == g]
+        fig, ci = {}, {}
+        for who, key in (("model", "acceptance"), ("source", "acceptance_source")):
+            h, n = (np.asarray(x)[sel] for x in hits[who])
+            fig[key], ci[key] = stats.acceptance(h, n)
+            if who == "model":
+                fig["acceptance_positions"] = int(n.sum())
+                fig["per_window_acceptance"] = {"hits": h.tolist(), "totals": n.tolist()}
+        fig["ci95"] = ci
         if g:
             out.setdefault("domains", {})[g] = fig
         else:

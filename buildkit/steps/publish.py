@@ -31,7 +31,6 @@ from pathlib import Path
 from pydantic import Field
 
 from buildkit.clients import loadcheck
-from buildkit.clients.card import model_card
 from buildkit.clients.configs import (
     drafter_config,
     missing_for_images,
@@ -41,7 +40,8 @@ from buildkit.core.errors import StepError, UsageError
 from buildkit.engine.step import Context, Params, Slot, Step, register
 from buildkit.formats import checkpoint as ckpt
 from buildkit.formats.tensors import nbytes, read_header
-from buildkit.grade.grades import merge_evals
+from buildkit.present.card import model_card
+from buildkit.present.tables import merge_evals
 from buildkit.quant.quantize import quantization_config
 from buildkit.store import packs
 from buildkit.store.artifact import Artifact

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from conftest import Project, shard_parts
 
-from buildkit.clients.card import card_origin
 from buildkit.core.errors import UsageError
 from buildkit.engine.step import BuildOptions, Context, Progress
+from buildkit.present.card import card_origin
 from buildkit.quant.quantize import quantization_config
 from buildkit.steps.publish import (
     STAMP,
