@@ -170,7 +170,7 @@ EVAL_ROWS = (  # (key, what it is, format)
 
 def graded_line(evals: dict) -> str:
     """What the figures rest on: N of M tokens, why grading stopped, windows, the interval."""
-    text = f" of {evals['text']}" if evals.get("text") else ""
+    text = f" of the held-out lines of {evals['text']}" if evals.get("text") else ""
     of = f" of {evals['text_tokens']}" if evals.get("text_tokens") else ""
     why = f", stopped by {evals['stopped_by']}" if evals.get("stopped_by") else ""
     return (

@@ -61,10 +61,20 @@ def test_figures_are_finite_and_sane(built):
         and 0 <= e["acceptance_source"] <= 1
     )
     assert e["ppl_model"] > 1 and e["ppl_source"] > 1
-    assert e["tokens"] == 128 and e["positions"] == 127  # the default: one sequence of 128
+    assert e["tokens"] == 2048 and e["windows"] == 16  # the default: 16 sequences of 128
+    assert e["positions"] == 2048 - 16 and e["text_tokens"] >= 2048
+    for k in ("kld_mean", "kld_median", "kld_p90", "kld_p95", "kld_p99", "kld_p999"):
+        lo, hi = e["ci95"][k]  # llama.cpp's KLD report, each figure with its interval
+        assert lo <= e[k] <= hi, k
+    assert e["kld_median"] <= e["kld_p90"] <= e["kld_p95"] <= e["kld_p99"] <= e["kld_p999"]
+    assert -1 <= e["delta_p_mean"] <= 1 and 0 <= e["delta_p_rms"] <= 1
+    assert e["ppl_ratio"] == pytest.approx(e["ppl_model"] / e["ppl_source"], rel=1e-9)
+    assert set(e["ci95"]) >= {"delta_p_mean", "delta_p_rms", "top1_agreement", "ppl_ratio"}
     card = (p.out / "xl-mtp" / "README.md").read_text()
     assert "## Evaluation" in card and "KL divergence KL(p_bf16 ‖ p_model), mean" in card
-    assert f"{e['kld_mean']:.5f}" in card
+    h = (e["ci95"]["kld_mean"][1] - e["ci95"]["kld_mean"][0]) / 2
+    assert f"{e['kld_mean']:.5f} ± {h:.5f}" in card
+    assert f"On 2048 of {e['text_tokens']} tokens of the held-out lines" in card
     assert "acceptance" not in eval_json(p, "xl")  # xl has no head: no acceptance figure
 
 
@@ -84,16 +94,17 @@ def test_xl_mtp_reuses_xls_eval_node_and_grades_only_the_head(built):
         "modelled_speedup",
         "speculative",
         "text",
+        "undecided",
+        "per_window_acceptance",
+        "ci95",
     }
-    trunk = {
-        k: v
-        for k, v in eval_json(p, "xl-mtp").items()
-        if not k.startswith("acceptance") and k not in head
-    }
+    mtp = eval_json(p, "xl-mtp")
+    trunk = {k: v for k, v in mtp.items() if not k.startswith("acceptance") and k not in head}
     xl = eval_json(p, "xl")
-    assert trunk == {k: v for k, v in xl.items() if k != "text"} | {
+    assert trunk == {k: v for k, v in xl.items() if k not in ("text", "ci95")} | {
         "size_bytes": trunk["size_bytes"]
     }
+    assert xl["ci95"].items() <= mtp["ci95"].items()  # the head's intervals join the trunk's
     assert eval_json(p, "xl-mtp")["text"] == xl["text"] == "builtin:calibration.txt"
 
 
@@ -269,7 +280,8 @@ def test_a_gate_fails_a_release_build_with_a_clear_message(built, tmp_path):
         check=False,
     )
     assert rel.returncode == 1
-    assert "release gate failed: kld_mean" in rel.stderr and "> max_kld_mean 1e-09" in rel.stderr
+    assert "release gate failed: kld_mean" in rel.stderr
+    assert "is not all <= max_kld_mean 1e-09" in rel.stderr  # judged on the interval
     assert "release gate not met by the cached figures" in rel.stderr  # why it ran again
     assert not (p.manifests / "xl-gated.lock").exists()
 
@@ -300,17 +312,18 @@ def test_oq4e_grades_a_data_agnostic_baseline_beside_itself(built, tmp_path, cap
         assert set(figs["domains"]) == {"prose", "code", "fr"}
         for name, d in figs["domains"].items():
             whole = tok.encode((texts / f"{name}.txt").read_text(), add_special_tokens=False)
-            assert d["tokens"] == min(len(whole.ids), 128), name
+            assert d["tokens"] == min(len(whole.ids), 2048), name
             assert math.isfinite(d["kld_mean"]) and 0 <= d["top1_agreement"] <= 1, name
-            assert d["positions"] == d["tokens"] - n_sequences(whole.ids[:128])
+            assert d["positions"] == d["tokens"] - n_sequences(whole.ids[:2048])
     assert all(0 <= d["acceptance"] <= 1 for d in e["domains"].values())  # its head, per domain
     assert e["text"] == "builtin:calibration.txt"
     card = (p.out / "oq4e-mtp-xl" / "README.md").read_text()
     assert "held-out lines of builtin:calibration.txt" in card
     for name, d in e["domains"].items():
         ratio = d["kld_mean"] / base["domains"][name]["kld_mean"]
-        assert f"| {name} | {d['tokens']} | {d['kld_mean']:.5f} |" in card
-        assert f"| {ratio:.3f} |" in card
+        assert f"| {name} | {d['tokens']} | {d['kld_mean']:.5f} ± " in card
+        assert base["domains"][name]["kld_ratio"] == pytest.approx(ratio, rel=1e-9)
+        assert f"| {ratio:.3f} ± " in card  # paired by window
     assert rows[0]["domains"]["code"]["kld_mean"] == e["domains"]["code"]["kld_mean"]
     capsys.readouterr()
     assert p.cli("compare", "oq4e-mtp-xl") == 0
