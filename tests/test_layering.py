@@ -101,3 +101,17 @@ def test_the_check_catches_an_upward_import_a_private_name_and_a_cycle(tmp_path)
     assert "buildkit.store.a (line 2) imports buildkit.engine.plan: store is below engine" in found
     assert any("private name _hidden" in f for f in found)
     assert any(f.startswith("import cycle:") and "buildkit.engine.plan" in f for f in found)
+
+
+def test_present_reads_figures_never_the_store():
+    """The card and tables are given what they show: nothing in present/ opens a store (the
+    Artifact listing, a value publish passes in, is all it may take from store/)."""
+    root = Path(buildkit.__file__).parent
+    found = [
+        f"{importer} (line {line}) imports {imported}"
+        for importer, imported, _, line in imports(root)
+        if importer.startswith("buildkit.present")
+        and imported.startswith("buildkit.store")
+        and imported != "buildkit.store.artifact"
+    ]
+    assert found == []

@@ -29,10 +29,18 @@ LISTS = (  # per draft depth: (key, heading)
 )
 
 
-def pm(v, ci, fmt) -> str:
-    """``v ± half-width`` of its 95% interval, or ``v`` alone without one."""
+def pm(v, ci, fmt, bracket: bool = False) -> str:
+    """``v ± half-width`` of its 95% interval (``bracket``: ``v [lo, hi]``, for the skewed
+    intervals of tail percentiles), or ``v`` alone without one."""
     h = stats.half_width(ci)
-    return fmt(v) if h is None else f"{fmt(v)} ± {fmt(h)}"
+    if h is None:
+        return fmt(v)
+    if bracket:
+        return f"{fmt(v)} [{fmt(ci[0])}, {fmt(ci[1])}]"
+    return f"{fmt(v)} ± {fmt(h).lstrip('+')}"
+
+
+SKEWED = {"kld_p90", "kld_p95", "kld_p99", "kld_p999"}  # shown as [lo, hi]
 
 
 def _shown(v) -> bool:
@@ -177,7 +185,8 @@ def graded_line(evals: dict) -> str:
         f"On {evals.get('tokens', '?')}{of} tokens{text} ({evals.get('positions', '?')} "
         f"positions in {evals.get('windows', '?')} windows{why}), next-token distributions "
         "against the bf16 source, both run with mlx_lm's classes in float32. Each figure is "
-        "given ± the half-width of its 95% interval (a block bootstrap over windows)."
+        "given ± the half-width of its 95% interval, tail percentiles with the interval "
+        "[lo, hi] (a block bootstrap over windows, docs/evaluation.md in buildkit)."
     )
 
 
@@ -195,7 +204,7 @@ def eval_table(evals: dict) -> list[str]:
             lines.append(
                 f"| {what} | "
                 + " | ".join(
-                    pm(f[key], (f.get("ci95") or {}).get(key), fmt.format)
+                    pm(f[key], (f.get("ci95") or {}).get(key), fmt.format, key in SKEWED)
                     if f.get(key) is not None
                     else ""
                     for _, f in cols

@@ -13,7 +13,7 @@ from conftest import Project, cached, ran
 
 from buildkit.fixtures.generated import FixtureSpec, generate
 from buildkit.grade import evaluate as ev
-from buildkit.steps.eval import heldout_tokens
+from buildkit.steps.eval import MAX_TOKENS, heldout_tokens
 from buildkit.store.store import Store
 
 TEXT = Path(__file__).resolve().parents[2] / "buildkit" / "data" / "calibration.txt"
@@ -155,48 +155,60 @@ def n_sequences(tokens: list[int]) -> int:
 
 
 def test_eval_text_grades_every_line_of_the_file(built, capsys, tmp_path):
-    """A user's own text is graded whole: its '#' lines, blank lines and every other line."""
+    """A user's own text is graded whole, past the step's max_tokens: its '#' lines, blank
+    lines and every other line; the printed output says how many of its tokens."""
     from tokenizers import Tokenizer
+
+    from buildkit.steps.eval import MAX_TOKENS
 
     p, src, *_ = built
     lines = ["# a header line, graded too", ""] + [
-        f"line {i}: the {'quick' if i % 2 else 'lazy'} fox number {i * 7}" for i in range(40)
+        f"line {i}: the {'quick' if i % 2 else 'lazy'} fox number {i * 7}" for i in range(300)
     ]
     text = "\n".join(lines) + "\n"
+    mine = str(tmp_path / "mine.txt")
     (tmp_path / "mine.txt").write_text(text)
-    e = cli_json(
-        p,
-        capsys,
-        "eval",
-        str(src),
-        "--source",
-        str(src),
-        "--text",
-        str(tmp_path / "mine.txt"),
-        "--json",
-        "--max-tokens",
-        "100000",
-    )
     tok = Tokenizer.from_str((src / "tokenizer.json").read_text())
     want = tok.encode(text, add_special_tokens=False).ids
-    assert e["tokens"] == e["text_tokens"] == len(want) > 256
+    capsys.readouterr()
+    assert p.cli("eval", str(src), "--source", str(src), "--text", mine) == 0
+    out = capsys.readouterr().out
+    n = str(len(want))
+    assert out.splitlines()[0].split() == ["graded", n, "of", n, "tokens", "of", mine]
+    assert "kld_mean 0 ± 0" in " ".join(out.split())  # every figure with its half-width
+    e = cli_json(p, capsys, "eval", str(src), "--source", str(src), "--text", mine, "--json")
+    assert e["tokens"] == e["text_tokens"] == len(want) > MAX_TOKENS
     assert e["positions"] == len(want) - n_sequences(want)  # all but each sequence's last
     held = heldout_tokens(text, 5, (src / "tokenizer.json").read_bytes(), 100000)
     assert e["tokens"] > 4 * len(held)  # not the held-out fifth
-    capped = cli_json(
-        p,
-        capsys,
-        "eval",
-        str(src),
-        "--source",
-        str(src),
-        "--text",
-        str(tmp_path / "mine.txt"),
-        "--json",
-        "--max-tokens",
-        "200",
-    )
+    argv = ("eval", str(src), "--source", str(src), "--text", mine, "--max-tokens", "200")
+    capped = cli_json(p, capsys, *argv, "--json")
     assert capped["tokens"] == 200 and capped["text_tokens"] == len(want)
+    assert p.cli(*argv) == 0
+    assert (
+        f"200 of {len(want)} tokens of {mine} (capped by --max-tokens)" in capsys.readouterr().out
+    )
+
+
+def test_target_rel_ci_grades_in_rounds_until_narrow_enough(built, tmp_path):
+    """With target_rel_ci, eval grades 8 windows, then doubles: a wide target stops at the
+    first round, a narrow one at max_tokens, with the figures of one pass over those windows."""
+    p0, src, *_ = built
+    p = Project(tmp_path).adopt(p0)
+    for name, target in (("wide", 100.0), ("narrow", 1e-9)):
+        p.write_manifest(
+            f"xl-{name}", f'extends = "xl"\n[steps.eval]\nparams.target_rel_ci = {target}\n'
+        )
+        p.build(f"xl-{name}", "--source", str(src))
+    wide, narrow, whole = (eval_json(p, v) for v in ("xl-wide", "xl-narrow", "xl"))
+    assert (wide["tokens"], wide["windows"]) == (1024, 8)
+    assert wide["stopped_by"] == "target_rel_ci 100 reached"
+    assert narrow["tokens"] == whole["tokens"] == 2048 and narrow["stopped_by"] == "max_tokens 2048"
+    for k in ("kld_mean", "kld_p99", "top1_agreement", "ppl_model", "delta_p_rms"):
+        assert narrow[k] == pytest.approx(whole[k], rel=1e-4), k  # two rounds, one pass's figures
+    assert narrow["per_window"]["positions"] == whole["per_window"]["positions"]
+    card = (p.out / "xl-wide" / "README.md").read_text()
+    assert "stopped by target_rel_ci 100 reached" in card
 
 
 def _mlx_lm_ppl(model, tokens: list[int]) -> float:
@@ -216,7 +228,7 @@ def test_perplexity_is_mlx_lms_on_the_same_tokens(built):
     from mlx_lm import load
 
     p, src, *_ = built
-    tokens = heldout_tokens(TEXT.read_text(), 5, (src / "tokenizer.json").read_bytes(), 128)
+    tokens = heldout_tokens(TEXT.read_text(), 5, (src / "tokenizer.json").read_bytes(), MAX_TOKENS)
     model, _ = load(str(p.out / "xl"))
     want = eval_json(p, "xl")["ppl_model"]
     bf16 = _mlx_lm_ppl(model, tokens)  # as users run it: bf16 arithmetic
