@@ -229,7 +229,10 @@ def best_drafts(speed, samples, costs, measured: list[int], tokens: int) -> dict
         return {"best_drafts": best + 1, "undecided": None}
     second = order[1]
     if samples is None:
-        return {"best_drafts": None, "undecided": f"not decided at {tokens} tokens (one window)"}
+        return {
+            "best_drafts": None,
+            "undecided": f"not decided at {tokens} tokens (too few windows)",
+        }
     diff = samples[:, best] / costs[best] - samples[:, second] / costs[second]
     ci = interval(diff)
     if ci is not None and ci[0] > 0:

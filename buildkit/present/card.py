@@ -285,9 +285,10 @@ def depth_table(evals: dict) -> list[str]:
 def best_line(evals: dict) -> str:
     """Drafting pays where tokens per cycle exceed the verify cost; the best length if decided."""
     best = evals.get("best_drafts")
+    measured = sum(t is not None for t in evals.get("tokens_per_cycle") or [])
     if best:
         speed = evals["modelled_speedup"][best - 1]
-        said = f"Best modelled draft length: {best} ({speed:.2f}x)."
+        said = f"Best modelled draft length of the measured 1-{measured}: {best} ({speed:.2f}x)."
     else:
         said = f"Best modelled draft length: {evals.get('undecided') or 'not decided'}."
     return (
