@@ -20,13 +20,15 @@ from buildkit.steps.eval import EvalParams, heldout_tokens
 TEXT = Path(__file__).resolve().parents[2] / "buildkit" / "data" / "calibration.txt"
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """xl-mtp built from the trained fixture (the default source), and its source directory."""
-    from buildkit.fixtures.trained import write_trained
+@pytest.fixture(scope="module", params=["kjv", "austen"])
+def trained(request, tmp_path_factory):
+    """xl-mtp built from a trained fixture (the default source, and the one shaped like the
+    real model, trained on another corpus), and its source directory."""
+    from buildkit.fixtures.trained import FIXTURES, write_trained
 
-    root = tmp_path_factory.mktemp("intervals")
-    src = write_trained(root / "src")
+    root = tmp_path_factory.mktemp(f"intervals-{request.param}")
+    fx = FIXTURES[request.param]
+    src = write_trained(root / "src", data=fx.data, spec=fx.spec)
     p = Project(root / "project")
     p.build("xl-mtp", "--source", str(src))
     e = json.loads((p.out / "xl-mtp" / "eval.json").read_text())
@@ -154,7 +156,9 @@ def test_acceptance_interval_holds_an_independent_head_forward(trained):
     acc = bf16_head_acceptance(src, tokens)
     lo, hi = e["ci95"]["acceptance_source"]
     assert lo <= acc <= hi, (acc, lo, hi)
-    assert acc == pytest.approx(e["acceptance_source"], abs=0.01)
+    # the same figure by other arithmetic: near-ties flip a few argmaxes (austen's round trip
+    # moves 1.5% of its trunk's argmaxes, docs/evaluation.md), so close, not equal
+    assert acc == pytest.approx(e["acceptance_source"], abs=0.02)
     assert e["acceptance_positions"] == e["drafts_by_depth"][0][1]
 
 
