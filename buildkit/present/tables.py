@@ -22,6 +22,8 @@ COLUMNS = (  # (key, heading, format); a figure with an interval prints "value Â
     ("ppl_source", "ppl bf16", lambda v: f"{v:.3f}"),
     ("acceptance", "accept", pct),
     ("acceptance_source", "accept bf16", pct),
+    # a labelled row (a baseline): the variant's KLD mean over this row's, paired by window
+    ("kld_ratio", "KLD variant/this", lambda v: f"{v:.3f}"),
 )
 LISTS = (  # per draft depth: (key, heading)
     ("drafts_by_depth", "drafts d1/d2/.."),

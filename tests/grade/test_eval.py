@@ -314,6 +314,10 @@ def test_oq4e_grades_a_data_agnostic_baseline_beside_itself(built, tmp_path, cap
         "oq4e-mtp-xl [data-agnostic 4-bit (baseline)]",
     ]
     assert rows[1]["size_bytes"] == rows[0]["size_bytes"]  # the same bits, other bytes
+    ratio = rows[1]["kld_ratio"]  # the model's KLD over the baseline's, paired by window
+    assert ratio == pytest.approx(e["kld_mean"] / base["kld_mean"], rel=1e-9)
+    lo, hi = rows[1]["ci95"]["kld_ratio"]
+    assert lo <= ratio <= hi
 
     # calibration skew: each domain text graded whole, for the model and its baseline
     from tokenizers import Tokenizer
