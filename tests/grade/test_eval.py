@@ -257,6 +257,10 @@ def test_status_shows_the_figures(built, capsys):
     rows = {r["variant"]: r for r in cli_json(p, capsys, "status", "--json")}
     assert rows["xl-mtp"]["eval"]["kld_mean"] == eval_json(p, "xl-mtp")["kld_mean"]
     assert "eval" not in rows["oq4e-mtp-xl"]
+    e = eval_json(p, "xl-mtp")
+    h = (e["ci95"]["acceptance"][1] - e["ci95"]["acceptance"][0]) / 2
+    assert p.cli("status") == 0  # each figure as its users read it: value ± half-width
+    assert f"accept {e['acceptance']:.2%} ± {h:.2%}" in capsys.readouterr().out
 
 
 def test_text_is_keyed_by_content_not_path(built, capsys):
