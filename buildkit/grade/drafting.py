@@ -230,7 +230,8 @@ def card_lines(evals: dict, text: str | None = None) -> list[str]:
             + " |"
         )
     spec = evals.get("speculative")
-    if spec:
+    skipped = (spec or {}).get("skipped")
+    if spec and not skipped:
         lines.append(
             "| mlx_vlm, float32: tokens per round | "
             + " | ".join("-" if x is None else f"{x:.2f}" for x in spec["tokens_per_round"])
@@ -243,7 +244,13 @@ def card_lines(evals: dict, text: str | None = None) -> list[str]:
         f"routes its own experts). Best modelled draft length: {evals.get('best_drafts')} "
         f"({evals.get('modelled_speedup', float('nan')):.2f}x).",
     ]
-    if spec:
+    if skipped:
+        lines += [
+            "",
+            "mlx_vlm's own speculative generation with `mtp/` was not possible at this size "
+            f"when this was built ({skipped}); the figures above are teacher-forced.",
+        ]
+    elif spec:
         ok = "identical to" if spec["lossless"] else "DIFFERENT from"
         lines += [
             "",
@@ -258,13 +265,24 @@ def card_lines(evals: dict, text: str | None = None) -> list[str]:
                 if "wall_ratio_cpu" in spec
                 else "not kept in a build (`buildkit eval --speculative` measures it)"
             )
-            + f". In bf16, {spec['bf16_divergent_prompts']} of {spec['prompts']} prompts "
-            "diverge from plain greedy"
-            + (
-                f" (after {spec['bf16_tokens_before_divergence']:.1f} tokens on average)"
-                if spec.get("bf16_tokens_before_divergence") is not None
-                else ""
-            )
-            + ": batched verification and single-token decoding round differently near ties.",
+            + _bf16_line(spec),
         ]
     return lines
+
+
+def _bf16_line(spec: dict) -> str:
+    """The tail of the card's mlx_vlm sentence: the bf16 divergence, or why it was not run."""
+    if spec.get("stopped_early"):
+        return f". Stopped early: {spec['stopped_early']}."
+    if spec.get("bf16_divergent_prompts") is None:
+        return "."
+    return (
+        f". In bf16, {spec['bf16_divergent_prompts']} of {spec['prompts']} prompts "
+        "diverge from plain greedy"
+        + (
+            f" (after {spec['bf16_tokens_before_divergence']:.1f} tokens on average)"
+            if spec.get("bf16_tokens_before_divergence") is not None
+            else ""
+        )
+        + ": batched verification and single-token decoding round differently near ties."
+    )
