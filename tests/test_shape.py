@@ -18,7 +18,6 @@ ALLOWED = {
     "buildkit.quant.budget:measure": "one linear pass over a layer's modules and candidate bits",
     "buildkit.store.hub:explain": "one branch per Hub failure a user meets, each with its advice",
     "buildkit.grade.drafting:card_lines": "the card's drafting section, literal Markdown",
-    "buildkit.clients.speculative:run": "mlx_vlm's plain, drafted, bf16 runs, in timed order",
     "buildkit.grade.evalstream:_switch_class": "a class built at run time over lazy-imported mlx",
     "buildkit.steps.sensitivity:Sensitivity.run": "a linear script: checks, text, cost, measure",
 }

@@ -43,6 +43,8 @@ np = lazy("numpy", __name__)
 # what publish does not copy from the source (it writes its own config, index and card)
 SKIP_SOURCE_FILES = {"config.json", "model.safetensors.index.json", "README.md", ".gitattributes"}
 GB = 1e9
+# the run's recorded figures: 2, a head that accepts nothing stops after one prompt
+VERSION = 2
 HALF_FLOATS = ("BF16", "F16")  # cast to float32 as loaded: their bytes twice over, once more
 # mlx_vlm's imports, the processor, the caches and activations of a few short prompts (a
 # trained fixture's run peaks ~0.4 GB above the model it loads)

@@ -177,6 +177,8 @@ class Eval(Step):
         out = params.model_dump(mode="json", exclude=drop)
         if params.scope == "head":
             out["text_name"] = params.text  # the card names the text the drafts ran on
+            if params.speculative is not None:
+                out["speculative_version"] = spec.VERSION
         return out
 
     def reads(self, params: EvalParams, ctx: Context) -> dict[str, Path]:
