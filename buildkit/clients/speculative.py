@@ -46,8 +46,9 @@ GB = 1e9
 # the run's recorded figures: 2, a head that accepts nothing stops after one prompt
 VERSION = 2
 HALF_FLOATS = ("BF16", "F16")  # cast to float32 as loaded: their bytes twice over, once more
-# mlx_vlm's imports, the processor, the caches and activations of a few short prompts (a
-# trained fixture's run peaks ~0.4 GB above the model it loads)
+# mlx_vlm's imports, the processor, caches and activations of a few short prompts, with room:
+# the trained fixture's run adds ~20 MB of RSS above its imports, which take more address space
+# (what an ``--as`` limit counts) than memory
 RUN_OVERHEAD = 768 << 20
 MEMORY_ENV = "BUILDKIT_MEMORY"  # bytes the real-client run may use, below what the machine has
 
@@ -179,6 +180,10 @@ def available_memory() -> tuple[int, str]:
     return min(found)
 
 
+def _size(n: int) -> str:
+    return f"{n / GB:.2f} GB" if n >= 0.01 * GB else f"{n / 1e6:.1f} MB"
+
+
 def memory_decision(entries: dict[str, dict], have: tuple[int, str] | None = None) -> dict:
     """Whether mlx_vlm's run of the model ``entries`` fits: ``run_bytes`` and, when it does
     not, ``skipped`` saying why (``have``: bytes and what says so; the machine's by default)."""
@@ -188,9 +193,9 @@ def memory_decision(entries: dict[str, dict], have: tuple[int, str] | None = Non
         return need
     return need | {
         "skipped": (
-            f"mlx_vlm loads the whole model: its run needs ~{need['needed_bytes'] / GB:.2f} GB "
-            f"(the {need['model_bytes'] / GB:.2f} GB model, float32 copies of its bf16 tensors "
-            f"and the drafter) and {where} leaves {max(free, 0) / GB:.2f} GB"
+            f"mlx_vlm loads the whole model: its run needs ~{_size(need['needed_bytes'])} "
+            f"(the {_size(need['model_bytes'])} model, float32 copies of its bf16 tensors "
+            f"and the drafter) and {where} leaves {_size(max(free, 0))}"
         )
     }
 
