@@ -213,7 +213,7 @@ def _counts(drafter, snap) -> tuple[int, int, int]:
 def _depth(model, processor, drafter, kind, prompts, k, p, plain, clock) -> tuple:
     """Draft length ``k`` over the prompts (plain greedy made as first needed, into ``plain``);
     (outputs, counts, seconds, stop reason): a head that accepts none of the first prompt's
-    drafts stops at once."""
+    drafts at one draft a round stops at once (deeper, a first prompt's bad luck is no proof)."""
     from mlx_vlm.speculative.common import speculative_stats_snapshot
 
     spec = {"draft_model": drafter, "draft_kind": kind, "draft_block_size": k + 1}
@@ -228,7 +228,7 @@ def _depth(model, processor, drafter, kind, prompts, k, p, plain, clock) -> tupl
         got.append(_greedy(model, processor, q, p.max_tokens, **spec))
         dt += time.perf_counter() - t0
         rounds, accepted, drafted = _counts(drafter, snap)
-        if i == 0 and drafted and not accepted and len(prompts) > 1:
+        if k == 1 and i == 0 and drafted and not accepted:
             why = (
                 f"the head accepted none of its {drafted} drafts on the first prompt at "
                 f"{k} draft(s) a round: the other prompts, longer drafts and the bf16 pass "
