@@ -81,7 +81,7 @@ def chains(w: ev.Weights, t: ev.Trunk, depth: int) -> list[list]:
 
     from buildkit.grade import evalstream as es
 
-    head = ev.load_head(w)
+    head = ev.streamed_head(w)  # its experts read a block at a time, never whole
     n_batches = len(t.h)
     hidden = [h[:, :-1] for h in t.h]  # h_t for t = 0..L-2
     emb = [x0[:, 1:] for x0 in t.x0]  # embed(x_{t+1})

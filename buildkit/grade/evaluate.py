@@ -416,15 +416,8 @@ def head_hits(w: Weights, t: Trunk) -> tuple[list[int], list[int]]:
 
     from buildkit.grade import evalstream as es
 
-    if not w.has_head():
-        raise SourceError("the model has no MTP head (no language_model.mtp.* tensors)")
-    args = build_model(w.config).language_model.args
-    head = _head_class()(args)
-    head.layers = []  # its decoder layer is loaded streamed, below
-    quantize_as_loaded(head, w, HEAD)
-    es.load_module(head, w, HEAD, skip=HEAD + "layers.")
-    es.linears_to_numpy(head)
-    layer = es.streamed_layer(w, HEAD + "layers.0.", args, args.full_attention_interval - 1)
+    head = streamed_head(w)
+    layer = head.layers[0]
     xs = [
         head.fc(
             mx.concatenate(
@@ -451,8 +444,27 @@ def head_hits(w: Weights, t: Trunk) -> tuple[list[int], list[int]]:
     return hits, totals
 
 
+def streamed_head(w: Weights):
+    """``w``'s MTP head with its small modules loaded (its linears numpy matmuls) and its
+    decoder layer as ``layers[0]``, its experts streamed (``evalstream.streamed_layer``): the
+    head's bf16 experts are 3.2 GB once widened at the real model's size."""
+    from buildkit.grade import evalstream as es
+
+    if not w.has_head():
+        raise SourceError("the model has no MTP head (no language_model.mtp.* tensors)")
+    args = build_model(w.config).language_model.args
+    head = _head_class()(args)
+    head.layers = []  # its decoder layer is loaded streamed, below
+    quantize_as_loaded(head, w, HEAD)
+    es.load_module(head, w, HEAD, skip=HEAD + "layers.")
+    es.linears_to_numpy(head)
+    head.layers = [es.streamed_layer(w, HEAD + "layers.0.", args, args.full_attention_interval - 1)]
+    return head
+
+
 def load_head(w: Weights):
-    """``w``'s MTP head, quantized and loaded as ``head_acceptance`` runs it."""
+    """``w``'s MTP head, quantized and loaded whole as mlx_lm would (the reference the
+    streamed one, ``streamed_head``, is tested against)."""
     args = build_model(w.config).language_model.args
     head = _head_class()(args)
     _quantize(head, w, HEAD)

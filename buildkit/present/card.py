@@ -299,7 +299,7 @@ def best_line(evals: dict) -> str:
 
 
 def speculative_row(spec: dict | None) -> list[str]:
-    if not spec:
+    if not spec or "skipped" in spec:
         return []
     return [
         "| mlx_vlm, float32: tokens per round | "
@@ -309,19 +309,21 @@ def speculative_row(spec: dict | None) -> list[str]:
 
 
 def speculative_lines(spec: dict | None) -> list[str]:
-    """mlx_vlm's own speculative run: counters, the lossless check, bf16 divergence."""
+    """mlx_vlm's own speculative run: counters, the lossless check, bf16 divergence; or why it
+    was not possible at this size."""
     if not spec:
         return []
+    if skipped := spec.get("skipped"):
+        return [
+            "",
+            "mlx_vlm's own speculative generation with `mtp/` was not possible at this size "
+            f"when this was built ({skipped}); the figures above are teacher-forced.",
+        ]
     ok = "identical to" if spec["lossless"] else "DIFFERENT from"
     wall = (
         ", ".join(f"{x:.2f}x" for x in spec["wall_ratio_cpu"])
         if "wall_ratio_cpu" in spec
         else "not kept in a build (`buildkit eval --speculative` measures it)"
-    )
-    after = (
-        f" (after {spec['bf16_tokens_before_divergence']:.1f} tokens on average)"
-        if spec.get("bf16_tokens_before_divergence") is not None
-        else ""
     )
     return [
         "",
@@ -330,7 +332,23 @@ def speculative_lines(spec: dict | None) -> list[str]:
         f"{spec['max_tokens']} new tokens each, draft lengths 1-{len(spec['rounds'])}): "
         f"output {ok} plain greedy decoding; rounds {spec['rounds']}, accepted "
         f"{spec['accepted']}, drafted {spec['drafted']}; wall-clock against plain decoding "
-        f"on a CPU (not a Metal figure): {wall}. In bf16, {spec['bf16_divergent_prompts']} of "
-        f"{spec['prompts']} prompts diverge from plain greedy{after}: batched verification "
-        "and single-token decoding round differently near ties.",
+        f"on a CPU (not a Metal figure): {wall}{bf16_tail(spec)}",
     ]
+
+
+def bf16_tail(spec: dict) -> str:
+    """The end of the mlx_vlm sentence: the bf16 divergence, or why it was not run."""
+    if spec.get("stopped_early"):
+        return f". Stopped early: {spec['stopped_early']}."
+    if spec.get("bf16_divergent_prompts") is None:
+        return "."
+    after = (
+        f" (after {spec['bf16_tokens_before_divergence']:.1f} tokens on average)"
+        if spec.get("bf16_tokens_before_divergence") is not None
+        else ""
+    )
+    return (
+        f". In bf16, {spec['bf16_divergent_prompts']} of {spec['prompts']} prompts diverge "
+        f"from plain greedy{after}: batched verification and single-token decoding round "
+        "differently near ties."
+    )

@@ -64,11 +64,13 @@ def depth_cells(r: dict) -> dict[str, str]:
             "-" if t is None else pm(t, cis[k] if k < len(cis) else None, lambda x: f"{x:.2f}")
             for k, t in enumerate(tpc)
         )
-    if r.get("speculative"):
-        v = r["speculative"]
-        out["speculative"] = "/".join(
-            "-" if x is None else f"{x:.2f}" for x in v["tokens_per_round"]
-        ) + ("" if v["lossless"] else " NOT LOSSLESS")
+    if v := r.get("speculative"):
+        out["speculative"] = (
+            "not run: memory"  # too large for this machine (eval.json says why)
+            if "skipped" in v
+            else "/".join("-" if x is None else f"{x:.2f}" for x in v["tokens_per_round"])
+            + ("" if v["lossless"] else " NOT LOSSLESS")
+        )
     return out
 
 

@@ -47,6 +47,9 @@ DAMP = 0.01  # of the mean diagonal, added to H: GPTQ's (and mlx_lm's) damping
 # (bench/RESULTS.md)
 PRIOR_ROWS = 1.0
 PROJS_IN = ("gate_proj", "up_proj")  # what makes down_proj's inputs
+# Hessians (and their factors) alive at once: 4 of the real model's 2048 x 2048, whatever the
+# experts' shapes (a block of narrow experts would otherwise hold hundreds)
+HESSIAN_BYTES = 64 << 20
 
 
 def inputs_name(layer: str) -> str:
@@ -294,11 +297,12 @@ class Experts:
         return xs.T @ xs  # float32: sgemm, and factor's Cholesky is float32 too
 
     def factors(self, e0: int, hit: list[int], gate_up) -> np.ndarray:
-        """The inverse Hessian's factor of each reached expert ``e0 + j``, ``j`` in ``hit``."""
+        """The inverse Hessian's factor of each reached expert ``e0 + j``, ``j`` in ``hit``
+        (``gate_up``: those experts' gate and up weights, in ``hit``'s order)."""
         h = np.stack(
             [
-                self.hessian(e0 + j, None if gate_up is None else (gate_up[0][j], gate_up[1][j]))
-                for j in hit
+                self.hessian(e0 + j, None if gate_up is None else (gate_up[0][i], gate_up[1][i]))
+                for i, j in enumerate(hit)
             ]
         )
         if self.pooled is None:  # down: each expert's own diagonal (its inputs are its own)
@@ -309,14 +313,32 @@ class Experts:
             prior = self.pooled[None]
         return inverse_factor(regularize(h, prior))
 
-    def quantized(self, raw: np.ndarray, module: str, hit: list[int], u) -> tuple:
-        """(source block, stored parts, rel-L1 sums) of one tensor's block of experts."""
-        from buildkit.quant import affine, qerror
+    def rounded(self, e0: int, hit: list[int], gate_up, raws: list, s_dtype: str) -> list:
+        """Per tensor of the block, GPTQ's (codes, scales, biases) of the reached experts
+        ``hit``, their Hessians made and factored a few at a time (``HESSIAN_BYTES``): memory is
+        those few experts' Hessians, whatever the block or the layer holds."""
+        c = raws[0].shape[-1]
+        per = max(1, HESSIAN_BYTES // (4 * c * c))
+        got: list[list] = [[] for _ in raws]
+        for a in range(0, len(hit), per):
+            part = hit[a : a + per]
+            sub = None if gate_up is None else (gate_up[0][part], gate_up[1][part])
+            u = self.factors(e0, part, sub)
+            for t, raw in enumerate(raws):
+                w = to_float32(raw[part], self.dtype)
+                got[t].append(quantize(w, u, self.role.bits, self.role.group_size, s_dtype))
+            del u
+        return [tuple(np.concatenate(x) for x in zip(*chunks, strict=True)) for chunks in got]
+
+    def quantized(self, raw: np.ndarray, module: str, hit: list[int], mxq, q_hit) -> tuple:
+        """(source block, stored parts, rel-L1 sums) of one tensor's block of experts, from
+        mx.quantize's result ``mxq`` and GPTQ's of the reached experts ``q_hit``."""
+        from buildkit.quant import qerror
 
         bits, g, dtype = self.role.bits, self.role.group_size, self.dtype
-        ((packed, _), (s_np, s_dtype), (b_np, _)), sums = affine.like_mx(raw, dtype, bits, g)
+        ((packed, _), (s_np, s_dtype), (b_np, _)), sums = mxq
         if hit:  # the reached experts by GPTQ, the rest keep mx.quantize's
-            q, s, b = quantize(to_float32(raw[hit], dtype), u, bits, g, s_dtype)
+            q, s, b = q_hit
             codes = unpack(packed, bits).copy()
             s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
             codes[hit], s32[hit], b32[hit] = q, s, b
@@ -327,6 +349,8 @@ class Experts:
 
     def blocks(self):
         """Per block of experts, each tensor's (source block, stored parts, (rel-L1 sums))."""
+        from buildkit.quant import affine
+
         e0 = 0
         for raws in zip(*(self.store.iter_rows(p[3], self.block_bytes) for p in self.parts)):
             n = len(raws[0])
@@ -334,8 +358,16 @@ class Experts:
             if gate_up is not None and len(gate_up[0]) != n:
                 raise StepError(f"{self.sw}: gate/up blocks of {len(gate_up[0])} experts, not {n}")
             hit = [j for j in range(n) if self.reached[e0 + j]]
-            u = self.factors(e0, hit, gate_up) if hit else None
-            got = [self.quantized(raw, m, hit, u) for raw, (m, *_) in zip(raws, self.parts)]
+            bits, g = self.role.bits, self.role.group_size
+            mxq = [affine.like_mx(raw, self.dtype, bits, g) for raw in raws]
+            s_dtype = mxq[0][0][1][1]  # the dtype scales are stored in
+            q_hit = (
+                self.rounded(e0, hit, gate_up, list(raws), s_dtype) if hit else [None] * len(raws)
+            )
+            got = [
+                self.quantized(raw, m, hit, a, q)
+                for raw, (m, *_), a, q in zip(raws, self.parts, mxq, q_hit, strict=True)
+            ]
             e0 += n
             yield got
 

@@ -114,6 +114,20 @@ def _said(what: str, v: float, ci, op: str, limit: float) -> str:
     )
 
 
+def spec_fits_now(record: dict | None) -> str | None:
+    """Why a cached report whose real-client run was skipped for memory runs again: this
+    machine now has the memory it needed (else None)."""
+    if not record or "skipped" not in record:
+        return None
+    free, where = spec.available_memory()
+    if record["needed_bytes"] > free:
+        return None
+    return (
+        f"mlx_vlm's speculative run was skipped for memory ({record['needed_bytes'] / spec.GB:.2f} "
+        f"GB needed) and {where} now has {free / spec.GB:.2f} GB: run it"
+    )
+
+
 def model_size(parts: list[Artifact]) -> dict:
     """Stored bytes and bits per weight (stored bits / source weights) of the model parts."""
     n = sum(r["params"] for a in parts for r in a.meta.get("role_table", {}).values())
@@ -198,6 +212,8 @@ class Eval(Step):
         out = params.model_dump(mode="json", exclude=drop)
         if params.scope == "head":
             out["text_name"] = params.text  # the card names the text the drafts ran on
+            if params.speculative is not None:
+                out["speculative_version"] = spec.VERSION
         return out
 
     def reads(self, params: EvalParams, ctx: Context) -> dict[str, Path]:
@@ -209,9 +225,10 @@ class Eval(Step):
     def outdated(
         self, params: EvalParams, outputs: dict[str, Artifact], ctx: Context
     ) -> str | None:
-        if ctx.options.release and (
-            bad := gate_failures(params, outputs["out"].meta.get("report", {}))
-        ):
+        report = outputs["out"].meta.get("report", {})
+        if skip := spec_fits_now(report.get("speculative")):
+            return skip
+        if ctx.options.release and (bad := gate_failures(params, report)):
             return (
                 f"release gate not met by the cached figures ({'; '.join(bad)}): "
                 "run to fail the release"
@@ -314,9 +331,19 @@ class Eval(Step):
 
     @staticmethod
     def _speculative(ctx: Context, params: EvalParams, inputs, src, tokens: list[int]) -> dict:
-        """mlx_vlm's speculative run on the model as publish lays it out; any output that
-        differs from plain greedy decoding fails the step (so nothing is published)."""
+        """mlx_vlm's speculative run on the model as publish lays it out, if it fits in memory
+        (else a record of why not: the build goes on with its teacher-forced figures); any
+        output that differs from plain greedy decoding fails the step (so nothing is
+        published)."""
         p = params.speculative
+        entries = {k: v for a in inputs["model"] for k, v in a.tensors.items()}
+        fits = spec.memory_decision(entries)
+        if "skipped" in fits:
+            ctx.log(
+                "warning: mlx_vlm's speculative run is not possible at this size "
+                f"({fits['skipped']}); the figures are the teacher-forced ones"
+            )
+            return {"skipped": fits["skipped"], "needed_bytes": fits["needed_bytes"]}
         prompts = spec.decode_prompts(
             src.tokenizer_json(), spec.prompt_ids(tokens, p.prompts, p.prompt_tokens)
         )
@@ -324,10 +351,13 @@ class Eval(Step):
             ctx.store, inputs["model"], inputs["source"][0], ctx.store.layout.tmp
         ) as d:
             out = spec.run(d, prompts, params.depth, p)
-        # the clock varies run to run: logged, never in the artifact (locks must reproduce)
-        wall = out.pop("wall_ratio_cpu")
+        # the clock varies run to run, the work is the run's count: logged, never in the
+        # artifact (locks must reproduce)
+        wall, work = out.pop("wall_ratio_cpu"), out.pop("positions")
         ctx.log(
-            "mlx_vlm speculative, wall-clock against plain decoding on this CPU: "
+            f"mlx_vlm speculative: {work} positions run"
+            + (f" (stopped early: {out['stopped_early']})" if "stopped_early" in out else "")
+            + "; wall-clock against plain decoding on this CPU: "
             + ", ".join(f"{x:.2f}x" for x in wall)
         )
         if not out["lossless"]:

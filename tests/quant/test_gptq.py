@@ -260,3 +260,19 @@ def test_shipped_gptq_variant_beats_the_search_on_the_trained_fixture(tmp_path):
     assert ours["size_bytes"] == search["size_bytes"] and ours["tokens"] == base["tokens"]
     assert ours["kld_mean"] < search["kld_mean"] < base["kld_mean"]
     assert ours["kld_mean"] < 0.9 * base["kld_mean"]
+
+
+def test_hessians_a_few_at_a_time_give_the_same_bytes(trained, monkeypatch):
+    """GPTQ's memory is a few experts' Hessians (HESSIAN_BYTES), not a block's or a layer's:
+    one expert's at a time gives the same quantized bytes as the whole block's at once."""
+    from buildkit.quant import gptq
+
+    p, src = trained
+    outputs = {}
+    for name, budget in (("one", 1), ("all", 1 << 40)):
+        monkeypatch.setattr(gptq, "HESSIAN_BYTES", budget)
+        q = Project(p.root.parent / f"hessians-{name}")
+        manifests(q)
+        assert q.cli("build", "gptq", "--source", str(src), "--target", "quantize", "-q") == 0
+        outputs[name] = Store(q.store).get_ref("gptq")["nodes"]["quantize"]["outputs"]
+    assert outputs["one"] == outputs["all"]
