@@ -26,7 +26,6 @@ import json
 import os
 import resource
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -131,16 +130,6 @@ def run_bytes(entries: dict[str, dict]) -> dict:
     return {"model_bytes": model, "needed_bytes": need}
 
 
-def _proc_kb(path: str, field: str) -> int | None:
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _cgroup_free() -> int | None:
     """memory.max - memory.current of this process's cgroup (v2), if it sets a limit."""
     try:
@@ -162,21 +151,15 @@ def available_memory() -> tuple[int, str]:
             found.append((int(float(env)), f"{MEMORY_ENV}={env}"))
         except ValueError:
             raise UsageError(f"{MEMORY_ENV}={env!r} is not a number of bytes") from None
-    if (free := _proc_kb("/proc/meminfo", "MemAvailable")) is not None:
-        found.append((free, "the machine's available memory (MemAvailable)"))
-    elif sys.platform == "darwin":
-        with contextlib.suppress(ImportError):
-            import psutil
+    import psutil  # MemAvailable on Linux, the VM's free + inactive pages on macOS
 
-            found.append((psutil.virtual_memory().available, "the machine's available memory"))
+    found.append((psutil.virtual_memory().available, "the machine's available memory"))
     if (cg := _cgroup_free()) is not None:
         found.append((cg, "the cgroup's memory.max"))
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
-        used = _proc_kb("/proc/self/status", "VmSize") or 0
+        used = psutil.Process().memory_info().vms
         found.append((soft - used, "the address-space limit (RLIMIT_AS)"))
-    if not found:  # no figure of what is free: the machine's physical memory
-        found.append((os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"))
     return min(found)
 
 
