@@ -28,7 +28,9 @@ def built(tmp_path_factory):
     with mlx_vlm's speculative run in eval_head."""
     root = tmp_path_factory.mktemp("spec")
     p = Project(root / "project")
-    p.write_manifest("xl-mtp-spec", f'extends = "xl-mtp"\n{SPEC}')
+    p.write_manifest(  # and the bf16 pass, off by default
+        "xl-mtp-spec", 'extends = "xl-mtp"\n[steps.eval_head]\nparams.speculative = {bf16 = true}\n'
+    )
     p.write_manifest(
         "oq4e-spec",
         'extends = "oq4e-mtp-xl"\n[steps.donor_fetch]\nparams.source = "fixture:trained"\n' + SPEC,
@@ -88,7 +90,11 @@ def test_mlx_vlm_speculative_is_lossless_in_float32(built, variant):
     card = (built.out / variant / "README.md").read_text()
     assert "by depth: d1=" in card and "output identical to plain greedy decoding" in card
     assert "Drafting pays where tokens per cycle exceed the verify cost" in card
-    assert 0 <= s["bf16_divergent_prompts"] <= s["prompts"]
+    if variant == "xl-mtp-spec":  # asked for the bf16 pass
+        assert 0 <= s["bf16_divergent_prompts"] <= s["prompts"]
+        assert "In bf16," in card
+    else:
+        assert s["bf16_divergent_prompts"] is None and "In bf16," not in card
 
 
 def test_broken_head_is_lossless_and_slow(built, tmp_path):
