@@ -295,71 +295,77 @@ class Measure:
             r["split"] = (sum(num.values()) / tot, self.swapped / max(self.swapped_den, 1e-30))
 
 
+class ExpertWeights:
+    """One MoE layer's experts, one at a time, for ``calibration.expert_errors``: iterating
+    yields, for each expert, ``weights(variant)``: its float32 gate/up/down from the raw source
+    (``"ref"``), dequantized from the stored bytes (``"aware"``), or quantized data-agnostic by
+    ``mx.quantize``'s arithmetic (``"agnostic"``). ``sources``: per projection, a view of the raw
+    source file; ``stored``: its weight, scales and biases entries; ``qargs``: its (bits, group
+    size, mode). An expert with an all-zero gate, up or down outputs zero, so no relative error
+    is defined: it joins ``skip`` (asked after each expert is yielded) and is counted in
+    ``zero``."""
+
+    def __init__(self, store, sources: dict, stored: dict, qargs: dict, skip: set[int]):
+        self.sources, self.stored, self.qargs = sources, stored, qargs
+        self.skip, self.zero = skip, []
+        self.projs = list(sources)
+        # one expert a block: the source, then each projection's weight, scales and biases
+        self.its = [store.iter_rows(sources[p], 1) for p in self.projs]
+        self.its += [store.iter_rows(e, 1) for p in self.projs for e in stored[p]]
+
+    def dequantized(self, p: str, w, s, b) -> np.ndarray:
+        bits, group, _ = self.qargs[p]
+        sdt = self.stored[p][1]["dtype"]
+        return dequantize_np(w[0], to_float32(s[0], sdt), to_float32(b[0], sdt), bits, group)
+
+    def agnostic(self, p: str, raw) -> np.ndarray:
+        from buildkit.quant import affine  # numba: mx.quantize's values, dequantized, one pass
+
+        bits, group, mode = self.qargs[p]
+        return affine.dequantized_like_mx(raw, self.sources[p]["dtype"], bits, group, mode)[0]
+
+    def __iter__(self):
+        projs, n = self.projs, len(self.projs)
+        for e, got in enumerate(zip(*self.its)):
+            raw = dict(zip(projs, got[:n]))
+            q = {p: got[n + 3 * i : n + 3 * i + 3] for i, p in enumerate(projs)}
+            if e not in self.skip and not all(raw[p][0].any() for p in projs):
+                self.zero.append(e)
+                self.skip.add(e)
+
+            def weights(variant: str, raw=raw, q=q) -> dict[str, np.ndarray]:
+                if variant == "ref":
+                    return {p: to_float32(raw[p][0], self.sources[p]["dtype"]) for p in projs}
+                if variant == "aware":
+                    return {p: self.dequantized(p, *q[p]) for p in projs}
+                return {p: self.agnostic(p, raw[p]) for p in projs}
+
+            yield weights
+        for it in self.its:  # each reader run to its end: the stored tensors' digest checks
+            if next(it, None) is not None:
+                raise VerifyError(
+                    f"{self.sources[projs[0]]['view']['tensor']}: a stored expert tensor and its "
+                    "source have different numbers of experts"
+                )
+
+
 def layer_expert_errors(
     store, heldout: dict, sources: dict, stored: dict, qargs: dict, skip: list[int]
 ) -> dict:
     """One MoE layer's part of ``calibrated_expert_error`` (a task: ``Context.map``): each
     expert's relative output error (``calibration.expert_errors``) on its held-out rows, of the
     stored (data-aware) weights and of data-agnostic ``mx.quantize`` of the raw source (NaN
-    where no row reaches it; the experts in ``skip`` left out). ``sources``: per projection, a
-    view of the raw source file; ``stored``: per projection, its weight, scales and biases
-    entries; ``qargs``: per projection, (bits, group size, mode). One expert is in memory at a
-    time, dequantized by buildkit's own float32 arithmetic (as the rel-L1 checks: faster than
-    ``mx.dequantize`` on the CPU); the stored tensors' digests are checked as they stream."""
-    from buildkit.quant import (
-        affine,  # numba: mx.quantize's values, dequantized, in one compiled pass
-    )
-
-    projs = list(sources)
-    n = len(projs)
-    # one expert a block: the source, then each projection's weight, scales and biases
-    its = [store.iter_rows(sources[p], 1) for p in projs]
-    its += [store.iter_rows(e, 1) for p in projs for e in stored[p]]
-
-    def dequantized(p: str, w, s, b) -> np.ndarray:
-        bits, group, _ = qargs[p]
-        sdt = stored[p][1]["dtype"]
-        return dequantize_np(w[0], to_float32(s[0], sdt), to_float32(b[0], sdt), bits, group)
-
-    def agnostic(p: str, raw) -> np.ndarray:
-        bits, group, mode = qargs[p]
-        return affine.dequantized_like_mx(raw, sources[p]["dtype"], bits, group, mode)[0]
-
-    # An expert with an all-zero gate, up or down outputs zero: no relative error is defined.
-    # expert_errors asks ``skip`` after each expert is yielded, so adding it there skips it.
-    skipped, zero = set(skip), []
-
-    def blocks():
-        for e, got in enumerate(zip(*its)):
-            raw, q = (
-                dict(zip(projs, got[:n])),
-                {p: got[n + 3 * i : n + 3 * i + 3] for i, p in enumerate(projs)},
-            )
-            if e not in skipped and not all(raw[p][0].any() for p in projs):
-                zero.append(e)
-                skipped.add(e)
-
-            def weights(variant: str, raw=raw, q=q) -> dict[str, np.ndarray]:
-                if variant == "ref":
-                    return {p: to_float32(raw[p][0], sources[p]["dtype"]) for p in projs}
-                if variant == "aware":
-                    return {p: dequantized(p, *q[p]) for p in projs}
-                return {p: agnostic(p, raw[p]) for p in projs}
-
-            yield weights
-        for it in its:  # each reader run to its end: the stored tensors' digest checks
-            if next(it, None) is not None:
-                raise VerifyError(
-                    f"{sources[projs[0]]['view']['tensor']}: a stored expert tensor and its "
-                    "source have different numbers of experts"
-                )
-
+    where no row reaches it or it outputs zero; the experts in ``skip`` left out). One expert
+    is in memory at a time, dequantized by buildkit's own float32 arithmetic (as the rel-L1
+    checks: faster than ``mx.dequantize`` on the CPU); the stored tensors' digests are checked
+    as they stream (``ExpertWeights``)."""
+    experts = ExpertWeights(store, sources, stored, qargs, set(skip))
     x = to_float32(store.read_tensor(heldout["inputs"]), "BF16")
     chosen = store.read_tensor(heldout["experts"])
-    errs = cal.expert_errors(x, chosen, blocks(), ["aware", "agnostic"], skip=skipped)
+    errs = cal.expert_errors(x, chosen, experts, ["aware", "agnostic"], skip=experts.skip)
     keep = [e for e in range(len(errs["aware"])) if e not in set(skip)]
     figures = {v: [float(e[i]) for i in keep] for v, e in errs.items()}
-    return {"tokens": len(x), "zero": len(zero), **figures}
+    return {"tokens": len(x), "zero": len(experts.zero), **figures}
 
 
 def compare_experts(results, fallback_experts: int) -> tuple[dict, list[str]]:
