@@ -1,4 +1,4 @@
-"""GPTQ routed experts (buildkit/gptq.py): the numerics, the options, and the figure on the
+"""GPTQ routed experts (buildkit/quant/gptq.py): the numerics, the options, and the figure on the
 trained fixture."""
 
 from __future__ import annotations
