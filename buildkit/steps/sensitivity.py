@@ -52,7 +52,8 @@ class SensitivityParams(Params):
     seq_len: int = Field(default=128, ge=2)
     # tokens the KL is measured on; the bf16 log-probabilities are kept: tokens x vocab x 4 bytes
     max_tokens: int = Field(default=2048, ge=2)
-    # one bits per layer's routed experts (gate, up, down), or per tensor: bench/RESULTS.md
+    # one bits per layer's routed experts (gate, up, down), or per tensor: bench/RESULTS.md,
+    # "Budget against uniform"
     granularity: Literal["layer", "tensor"] = "layer"
 
     @field_validator("bits")

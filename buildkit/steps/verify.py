@@ -105,7 +105,10 @@ class Inspection:
             self.per_role.setdefault(bits, []).append(err)
             if not err <= self.limits.get(bits, 1.0):
                 self.over.append(f"{name}: {err:.4f}")
-        if r["split"] is not None:
+        if r["split"] is not None and r["split"][1] == 0:
+            # gate and up alike where compared (all-zero experts): no order to tell them by
+            self.split["indistinct"] = self.split.get("indistinct", 0) + 1
+        elif r["split"] is not None:
             right, swapped = r["split"]
             ok = right < 0.5 * swapped
             split = self.split
@@ -255,7 +258,7 @@ def dequant_rel_l1_first_rows(s: Subject) -> Outcome:
 
 def experts_split_order(s: Subject) -> Outcome:
     split, bad = s.inspected.split, s.inspected.split_bad
-    return not bad and split["checked"] > 0, split, bad or None
+    return not bad and (split["checked"] > 0 or "indistinct" in split), split, bad or None
 
 
 def base_identical(s: Subject) -> Outcome:

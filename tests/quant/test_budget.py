@@ -14,8 +14,8 @@ from buildkit.quant.quantize import assign_roles
 from buildkit.quant.roles import Role
 from buildkit.store.store import Store
 
-# oq-budget on the trained fixture (buildkit/fixtures/trained.py), the donor head from it too: on random
-# weights the outputs are near-uniform and a KL sensitivity is noise.
+# oq-budget on the trained fixture (buildkit/fixtures/trained.py), the donor head from it too: on
+# random weights the outputs are near-uniform and a KL sensitivity is noise.
 VARIANT = "oq-budget-trained"
 TRAINED = 'source = "fixture:trained"\n[steps.donor_fetch]\nparams.source = "fixture:trained"\n'
 

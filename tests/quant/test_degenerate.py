@@ -72,6 +72,8 @@ def test_zeroed_experts_rows_and_groups_build_with_their_figures(tmp_path, varia
         assert experts["experts"] == 0 and experts["data_aware"] is None
     else:
         assert experts["experts"] > 0 and experts["data_aware"] < experts["data_agnostic"]
+    split = report["checks"]["experts_split_order"]["figure"]  # all-zero gate and up: no order
+    assert split.get("indistinct", 0) == (4 if every_expert else 0)
     l1 = report["checks"]["dequant_rel_l1"]["figure"]
     assert all(v["max"] < v["limit"] for v in l1.values()), l1
     figures = json.loads((p.out / "zeroed" / "eval.json").read_text())
