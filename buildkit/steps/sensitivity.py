@@ -99,8 +99,8 @@ def measured(params: SensitivityParams, tensors: dict[str, dict]) -> dict[str, d
 
 
 def _default(params: SensitivityParams, tensors: dict[str, dict], groups: dict) -> bool:
-    """Whether ``groups`` is what the step measured before roles other than the routed experts
-    could be budgeted (every routed expert at every bits): then the key stays as it was."""
+    """Whether ``groups`` is the default measurement, every routed expert at every candidate
+    bits, which ``bits`` and ``granularity`` in the key already say: then it adds nothing."""
     names = budget.routed_weights(tensors)
     return groups == {
         g: {"tensors": ns, "bits": params.bits}
