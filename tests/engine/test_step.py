@@ -8,11 +8,14 @@ import json
 import os
 import textwrap
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import pytest
 
-from buildkit.engine.step import REGISTRY, Params, Slot, Step, WorldStep, register
+from buildkit.core.errors import ManifestError
+from buildkit.engine import manifest
+from buildkit.engine.step import REGISTRY, Inherit, Params, Slot, Step, WorldStep, register
 from buildkit.formats.tensors import to_float32
 from buildkit.store.artifact import Artifact
 from buildkit.store.store import Store
@@ -146,3 +149,35 @@ def test_params_default_is_every_field_in_the_key():
         b: str = "x"
 
     assert P().key_params() == {"a": 1, "b": "x"}
+
+
+class Greets(Step):  # params inherited: from the manifest's top level and from an input
+    kind, version = "greets", 1
+    inputs = {"model": Slot(required=False)}
+
+    class Params(Params):
+        greeting: Annotated[str | None, Inherit(top="greeting")] = None
+        style: Annotated[dict, Inherit(top="style")] = {}
+        tone: Annotated[str | None, Inherit(slot="model", fallback="plain")] = None
+
+
+def test_any_param_inherits_from_the_top_level_or_an_input(project):
+    register(Greets)
+    try:
+        project.write_manifest(
+            "greet",
+            'greeting = "hello"\n[style]\ncase = "upper"\nwidth = 8\n'
+            '[steps.a]\nkind = "greets"\nparams.tone = "warm"\nparams.style = { width = 4 }\n'
+            '[steps.b]\nkind = "greets"\ninputs = { model = "a" }\nparams.greeting = "hi"\n'
+            '[steps.c]\nkind = "greets"\n',
+        )
+        m = manifest.load("greet", project.manifests)
+        a, b, c = (m.nodes[n].params for n in "abc")
+        assert (a.greeting, a.style, a.tone) == ("hello", {"case": "upper", "width": 4}, "warm")
+        assert (b.greeting, b.style, b.tone) == ("hi", {"case": "upper", "width": 8}, "warm")
+        assert c.tone == "plain"  # no input to take it from: the fallback
+        project.write_manifest("typo", 'greetin = "x"\n[steps.a]\nkind = "greets"\n')
+        with pytest.raises(ManifestError, match="greetin: unknown key \\(did you mean 'greeting'"):
+            manifest.load("typo", project.manifests)
+    finally:
+        REGISTRY.pop("greets")
