@@ -9,7 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = (".py", ".md", ".toml", ".txt", ".cfg", ".ini", ".yml", ".yaml", "Makefile", "run")
-PATH = re.compile(r"(?<![\w./-])buildkit/(?:[\w./*-]|\{[^{}\s]*\})*[\w*}]")
+PATH = re.compile(r"(?<![\w./-])buildkit/(?:[\w./*-]|\{[^{}\s]*\})+")
 
 
 def text_files() -> list[Path]:
@@ -27,7 +27,7 @@ def missing(files: list[Path], root: Path = REPO) -> list[str]:
     for f in files:
         for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
             for m in PATH.finditer(line):
-                for p in expand(m.group(0).rstrip(".")):
+                for p in expand(m.group(0).rstrip("./-")):
                     if not (any(root.glob(p)) if "*" in p else (root / p).exists()):
                         found.append(f"{f.relative_to(root)}:{n}: {p}")
     return found
