@@ -117,7 +117,7 @@ class Step:
     ``libraries()`` and ``reads()`` (files outside the store, such as a text, by content). A
     built-in kind is imported in ``buildkit/steps/__init__.py``; a kind of one's own package is
     found through its ``buildkit.steps`` entry point (docs/develop.md). What only some steps
-    need is elsewhere: ``WorldStep`` for steps that watch the outside world (fetch, publish),
+    need is elsewhere: ``WorldStep`` for steps that watch the outside world (fetch, publish, eval),
     and the hooks ``ChecksRequest``, ``ReleaseGate``, ``Estimates`` and ``Publishes``.
     """
 
