@@ -427,7 +427,7 @@ def noop(
     deciding that nothing needs doing, not of Python reading its own modules and the store's
     listings back from the disk after something else pushed them out of the page cache (the
     no-op builds follow oq4e-mtp-xl's 25-minute build, after which a first run took 2.2 s).
-    A first run that finds no up-to-date record (buildkit/uptodate.py) plans in full and
+    A first run that finds no up-to-date record (buildkit/store/uptodate.py) plans in full and
     leaves one; with ``--full-check`` every run plans in full.
     """
     res = {}

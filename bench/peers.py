@@ -20,9 +20,9 @@ Methods (each a child process under ``/usr/bin/time -v``: wall, CPU, peak RSS):
 - ``xl-4bit``: buildkit, xl with 4-bit routed experts, data-agnostic (mx.quantize) - the
   baseline; a full cold build (calibrate-free), verify, eval and publish included.
 - ``oq4e``: buildkit, the same with ``calibrated = true`` (oq4e's data-aware search), cold build.
-- ``buildkit-gptq``: buildkit, the same with ``method = "gptq"`` (buildkit/gptq.py: a Hessian per
-  expert) and calibrate's ``keep_inputs``; verify's 4-bit rel-L1 line raised to 0.2 (GPTQ moves
-  weights to lower the output error).
+- ``buildkit-gptq``: buildkit, the same with ``method = "gptq"`` (buildkit/quant/gptq.py: a
+  Hessian per expert) and calibrate's ``keep_inputs``; verify's 4-bit rel-L1 line raised to 0.2
+  (GPTQ moves weights to lower the output error).
 - ``oq``: buildkit's ``oq`` manifest (one budget over every quantizable role, bf16 a candidate,
   data-aware experts) at ``target_bpw`` = xl-4bit's quantize step's bits per weight: equal size.
 - ``oq@dq``: the same at dynamic_quant's size (run after it), where dynamic_quant's threshold

@@ -198,7 +198,9 @@ def main() -> None:
         ("file download", "buildkit pull", total, t_fpull, "(same copy)", t_cp),
     ]
 
-    print(f"\n| remote | buildkit | MB | s | MB/s | raw | s | MB/s | buildkit/raw |\n|{'---|' * 9}")
+    print(
+        f"\n| remote | buildkit | MB | s | MB/s | raw | s | MB/s | buildkit : raw |\n|{'---|' * 9}"
+    )
     for what, cmd, n, t, raw, tr in rows:
         print(
             f"| {what} | {cmd} | {n / MB:.0f} | {t:.2f} | {n / MB / t:.0f} | {raw} | {tr:.2f} | "

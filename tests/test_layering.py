@@ -1,5 +1,6 @@
-"""The package's layering, read from the imports: lower folders never import higher ones, no
-module imports another's private names, and no two modules import each other in a loop."""
+"""The package's layering, read from the imports: lower folders never import higher ones, the
+engine imports nothing that knows a model, no module imports another's private names, and no
+two modules import each other in a loop. docs/develop.md's picture is drawn from this table."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ LAYERS = (
     "steps",
     "cli",
 )
+
+# Folders that may import fewer than every folder below them: the engine knows no model, so a
+# second model family (or kind of artifact) could reuse it.
+ONLY = {"engine": ("core", "store")}
 
 
 def imports(root: Path) -> list[tuple[str, str, str, int]]:
@@ -66,12 +71,41 @@ def violations(root: Path) -> list[str]:
         lo, hi = layer(importer), layer(imported)
         if lo is not None and hi is not None and hi > lo:
             found.append(f"{where} imports {imported}: {LAYERS[lo]} is below {LAYERS[hi]}")
+        elif lo is not None and hi is not None and hi != lo and LAYERS[lo] in ONLY:
+            if LAYERS[hi] not in ONLY[LAYERS[lo]]:
+                found.append(
+                    f"{where} imports {imported}: {LAYERS[lo]} may import only "
+                    f"{', '.join(ONLY[LAYERS[lo]])}"
+                )
         if name.startswith("_") and imported != importer:
             found.append(f"{where} imports the private name {name} from {imported}")
         if imported != importer:
             graph.add_edge(importer, imported)
     found += [f"import cycle: {' -> '.join([*c, c[0]])}" for c in nx.simple_cycles(graph)]
     return found
+
+
+def allowed(folder: str) -> tuple[str, ...]:
+    """The folders ``folder`` may import (itself aside)."""
+    return ONLY.get(folder, LAYERS[: LAYERS.index(folder)])
+
+
+def mermaid() -> str:
+    """The layering as a mermaid flowchart: an arrow for each folder a folder may import,
+    leaving out what it may import through another it imports, but for the ``ONLY`` folders,
+    whose arrows are all drawn (docs/develop.md shows it)."""
+    g = nx.DiGraph((a, b) for a in LAYERS if a not in ONLY for b in allowed(a))
+    edges = [*nx.transitive_reduction(g).edges, *((a, b) for a in ONLY for b in ONLY[a])]
+    edges.sort(key=lambda e: (LAYERS.index(e[0]), LAYERS.index(e[1])))
+    return "\n".join(["flowchart TD", *(f"  {a} --> {b}" for a, b in reversed(edges))])
+
+
+def test_develop_md_draws_this_table():
+    text = (Path(buildkit.__file__).parents[1] / "docs" / "develop.md").read_text()
+    assert f"```mermaid\n{mermaid()}\n```" in text, (
+        "docs/develop.md's layering picture differs from tests/test_layering.py; paste:\n"
+        + mermaid()
+    )
 
 
 def test_every_module_lives_in_a_layer():
@@ -95,10 +129,17 @@ def test_the_check_catches_an_upward_import_a_private_name_and_a_cycle(tmp_path)
         (pkg / folder / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
     (pkg / "store" / "a.py").write_text("def f():\n    from buildkit.engine import plan\n")
+    (pkg / "quant").mkdir()
+    (pkg / "quant" / "__init__.py").write_text("")
+    (pkg / "engine" / "est.py").write_text("import buildkit.quant\n")
     (pkg / "engine" / "plan.py").write_text("from buildkit.engine.other import _hidden\n")
     (pkg / "engine" / "other.py").write_text("from . import plan\n_hidden = 1\n")
     found = violations(pkg)
     assert "buildkit.store.a (line 2) imports buildkit.engine.plan: store is below engine" in found
+    assert (
+        "buildkit.engine.est (line 1) imports buildkit.quant: engine may import only core, store"
+        in found
+    )
     assert any("private name _hidden" in f for f in found)
     assert any(f.startswith("import cycle:") and "buildkit.engine.plan" in f for f in found)
 

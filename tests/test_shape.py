@@ -12,7 +12,6 @@ MAX_LINES = 60
 
 # module:function (methods as Class.method) -> why it may be longer than MAX_LINES
 ALLOWED = {
-    "buildkit.fixtures.generated:_configs": "config.json's text and vision parts as one literal",
     "buildkit.fixtures.generated:generate": "a linear script: plan, shards, index, side files",
     "buildkit.fixtures.generated:FixtureSpec._check": "one check per field, each its own message",
     "buildkit.quant.budget:measure": "one linear pass over a layer's modules and candidate bits",

@@ -80,8 +80,9 @@ def cmd_build(args) -> int:
     if args.remote_upload:
         print_sent(remote.push(sched.store, [(s.name, s.key, s.outputs) for s in states]), remote)
     if args.release:
-        from buildkit.engine.release import write_lock
+        from buildkit.engine.release import check_gates, write_lock
 
+        check_gates(sched, states)
         path = write_lock(sched, states)
         print(f"wrote {path}", file=sys.stderr)
     if args.push:

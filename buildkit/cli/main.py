@@ -52,7 +52,8 @@ def parser(fixture_options: bool = True) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # numpy's OpenBLAS on one thread (before numpy loads; a user's setting stands): steps and
     # tensors already run on two threads, and its spinning threads on a busy 2-core machine
-    # made calibrate's and verify's small matmuls many times slower (bench/RESULTS.md)
+    # made calibrate's and verify's small matmuls many times slower (bench/RESULTS.md,
+    # "numpy's BLAS on one thread")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     argv = sys.argv[1:] if argv is None else argv
     args = parser(fixture_options="fixture" in argv).parse_args(argv)
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The ``buildkit`` command: ``main``, then an exit that skips the interpreter's last
-    collections, a walk over the many objects a build leaves (bench/RESULTS.md); atexit
+    collections, a walk over the many objects a build leaves (bench/RESULTS.md, "Speed tricks
+    re-measured"); atexit
     handlers and the flushing of open files run as before."""
     code = main()
     gc.freeze()

@@ -80,9 +80,13 @@ def cmd_fixture(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from buildkit.engine.estimate import estimate, render
+    from buildkit.engine.estimate import layouts
+    from buildkit.quant.estimate import render, summary
 
-    e = estimate(load_manifest(args))
+    m = load_manifest(args)
+    if not m.source:
+        raise UsageError(f"{m.name}: no source; pass --source")
+    e = summary(m.name, m.source, layouts(m))
     print(json.dumps(e, indent=2) if args.json else render(e))
     return 0
 

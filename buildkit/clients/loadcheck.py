@@ -461,7 +461,8 @@ def check_loads(path: Path, block: int = BLOCK) -> dict:
     largest module or ``block`` bytes, not the model, whatever the vocabulary.
 
     On the CPU the pass runs in float32: mlx emulates bfloat16 arithmetic there, about four
-    times slower (bench/RESULTS.md). The floating-point parameters (norms, scales, biases, bf16
+    times slower (measured before RESULTS.md kept only the latest: `git log -S emulates
+    bench/RESULTS.md`). The floating-point parameters (norms, scales, biases, bf16
     weights) are widened as they are read; packed weights are untouched, and bfloat16 has
     float32's exponent range, so a value that overflows one overflows the other. On a GPU the
     model runs as mlx_lm runs it.

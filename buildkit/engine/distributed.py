@@ -69,7 +69,8 @@ def run_task(where: str | dict, libraries: dict[str, str], fn: Callable, *args):
     own for a remote (``{"remote", "sources"}``: then the result and the pack slots it filled,
     every object uploaded). The objects a result names are made durable before their digests
     go back (a listing must never name an object a crash loses): an fsync each, as one syncfs
-    per task waits for everything else the machine writes (bench/RESULTS.md)."""
+    per task waits for everything else the machine writes (bench/RESULTS.md, "Tried and not
+    kept")."""
     have = {name: version(name) for name in libraries}
     if have != libraries:
         raise StepError(

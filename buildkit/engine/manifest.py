@@ -1,11 +1,11 @@
 """Manifests: TOML files that declare a variant as a DAG of steps.
 
-A manifest names its ``source``, an optional quantization ``recipe`` and its
-``steps``; ``extends = "other"`` inherits another manifest's source, recipe and
-steps, deep-merging whatever it redefines. Everything is resolved here, when
-the manifest loads: defaults filled in, params validated by each step kind's
-pydantic model, inputs checked to name existing steps. The graph never reads
-TOML.
+A manifest names its ``steps`` and top-level values their params inherit (a param marked
+``Inherit(top=NAME)`` takes the top-level ``NAME``: fetch's ``source``, quantize's ``recipe``);
+``extends = "other"`` inherits another manifest's top level and steps, deep-merging whatever it
+redefines. Everything is resolved here, when the manifest loads: inherited values and defaults
+filled in, params validated by each step kind's pydantic model, inputs checked to name existing
+steps. The graph never reads TOML.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from buildkit.core.errors import ManifestError, did_you_mean
-from buildkit.engine.step import Params, Step, get_step, kinds
-
-BUILTIN_TEXT = "builtin:calibration.txt"  # a step's text when neither it nor its input names one
+from buildkit.engine.step import Inherit, Params, Step, get_step, kinds, markers
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -35,12 +33,19 @@ class StepDecl(BaseModel):
 
 
 class ManifestDecl(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A manifest's own keys; any other top-level key must be one a registered kind's params
+    inherit (``top_names``)."""
+
+    model_config = ConfigDict(extra="allow")
     description: str = ""
     extends: str | None = None
-    source: str | None = None
-    recipe: dict[str, Any] = {}
     steps: dict[str, dict[str, Any]] = {}
+
+
+def top_names() -> list[str]:
+    """The top-level names some registered kind's params inherit, in registration order."""
+    names = (m.top for cls in kinds().values() for m in markers(cls.Params, Inherit).values())
+    return list(dict.fromkeys(n for n in names if n))
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ class Manifest:
     name: str
     file: Path
     description: str
-    source: str | None
+    source: str | None  # the top-level ``source`` (or ``--source``)
     description_from: str = ""  # the manifest (stem) that wrote the description: this or a parent
     nodes: dict[str, Node] = field(default_factory=dict)
     chain: list[str] = field(default_factory=list)  # files, child first
@@ -190,18 +195,21 @@ def _read_toml(file: Path) -> dict:
 
 def _decl(file: Path, raw: dict) -> ManifestDecl:
     try:
-        return ManifestDecl.model_validate(raw)
+        decl = ManifestDecl.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
-        path = [str(x) for x in err["loc"]]
-        if err["type"] == "extra_forbidden":
-            msg = (
-                f"unknown key{did_you_mean(path[-1], ManifestDecl.model_fields)}; "
-                f"allowed: {', '.join(ManifestDecl.model_fields)}"
-            )
-        else:
-            msg = _invalid(err)
-        raise error_at(file, path, msg) from None
+        raise error_at(file, [str(x) for x in err["loc"]], _invalid(err)) from None
+    allowed = ["description", "extends", *top_names(), "steps"]
+    for key in decl.model_extra or {}:
+        if key not in allowed:
+            msg = f"unknown key{did_you_mean(key, allowed)}; allowed: {', '.join(allowed)}"
+            raise error_at(file, [key], msg)
+    return decl
+
+
+def _top(raw: dict) -> dict:
+    """The top-level values params inherit: everything but the manifest's own keys."""
+    return {k: v for k, v in raw.items() if k not in ManifestDecl.model_fields}
 
 
 def _load_chain(file: Path, seen: list[Path]) -> tuple[dict, dict[str, Path], list[str]]:
@@ -213,7 +221,10 @@ def _load_chain(file: Path, seen: list[Path]) -> tuple[dict, dict[str, Path], li
             seen[-1], ["extends"], f"extends loop: {cycle}; a manifest cannot extend itself"
         )
     decl = _decl(file, _read_toml(file))
-    raw = decl.model_dump()
+    raw = {
+        **decl.model_dump(include=set(ManifestDecl.model_fields)),
+        "top": _top(decl.model_dump()),
+    }
     raw["description_from"] = file.stem
     origin = {s: file for s in raw["steps"]}
     chain = [str(file)]
@@ -226,8 +237,7 @@ def _load_chain(file: Path, seen: list[Path]) -> tuple[dict, dict[str, Path], li
         merged = {
             "description": decl.description or parent["description"],
             "description_from": file.stem if decl.description else parent["description_from"],
-            "source": decl.source if decl.source is not None else parent["source"],
-            "recipe": deep_merge(parent["recipe"], decl.recipe),
+            "top": deep_merge(parent["top"], raw["top"]),
             "steps": {},
         }
         for name in [*parent["steps"], *(s for s in raw["steps"] if s not in parent["steps"])]:
@@ -253,8 +263,8 @@ def _defines(table: dict, path: list[str]) -> bool:
     return _depth(table, path) == len(path)
 
 
-def _recipe_file(chain: list[str], path: list[str]) -> Path:
-    """The file of the extends chain (child first) that defines most of a recipe path."""
+def _top_file(chain: list[str], path: list[str]) -> Path:
+    """The file of the extends chain (child first) that defines most of a top-level path."""
     depths = [(_depth(_read_toml(Path(f)), path), -i, f) for i, f in enumerate(chain)]
     return Path(max(depths)[2])
 
@@ -270,12 +280,13 @@ def load(
     """Load, merge and validate a manifest; ``source`` overrides the manifest's source."""
     file = find_manifest(name_or_path, Path(manifests_dir))
     raw, origin, chain = _load_chain(file, [])
+    top = {**raw["top"], **({"source": source} if source is not None else {})}
     m = Manifest(
         name=file.stem,
         file=file,
         description=raw["description"],
         description_from=raw["description_from"],
-        source=source if source is not None else raw["source"],
+        source=top.get("source"),
         chain=chain,
     )
     if not raw["steps"]:
@@ -287,10 +298,10 @@ def load(
             raise error_at(f, where, "step names use letters, digits, '_', '-', '.'")
         decl = _declaration(f, where, body)
         step = get_step(decl.kind)
-        p = _params(f, where, decl, step, raw["recipe"], chain, m.source)
+        p = _params(f, where, decl, step, top, chain)
         m.nodes[name] = Node(name, decl.kind, step, p, _inputs(f, where, decl, step), str(f))
     _check_refs(m)
-    _inherit_texts(m)
+    _inherit_from_inputs(m)
     return m
 
 
@@ -322,22 +333,28 @@ def _declaration(f: Path, where: list[str], body: dict) -> StepDecl:
     return decl
 
 
-def _params(
-    f: Path, where: list[str], decl: StepDecl, step, recipe: dict, chain: list, source: str
-) -> Params:
-    """A step's params with the manifest's recipe and source filled in, validated by its kind."""
+def _params(f: Path, where: list[str], decl: StepDecl, step, top: dict, chain: list) -> Params:
+    """A step's params with the top-level values it inherits filled in, validated by its kind."""
     params = dict(decl.params)
-    if step.uses_recipe and isinstance(params.get("recipe", {}), dict):  # else validation says why
-        params["recipe"] = deep_merge(recipe, params.get("recipe", {}))
-    if "source" in step.Params.model_fields and params.get("source") is None:
-        params["source"] = source
+    inherits = markers(step.Params, Inherit)
+    for name, inh in inherits.items():
+        if inh.top is None or inh.top not in top:
+            continue
+        own, val = params.get(name), top[inh.top]
+        if isinstance(val, dict) and isinstance(own, dict | None):  # else validation says why
+            params[name] = deep_merge(val, own or {})
+        elif own is None:
+            params[name] = val
     try:
         return step.Params.model_validate(params)
     except ValidationError as e:
         err = e.errors()[0]
         loc = [*where, "params", *(str(x) for x in err["loc"])]
-        if step.uses_recipe and loc[3:4] == ["recipe"] and not _defines(decl.params, loc[3:]):
-            f, loc = _recipe_file(chain, loc[3:]), loc[3:]  # the [recipe] table is to blame
+        inh = inherits.get(loc[3]) if len(loc) > 3 else None
+        if inh and inh.top and not _defines(decl.params, loc[3:]):
+            # the top-level table is to blame
+            loc = [inh.top, *loc[4:]]
+            f = _top_file(chain, loc)
         if err["type"] == "extra_forbidden":
             msg = (
                 f"unknown param{did_you_mean(loc[-1], step.Params.model_fields)} "
@@ -393,12 +410,33 @@ def _check_refs(m: Manifest) -> None:
                     )
 
 
-def _inherit_texts(m: Manifest) -> None:
-    """A step's ``params.text`` left unset is its ``text_from`` input's (sensitivity: the
-    calibration's), resolved at load like every other param."""
-    for node in m.nodes.values():
-        slot = node.step.text_from
-        if slot and getattr(node.params, "text", "") is None:
-            refs = node.inputs.get(slot)
-            text = getattr(m.nodes[refs[0].node].params, "text", None) if refs else None
-            node.params = node.params.model_copy(update={"text": text or BUILTIN_TEXT})
+def _inherit_from_inputs(m: Manifest) -> None:
+    """A param marked ``Inherit(slot=...)`` and left unset takes the same param of the step in
+    that input slot (sensitivity's text: its calibration's), else its ``fallback``; resolved at
+    load like every other param, producers first."""
+    for name in _order(m):
+        node = m.nodes[name]
+        for field_name, inh in markers(node.step.Params, Inherit).items():
+            if inh.slot is None or getattr(node.params, field_name) is not None:
+                continue
+            refs = node.inputs.get(inh.slot)
+            got = getattr(m.nodes[refs[0].node].params, field_name, None) if refs else None
+            update = {field_name: got if got is not None else inh.fallback}
+            node.params = node.params.model_copy(update=update)
+
+
+def _order(m: Manifest) -> list[str]:
+    """The nodes, each after the nodes its inputs name (cycles are the graph's to report)."""
+    done: dict[str, None] = {}
+
+    def visit(name: str, seen: tuple) -> None:
+        if name in done or name in seen:
+            return
+        for refs in m.nodes[name].inputs.values():
+            for r in refs:
+                visit(r.node, (*seen, name))
+        done[name] = None
+
+    for name in m.nodes:
+        visit(name, ())
+    return list(done)

@@ -1,7 +1,7 @@
 """Planning: each node's key ingredients, its cache key, fresh or stale, and why.
 
 A node's cache key is the xxh3-128 of canonical JSON over its kind, step version, params as
-they enter the key (for quantizing steps the resolved per-tensor plan, in order), the digests
+they enter the key (``Params.key_params``), the digests
 of its input artifacts, the versions of libraries that change its bytes, and a step-specific
 fingerprint (the digests of source files). A key found in the store's action cache is a hit
 (else in the remote cache, if one is configured: ``Planner.lookup``, ``remote.py``).
@@ -18,8 +18,9 @@ from pathlib import Path
 from buildkit.core import keys
 from buildkit.core.errors import UsageError, did_you_mean
 from buildkit.engine import graph as graphs
+from buildkit.engine import step as plugin
 from buildkit.engine.manifest import Manifest, Node
-from buildkit.engine.step import BuildOptions, Context, Progress
+from buildkit.engine.step import BuildOptions, ChecksRequest, Context, Progress
 from buildkit.store.store import Store
 
 
@@ -50,7 +51,7 @@ class NodeState:
 
 class InputArtifacts(Mapping):
     """A node's input artifacts by slot, each slot's listings read (and checked against their
-    digests) once, when first asked for: the key (``Step.key_params``) and ``run`` share them."""
+    digests) once, when first asked for: the key (``Params.key_params``) and ``run`` share them."""
 
     def __init__(self, store: Store, digests: dict[str, list[str]]):
         self.store, self.digests, self._read = store, digests, {}
@@ -70,11 +71,11 @@ class InputArtifacts(Mapping):
 def ingredients(node: Node, inputs: InputArtifacts, ctx: Context) -> dict:
     """Everything that can change the node's output bytes, and nothing else."""
     step = node.step
-    params = step.key_params(node.params, inputs)
+    params = node.params.key_params(inputs)
     # A fingerprint may materialize its subject (a generated fixture, a hub download): two
     # processes fingerprinting the same thing take turns, or they race to create it.
     with ctx.store.lock(keys.digest_json("fingerprint", [node.kind, step.version, params])):
-        fingerprint = step.fingerprint(node.params, ctx)
+        fingerprint = plugin.fingerprint(step, node.params, ctx)
     return {
         "kind": node.kind,
         "version": step.version,
@@ -153,7 +154,9 @@ def why_changed(node: Node, old: dict | None, new: dict) -> list[str]:
     if old.get("fingerprint") != new["fingerprint"]:
         reasons.append(
             "source changed: "
-            + node.step.describe_fingerprint_change(old.get("fingerprint"), new["fingerprint"])
+            + plugin.describe_fingerprint_change(
+                node.step, old.get("fingerprint"), new["fingerprint"]
+            )
         )
     return reasons or [MISSING]
 
@@ -230,7 +233,7 @@ class Planner:
                 )
                 continue
             st.outputs = rec["outputs"]
-            outdated = node.step.outdated(node.params, self.artifacts(st.outputs), ctx)
+            outdated = plugin.outdated(node.step, node.params, self.artifacts(st.outputs), ctx)
             if outdated:
                 st.reasons = [outdated]
                 continue
@@ -257,7 +260,8 @@ class Planner:
         """Every selected step's ``check_request``: a bad output path fails before any work."""
         for name in self.selection(targets):
             node = self.m.nodes[name]
-            node.step.check_request(node.params, self.context(name))
+            if isinstance(node.step, ChecksRequest):
+                node.step.check_request(node.params, self.context(name))
 
     def artifacts(self, outputs: dict[str, str]):
         return {k: self.store.get_artifact(d) for k, d in outputs.items()}
@@ -299,7 +303,7 @@ class Planner:
         inputs, outputs = [Path(f) for f in self.m.chain], []
         for st in states:
             node = self.m.nodes[st.name]
-            files = node.step.watch(node.params, self.context(st.name))
+            files = plugin.watch(node.step, node.params, self.context(st.name))
             if files is None:
                 return None
             inputs += files[0]

@@ -10,7 +10,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 from buildkit.core import keys
-from buildkit.core.errors import UsageError
+from buildkit.core.errors import StepError, UsageError
+from buildkit.engine.step import Publishes, ReleaseGate, WorldStep
 from buildkit.store.fsio import atomic_write
 
 TOOLS = (
@@ -39,6 +40,32 @@ def machine() -> str:
     return f"{platform.system()}-{platform.machine()}"
 
 
+def check_gates(sched, states) -> None:
+    """Every node's release gate (``ReleaseGate``) on its outputs, cached or run: a release
+    whose figures miss a gate fails here, before any lock is written."""
+    failed = []
+    for st in states:
+        step = sched.m.nodes[st.name].step
+        if isinstance(step, ReleaseGate) and st.outputs:
+            bad = step.release_gate(sched.m.nodes[st.name].params, sched.artifacts(st.outputs))
+            failed += [f"{'; '.join(bad)} (params of step {st.name!r})"] if bad else []
+    if failed:
+        raise StepError(
+            "release gate failed: " + " | ".join(failed) + "; the figures are the build's own "
+            "(cached or run): loosen the gate or improve the variant, then release again"
+        )
+
+
+def sources_of(sched, states) -> dict:
+    """What each node that watches the world fingerprinted (fetch: its source's files)."""
+    return {
+        s.name: {"source": s.ingredients["params"], "files": s.ingredients["fingerprint"]}
+        for s in states
+        if isinstance(sched.m.nodes[s.name].step, WorldStep)
+        and s.ingredients["fingerprint"] is not None
+    }
+
+
 def lock_data(sched, states) -> dict:
     nodes = {
         s.name: {
@@ -49,14 +76,9 @@ def lock_data(sched, states) -> dict:
         }
         for s in states
     }
-    sources = {
-        s.name: {"source": s.ingredients["params"], "files": s.ingredients["fingerprint"]}
-        for s in states
-        if s.kind == "fetch"
-    }
     return {
         "variant": sched.m.name,
-        "sources": sources,
+        "sources": sources_of(sched, states),
         "nodes": nodes,
         "tools": tool_versions(),
         "python": platform.python_version(),
@@ -118,6 +140,7 @@ def verify_against(manifest, against: str | Path, jobs: int = 2, remote=None) ->
         )
         sched = Scheduler(manifest, Store(Path(tmp) / "store"), opts)
         states = sched.build(jobs=jobs)
+        check_gates(sched, states)
         got = lock_data(sched, states)
     for name in sched.order:
         want = lock["nodes"].get(name)
@@ -175,7 +198,7 @@ def _explain_difference(name: str, want: dict, have: dict, lock: dict, got: dict
             f"install the release pins (pip install -c {PINS} -e .)",
             file=sys.stderr,
         )
-    if have["kind"] == "fetch":
+    if name in got["sources"]:
         old = (lock.get("sources", {}).get(name) or {}).get("files") or {}
         new = got["sources"][name]["files"] or {}
         files = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
@@ -190,12 +213,13 @@ def _explain_difference(name: str, want: dict, have: dict, lock: dict, got: dict
 
 def push(sched, states, repo_id: str) -> None:
     """Upload every published directory of the build to ``repo_id`` with huggingface_hub."""
+    from buildkit.store.hub import upload
+
     for st in states:
-        if st.kind != "publish":
-            continue
         node = sched.m.nodes[st.name]
-        path = sched.context(st.name).out_path(node.params.out)
-        from buildkit.store.hub import upload
+        if not isinstance(node.step, Publishes):
+            continue
+        path = node.step.destination(node.params, sched.context(st.name))
 
         url = upload(path, repo_id, f"buildkit {sched.m.name} {keys.short(st.key)}")
         print(f"uploaded {path} to {url}")

@@ -21,6 +21,7 @@ from typing import NoReturn
 
 from buildkit.core import allocator, keys, workers
 from buildkit.core.errors import BuildkitError, StepError, StoreMiss, VerifyError
+from buildkit.engine import step as plugin
 from buildkit.engine.manifest import Manifest
 from buildkit.engine.plan import (
     InputArtifacts,
@@ -165,7 +166,7 @@ class Scheduler(Planner):
             rec = self.lookup(st.key)
             if rec is not None:
                 st.outputs = rec["outputs"]
-                why = node.step.outdated(node.params, self.artifacts(st.outputs), ctx)
+                why = plugin.outdated(node.step, node.params, self.artifacts(st.outputs), ctx)
                 if not why:
                     st.fresh = True
                     reporter.line(

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -18,10 +18,51 @@ from buildkit.store.artifact import Artifact
 from buildkit.store.store import Store
 
 
+@dataclass(frozen=True)
+class SameBytes:
+    """Marks a Params field that does not change the output bytes, so it stays out of the key:
+    ``out: Annotated[str, SameBytes()] = "out"``. With ``when``, only for params where
+    ``when(params)`` holds (a field that means nothing unless another is set)."""
+
+    when: Callable[[Any], bool] | None = None
+
+
+@dataclass(frozen=True)
+class Inherit:
+    """Marks a Params field whose default the manifest fills in at load: from its top level
+    (``top``: a value, or a table the step's own entries are deep-merged over) or from the same
+    field of the step in input slot ``slot`` (else ``fallback``)."""
+
+    top: str | None = None
+    slot: str | None = None
+    fallback: Any = None
+
+
+def markers(params_cls: type[BaseModel], marker: type) -> dict[str, Any]:
+    """field name -> its ``marker`` instance, for the fields of ``params_cls`` that carry one."""
+    return {
+        name: m
+        for name, f in params_cls.model_fields.items()
+        for m in f.metadata
+        if isinstance(m, marker)
+    }
+
+
 class Params(BaseModel):
     """Base of every step's params: unknown fields are errors, values are immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def key_params(self, inputs: Mapping[str, list[Artifact]] | None = None) -> dict:
+        """The params as they enter the key: every field, defaults filled in, but those marked
+        ``SameBytes``. Override for params that mean something only against the input
+        artifacts ``inputs`` (quantize resolves its rules to a per-tensor plan)."""
+        drop = {
+            name
+            for name, m in markers(type(self), SameBytes).items()
+            if m.when is None or m.when(self)
+        }
+        return self.model_dump(mode="json", exclude=drop)
 
 
 @dataclass(frozen=True)
@@ -35,25 +76,49 @@ class Slot:
 class Step:
     """A step kind: a pure function of (params, input artifacts) -> output artifacts.
 
-    A step author sets five things and writes ``run``::
+    A step author sets ``kind``, ``version``, ``Params``, ``inputs`` and ``outputs`` and writes
+    ``run``; per-tensor work goes through ``ctx.map`` (local threads, or Dask tasks under
+    ``build --dask``), whose task is a top-level function of the store that returns an entry::
 
-        class UpperParams(Params):
-            suffix: str = "!"
+        from typing import Annotated
+
+        from buildkit.engine.step import Params, SameBytes, Slot, Step, register
+        from buildkit.formats.tensors import from_float32, to_float32
+        from buildkit.store.artifact import Artifact
+
+
+        def scaled(store, entry, factor):  # a task: reads one tensor, writes one object
+            x = to_float32(store.read_tensor(entry), entry["dtype"]) * factor
+            return store.put_tensor(entry["dtype"], from_float32(x, entry["dtype"]))
+
+
+        class ScaleParams(Params):
+            factor: float = 2.0
+            label: Annotated[str, SameBytes()] = ""  # a name for people: not in the key
+
 
         @register
-        class Upper(Step):
-            kind, version = "upper", 1  # bump version whenever the output bytes change
-            Params = UpperParams
-            inputs = {"model": Slot()}  # manifest: inputs.model = "sanitize"
+        class Scale(Step):
+            kind, version = "scale", 1  # bump version whenever the output bytes change
+            Params = ScaleParams
+            inputs = {"model": Slot()}  # manifest: inputs = { model = "sanitize:model" }
+            outputs = ("out",)
 
             def run(self, ctx, params, inputs):
-                model = inputs["model"][0]
-                return {"out": Artifact(tensors=model.tensors, meta={"suffix": params.suffix})}
+                norms = {
+                    n: e for n, e in inputs["model"][0].tensors.items() if n.endswith("norm.weight")
+                }
+                tasks = [(n, (e, params.factor)) for n, e in sorted(norms.items())]
+                out = dict(zip(sorted(norms), ctx.map(scaled, tasks)))
+                return {"out": Artifact(tensors=out, meta={"label": params.label})}
 
-    Everything that changes the output bytes must be in the key: the params (``key_params``,
-    all of them by default), the input artifacts, ``libraries()`` and ``reads()`` (files
-    outside the store, such as a calibration text, by content). The hooks below the line are
-    for the two steps that touch the world: fetch (a source tree) and publish (a directory).
+    Everything that changes the output bytes must be in the key: the params (every field but
+    those marked ``SameBytes``; ``Params.key_params`` for more), the input artifacts,
+    ``libraries()`` and ``reads()`` (files outside the store, such as a text, by content). A
+    built-in kind is imported in ``buildkit/steps/__init__.py``; a kind of one's own package is
+    found through its ``buildkit.steps`` entry point (docs/develop.md). What only some steps
+    need is elsewhere: ``WorldStep`` for steps that watch the outside world (fetch, publish, eval),
+    and the hooks ``ChecksRequest``, ``ReleaseGate``, ``Estimates`` and ``Publishes``.
     """
 
     kind: ClassVar[str]
@@ -61,9 +126,6 @@ class Step:
     Params: ClassVar[type[Params]] = Params
     inputs: ClassVar[dict[str, Slot]] = {}
     outputs: ClassVar[tuple[str, ...]] = ("out",)
-    uses_recipe: ClassVar[bool] = False  # params get the manifest's recipe as params.recipe
-    # an input slot whose producer's params.text this step's params.text takes when unset
-    text_from: ClassVar[str | None] = None
 
     def run(
         self, ctx: Context, params: Params, inputs: dict[str, list[Artifact]]
@@ -76,46 +138,109 @@ class Step:
         build checks their stat (``uptodate``)."""
         return {}
 
-    def key_params(self, params: Params, inputs: Mapping[str, list[Artifact]]) -> dict:
-        """The params as they enter the key (all of them, defaults filled in; leave out a
-        path that ``reads`` covers by content). ``inputs`` are the input artifacts, for params
-        that mean something only against them (quantize resolves rules to a per-tensor plan)."""
-        return params.model_dump(mode="json")
-
     def libraries(self) -> dict[str, str]:
         """Versions of libraries that change this step's output bytes (part of the key)."""
         return {}
 
-    def check_request(self, params: Params, ctx: Context) -> None:
-        """Raise UsageError if this invocation cannot succeed (publish: an unusable output
-        path), so the build fails before any step runs rather than after hours of work."""
 
-    # ---- for steps that touch the world (fetch, publish); ``register`` checks the pairing
+def read_digests(step: Step, params: Params, ctx: Context) -> dict[str, str] | None:
+    """The content digests of what ``step.reads`` names (None if it names nothing)."""
+    files = step.reads(params, ctx)
+    if not files:
+        return None
+    digest = ctx.store.sources.digest_file
+    return {name: digest(path, rehash=ctx.options.rehash) for name, path in files.items()}
+
+
+class WorldStep(Step):
+    """A step that watches the outside world beyond ``reads`` (fetch: a source tree; publish:
+    a directory it wrote). It must say which files a stat can vouch for (``watch``)."""
 
     def fingerprint(self, params: Params, ctx: Context) -> Any:
         """Key ingredients observed outside the store; by default the digests of ``reads``."""
-        files = self.reads(params, ctx)
-        if not files:
-            return None
-        digest = ctx.store.sources.digest_file
-        return {name: digest(path, rehash=ctx.options.rehash) for name, path in files.items()}
+        return read_digests(self, params, ctx)
 
     def describe_fingerprint_change(self, old: Any, new: Any) -> str:
         """Which of the fingerprint's names changed, for the plan's reason."""
-        old, new = old or {}, new or {}
-        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        more = f" (+{len(changed) - 5} more)" if len(changed) > 5 else ""
-        return ", ".join(changed[:5]) + more
+        return changed_names(old, new)
 
     def outdated(self, params: Params, outputs: dict[str, Artifact], ctx: Context) -> str | None:
-        """For steps with side effects: a reason to re-run despite a cache hit, or None."""
+        """A reason to re-run despite a cache hit (the world changed under it), or None."""
         return None
 
     def watch(self, params: Params, ctx: Context) -> tuple[list[Path], list[Path]] | None:
         """Files outside the store this step reads and writes, whose stat vouches that a build
         that changed none of them would change nothing (``uptodate``); None if a stat cannot
-        tell. By default what ``reads`` names."""
-        return list(self.reads(params, ctx).values()), []
+        tell."""
+        raise NotImplementedError
+
+
+def changed_names(old: Any, new: Any) -> str:
+    """Which names of two fingerprints (dicts) differ, the first five."""
+    old, new = old or {}, new or {}
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    more = f" (+{len(changed) - 5} more)" if len(changed) > 5 else ""
+    return ", ".join(changed[:5]) + more
+
+
+# What the engine asks of any step, a WorldStep or not.
+
+
+def fingerprint(step: Step, params: Params, ctx: Context) -> Any:
+    if isinstance(step, WorldStep):
+        return step.fingerprint(params, ctx)
+    return read_digests(step, params, ctx)
+
+
+def describe_fingerprint_change(step: Step, old: Any, new: Any) -> str:
+    if isinstance(step, WorldStep):
+        return step.describe_fingerprint_change(old, new)
+    return changed_names(old, new)
+
+
+def outdated(step: Step, params: Params, outputs: dict[str, Artifact], ctx: Context) -> str | None:
+    return step.outdated(params, outputs, ctx) if isinstance(step, WorldStep) else None
+
+
+def watch(step: Step, params: Params, ctx: Context) -> tuple[list[Path], list[Path]] | None:
+    if isinstance(step, WorldStep):
+        return step.watch(params, ctx)
+    return list(step.reads(params, ctx).values()), []
+
+
+@runtime_checkable
+class ChecksRequest(Protocol):
+    """A step that can tell before any step runs that an invocation cannot succeed."""
+
+    def check_request(self, params: Params, ctx: Context) -> None:
+        """Raise UsageError (publish: an unusable output path), so the build fails before
+        hours of work rather than after."""
+
+
+@runtime_checkable
+class ReleaseGate(Protocol):
+    """A step whose outputs a release must meet (eval: figures within limits). The release
+    code asks it of every node, cached or run: a gate never makes a node stale."""
+
+    def release_gate(self, params: Params, outputs: dict[str, Artifact]) -> list[str]:
+        """What the outputs fail, one line each (empty: the release may go on)."""
+
+
+@runtime_checkable
+class Estimates(Protocol):
+    """A step that can say, from layouts alone (no tensor data), what it would output:
+    ``buildkit estimate`` walks the graph with it (``engine/estimate.py``)."""
+
+    def estimate(self, params: Params, inputs: dict[str, list[dict]]) -> dict[str, dict]:
+        """Output name -> layout, from the input slots' layouts (those estimated)."""
+
+
+@runtime_checkable
+class Publishes(Protocol):
+    """A step that writes a directory outside the store (what ``build --push`` uploads)."""
+
+    def destination(self, params: Params, ctx: Context) -> Path:
+        """The directory it writes."""
 
 
 REGISTRY: dict[str, type[Step]] = {}
@@ -126,12 +251,11 @@ def register(cls: type[Step]) -> type[Step]:
     """Add a step kind to the registry (a class decorator)."""
     if cls.kind in REGISTRY:
         raise RuntimeError(f"step kind {cls.kind!r} registered twice")
-    looks_outside = cls.fingerprint is not Step.fingerprint or cls.outdated is not Step.outdated
-    if looks_outside and cls.watch is Step.watch:
+    if issubclass(cls, WorldStep) and cls.watch is WorldStep.watch:
         # uptodate would trust stats that say nothing of what the step looked at
         raise RuntimeError(
-            f"step kind {cls.kind!r} overrides fingerprint or outdated: override watch too, "
-            "naming the files those look at (or returning None if a stat cannot tell)"
+            f"step kind {cls.kind!r} is a WorldStep: override watch, naming the files its "
+            "fingerprint and outdated look at (or returning None if a stat cannot tell)"
         )
     REGISTRY[cls.kind] = cls
     return cls
@@ -218,7 +342,7 @@ class Context:
     options: BuildOptions
     progress: Progress
     log_sink: Any = None
-    fingerprint: Any = None  # what ``Step.fingerprint`` gave for this run's key
+    fingerprint: Any = None  # what ``fingerprint(step, ...)`` gave for this run's key
     key: str | None = None  # this run's action key
     libraries: dict[str, str] = field(default_factory=dict)  # ``Step.libraries`` of this run
     executor: Any = None  # a ``distributed.DaskExecutor`` under ``build --dask``

@@ -14,10 +14,10 @@ trunk ran on the text). Depth k counts only positions whose k-1 earlier drafts w
 (the published format d1=a/b, d2=c/d), and of those only where the text itself went on with
 the accepted drafts and the target lies inside the text: elsewhere the trunk's state at t+k
 follows other tokens than the drafts, and comparing a draft with it understates acceptance
-(bench/RESULTS.md). So tried at depth k <= accepted at depth k-1. Tokens per verify cycle
-with k drafts = 1 + sum over i <= k of the product of the conditional rates r1..ri, reported
-only up to the last depth with enough tries (``stats.depth_figures``: rates, intervals, the
-best draft length).
+(bench/RESULTS.md, "Speculative decoding figures"). So tried at depth k <= accepted at depth
+k-1. Tokens per verify cycle with k drafts = 1 + sum over i <= k of the product of the
+conditional rates r1..ri, reported only up to the last depth with enough tries
+(``stats.depth_figures``: rates, intervals, the best draft length).
 
 The trunk runs once (the eval step's kept states); each depth is one pass of the head over
 every position, its attention over (depth x positions) keys.

@@ -22,7 +22,7 @@ gets the mlx affine parameters (scale s, bias b, codes q in [0, 2^bits - 1],
    calibration objective.
 
 The loop over candidates is compiled (``groupsearch``, numba), near ``mx.quantize``'s time
-per weight (bench/RESULTS.md).
+per weight (bench/RESULTS.md, "oq4e speed").
 
 No per-channel rescaling is folded anywhere (AWQ's equivalent transform needs a
 preceding per-expert op, and the experts share their input), so the output is
@@ -45,7 +45,7 @@ np = lazy("numpy", __name__)
 
 METHOD = "diag-weighted-affine-search/5"  # bump when the search changes its output or meta
 # extra quantization steps over the min-max range: the grids that did best on the bench's
-# tensor (bench/RESULTS.md)
+# tensor (bench/RESULTS.md, "The search, v4")
 GRID = [-1.0, -0.5, -0.25, 0.25, 0.5, 1.0, 1.75]
 TOP = 3  # the grids with the smallest estimates after one fit: fit once more
 REFINE = 1  # further fits of the best candidate after those

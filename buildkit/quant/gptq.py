@@ -11,7 +11,7 @@ are stored in before any code is chosen against them.
 mlx_lm's ``gptq`` sums one Hessian over all the experts of a layer; here each expert has its
 own, from the rows routed to it (gate/up: the MoE input; down: that expert's own
 ``silu(gate x) * up x``), which measured lower KL divergence on the trained fixture
-(bench/RESULTS.md). The inputs are the calibration stream's
+(bench/RESULTS.md, "Against mlx_lm's quantizers"). The inputs are the calibration stream's
 routed rows, which the calibrate step keeps with ``params.keep_inputs = true``. Experts no
 calibration token reached keep mx.quantize's result and are counted, as in ``dataaware``.
 
@@ -40,11 +40,11 @@ from buildkit.store.store import ROW_BLOCK_BYTES
 
 METHOD = "gptq-per-expert/4"  # bump when the output bytes (or meta) change
 # 4: gate/up's prior, the layer's pooled Hessian, itself shrunk toward its diagonal
-#    (``pooled_prior``; bench/RESULTS.md, "issue 37")
+#    (``pooled_prior``; bench/RESULTS.md, "Issue 37")
 DAMP = 0.01  # of the mean diagonal, added to H: GPTQ's (and mlx_lm's) damping
 # The prior's weight in pseudo-rows per input channel: an expert's Hessian from n rows gets the
 # prior's second moment times PRIOR_ROWS * C, a share C / (n + C) of the sum at 1.0
-# (bench/RESULTS.md)
+# (bench/RESULTS.md, "GPTQ with few rows an expert")
 PRIOR_ROWS = 1.0
 PROJS_IN = ("gate_proj", "up_proj")  # what makes down_proj's inputs
 # Hessians (and their factors) alive at once: 4 of the real model's 2048 x 2048, whatever the
@@ -180,7 +180,7 @@ def quantize(
 
     The search's scales matter where inputs are near isotropic (the bench fixture's deep
     layers): there error feedback has no correlation to use, and what wins is the better grid
-    (bench/RESULTS.md)."""
+    (bench/RESULTS.md, "GPTQ with few rows an expert")."""
     from buildkit.quant.affine import rows_params
 
     w = np.ascontiguousarray(w, dtype=np.float32)

@@ -81,7 +81,8 @@ def block_error(
     step that writes them while the source block is in memory instead of by reading both
     again. buildkit's own float32 dequantization, independent of mlx's kernels; for bf16 (every
     weight of the real model) one compiled pass without float32 copies, faster on the CPU
-    than ``mx.dequantize`` (bench/RESULTS.md)."""
+    than ``mx.dequantize`` (measured before RESULTS.md kept only the latest: ``git log -S
+    mx.dequantize bench/RESULTS.md``)."""
     s32, b32 = to_float32(scales, scales_dtype), to_float32(biases, scales_dtype)
     if dtype == "BF16":
         return block_sums(packed, s32, b32, block, bits, group)

@@ -16,12 +16,21 @@ output error on).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field
 
 from buildkit.core.errors import StepError
 from buildkit.core.lazy import lazy
-from buildkit.engine.step import Context, Params, Slot, Step, library_version, register
+from buildkit.engine.step import (
+    Context,
+    Params,
+    SameBytes,
+    Slot,
+    Step,
+    library_version,
+    register,
+)
 from buildkit.formats.tensors import f32_to_bf16
 from buildkit.grade import calibration as cal
 from buildkit.store.artifact import Artifact
@@ -30,19 +39,21 @@ np = lazy("numpy", __name__)
 
 
 class CalibrateParams(Params):
-    text: str = "builtin:calibration.txt"  # identity is the content digest, not this path
+    # identity is the content digest (``reads``), not this path
+    text: Annotated[str, SameBytes()] = "builtin:calibration.txt"
     heldout_every: int = Field(default=5, ge=2)
     seq_len: int = Field(default=128, ge=2)
     max_tokens: int = Field(default=4096, ge=1)
     max_heldout_tokens: int = Field(default=1024, ge=1)
     # also keep the calibration stream's routed inputs in ``out`` (what GPTQ builds its
-    # per-expert Hessians from; ~16 MB a layer on the real model)
-    keep_inputs: bool = False
+    # per-expert Hessians from; ~16 MB a layer on the real model); in the key only when set
+    keep_inputs: Annotated[bool, SameBytes(lambda p: not p.keep_inputs)] = False
     # A layer's experts run the fewest whole sequences of the calibration lines that route this
     # many rows to every one of them (the rest skip that layer's experts and every later
-    # layer): the search's statistics have settled by then (bench/RESULTS.md).
-    # 0: every token. Not with keep_inputs: GPTQ's per-expert Hessians want every row.
-    rows_per_expert: int = Field(default=128, ge=0)
+    # layer): the search's statistics have settled by then (bench/RESULTS.md, "Calibrate:
+    # rows an expert"). 0: every token. Not with keep_inputs (which overrides it): GPTQ's
+    # per-expert Hessians want every row.
+    rows_per_expert: Annotated[int, SameBytes(lambda p: p.keep_inputs)] = Field(default=128, ge=0)
 
 
 @register
@@ -55,12 +66,6 @@ class Calibrate(Step):
 
     def libraries(self) -> dict[str, str]:
         return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
-
-    def key_params(self, params: CalibrateParams, inputs=None) -> dict:
-        # keep_inputs only when set (calibrations without it keep their keys), and then not
-        # rows_per_expert, which it overrides
-        drop = {"rows_per_expert"} if params.keep_inputs else {"keep_inputs"}
-        return params.model_dump(mode="json", exclude={"text"} | drop)
 
     def reads(self, params: CalibrateParams, ctx: Context) -> dict[str, Path]:
         return {"text": cal.text_path(params.text, ctx.options.project_root)}

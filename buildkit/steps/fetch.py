@@ -14,19 +14,21 @@ content digests do.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import field_validator
 
 from buildkit.core import keys
 from buildkit.core.errors import SourceError, UsageError
-from buildkit.engine.source import (
+from buildkit.engine.step import Context, Inherit, Params, WorldStep, register
+from buildkit.fixtures.source import (
     HF_RE,
     PINNED,
     parse_fixture,
     source_kind,
+    source_layout,
     trained_name,
 )
-from buildkit.engine.step import Context, Params, Step, register
 from buildkit.store.artifact import Artifact
 
 SMALL_FILE_LIMIT = 64 << 20
@@ -34,7 +36,7 @@ HF_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "*.py",
 
 
 class FetchParams(Params):
-    source: str
+    source: Annotated[str, Inherit(top="source")]  # unset: the manifest's (or --source)
 
     @field_validator("source")
     @classmethod
@@ -47,24 +49,31 @@ class FetchParams(Params):
             parse_fixture(v)
         return v
 
+    def key_params(self, inputs=None) -> dict:
+        """The source as it enters the key: what names it, never a path."""
+        kind = source_kind(self.source)
+        if kind == "hf":
+            m = HF_RE.match(self.source)
+            return {"type": "hf", "repo": m["repo"], "revision": m["rev"]}
+        if kind == "fixture":
+            return {"type": "fixture", "spec": parse_fixture(self.source).model_dump()}
+        if kind == "trained":
+            return {"type": "trained"}  # its identity is the content, as for a local directory
+        return {"type": "local"}  # identity is the content, not the path
+
 
 @register
-class Fetch(Step):
+class Fetch(WorldStep):
     kind = "fetch"
     version = 1
     Params = FetchParams
     outputs = ("out",)
 
-    def key_params(self, params: FetchParams, inputs=None) -> dict:
-        kind = source_kind(params.source)
-        if kind == "hf":
-            m = HF_RE.match(params.source)
-            return {"type": "hf", "repo": m["repo"], "revision": m["rev"]}
-        if kind == "fixture":
-            return {"type": "fixture", "spec": parse_fixture(params.source).model_dump()}
-        if kind == "trained":
-            return {"type": "trained"}  # its identity is the content, as for a local directory
-        return {"type": "local"}  # identity is the content, not the path
+    def estimate(self, params: FetchParams, inputs) -> dict[str, dict]:
+        """The source's config and tensors (HF names) from its headers alone."""
+        config, found = source_layout(params.source)
+        tensors = {n: {"dtype": d, "shape": s} for n, (d, s) in found.items()}
+        return {"out": {"config": config, "tensors": tensors}}
 
     def resolve(self, params: FetchParams, ctx: Context) -> tuple[Path, dict]:
         kind = source_kind(params.source)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from buildkit.core.errors import SourceError
 from buildkit.engine.step import Context, Params, Slot, Step, register
 from buildkit.formats import checkpoint as ckpt
-from buildkit.formats.convert import sanitize_tensor
+from buildkit.formats.convert import mlx_pieces, sanitize_tensor
 from buildkit.formats.tensors import TensorInfo
 from buildkit.store.artifact import Artifact
 
@@ -59,3 +59,14 @@ class Graft(Step):
             ctx.progress.advance(1)
         ctx.log(f"{len(head.tensors)} head tensors -> {len(out.tensors)} (fused experts split)")
         return {"out": out}
+
+    def estimate(self, params: GraftParams, inputs) -> dict[str, dict]:
+        """The head's MLX names and shapes, as ``run`` makes them (fused experts split)."""
+        head = inputs["head"][0]
+        if not head["tensors"]:
+            raise SourceError("graft: the source has no mtp.* tensors (no MTP head to graft)")
+        tensors = {}
+        for name, t in sorted(head["tensors"].items()):
+            for mlx_name, mshape, _ in mlx_pieces(name, tuple(t["shape"])):
+                tensors[mlx_name] = {"dtype": t["dtype"], "shape": tuple(mshape)}
+        return {"out": {"config": head["config"], "tensors": tensors}}

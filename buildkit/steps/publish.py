@@ -27,6 +27,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field
 
@@ -37,7 +38,7 @@ from buildkit.clients.configs import (
 )
 from buildkit.core import keys
 from buildkit.core.errors import StepError, UsageError
-from buildkit.engine.step import Context, Params, Slot, Step, register
+from buildkit.engine.step import Context, Params, SameBytes, Slot, WorldStep, register
 from buildkit.formats import checkpoint as ckpt
 from buildkit.formats.tensors import nbytes, read_header
 from buildkit.present.card import model_card
@@ -76,7 +77,8 @@ DRAFTER_SHARD = f"{DRAFTER_DIR}/model.safetensors"
 
 
 class PublishParams(Params):
-    out: str = "out/{variant}"  # where to write; not part of the key (``--out`` overrides)
+    # where to write (``--out`` overrides)
+    out: Annotated[str, SameBytes()] = "out/{variant}"
     max_shard_bytes: int = Field(default=5 << 30, ge=1 << 20)
     base_model: str | None = (
         None  # default: the hf:// source's repo; none for a fixture or a directory
@@ -132,7 +134,7 @@ class Staged:
 
 
 @register
-class Publish(Step):
+class Publish(WorldStep):
     kind = "publish"
     version = 4  # 4: only the source's SIDE_FILES are copied (3: the drafter directory mtp/)
     Params = PublishParams
@@ -147,8 +149,8 @@ class Publish(Step):
     def writer(self) -> dict:
         return {self.kind: self.version}
 
-    def key_params(self, params: PublishParams, inputs=None) -> dict:
-        return params.model_dump(mode="json", exclude={"out"})
+    def destination(self, params: PublishParams, ctx: Context) -> Path:
+        return out_dir(params, ctx)
 
     def check_request(self, params: PublishParams, ctx: Context) -> None:
         dest = out_dir(params, ctx)

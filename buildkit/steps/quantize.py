@@ -14,13 +14,23 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Mapping
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from buildkit.core.errors import StepError
-from buildkit.engine.step import Context, Params, Slot, Step, library_version, register
+from buildkit.core.errors import StepError, UsageError
+from buildkit.engine.step import (
+    Context,
+    Inherit,
+    Params,
+    Slot,
+    Step,
+    library_version,
+    register,
+)
 from buildkit.formats.tensors import ITEMSIZE, nbytes
 from buildkit.quant import budget, dataaware
+from buildkit.quant import estimate as quant_estimate
 from buildkit.quant.quantize import (
     assign_roles,
     module_path,
@@ -34,7 +44,7 @@ from buildkit.store.packs import PackSet, PackWriter
 
 
 class QuantizeParams(Params):
-    recipe: Recipe
+    recipe: Annotated[Recipe, Inherit(top="recipe")]  # the manifest's, this step's merged over
     rules: dict[str, str] = Field(
         default_factory=dict
     )  # step-local rules, tried first, must all match
@@ -51,6 +61,21 @@ class QuantizeParams(Params):
                     f"roles: {', '.join(self.recipe.roles)}"
                 )
         return self
+
+    def key_params(self, inputs: Mapping[str, list[Artifact]] | None = None) -> dict:
+        """The resolved per-tensor plan, not the rules: two manifests whose rules resolve alike
+        share a key, and any difference in what a tensor becomes changes it."""
+        plan = resolved_plan(
+            inputs["model"][0].tensors, self, (inputs.get("sensitivity") or [None])[0]
+        )
+        d = {"plan": plan, "require_all_rules": self.require_all_rules}
+        if any(v["calibrated"] for v in plan["roles"].values()):
+            d["data_aware"] = dataaware.key()  # the search's version and the numpy it runs on
+        if any(v.get("method") == "gptq" for v in plan["roles"].values()):
+            from buildkit.quant import gptq
+
+            d["gptq"] = gptq.key()
+        return d
 
 
 def pack_entry(store, name: str, entry: dict, role: Role, slots: dict) -> dict[str, dict]:
@@ -275,7 +300,7 @@ def quantize_artifact(
 class Quantize(Step):
     kind = "quantize"
     # bump when the output's bytes change; the search's and GPTQ's are versioned by their
-    # METHOD, in key_params
+    # METHOD, in QuantizeParams.key_params
     version = 3
     Params = QuantizeParams
     # calibration: a calibrate output; sensitivity: a sensitivity output (for recipe.target_bpw)
@@ -284,25 +309,18 @@ class Quantize(Step):
         "calibration": Slot(required=False),
         "sensitivity": Slot(required=False),
     }
-    uses_recipe = True
 
     def libraries(self) -> dict[str, str]:
         return {"mlx": library_version("mlx")}
 
-    def key_params(self, params: QuantizeParams, inputs: Mapping[str, list[Artifact]]) -> dict:
-        """The resolved per-tensor plan, not the rules: two manifests whose rules resolve alike
-        share a key, and any difference in what a tensor becomes changes it."""
-        plan = resolved_plan(
-            inputs["model"][0].tensors, params, (inputs.get("sensitivity") or [None])[0]
-        )
-        d = {"plan": plan, "require_all_rules": params.require_all_rules}
-        if any(v["calibrated"] for v in plan["roles"].values()):
-            d["data_aware"] = dataaware.key()  # the search's version and the numpy it runs on
-        if any(v.get("method") == "gptq" for v in plan["roles"].values()):
-            from buildkit.quant import gptq
-
-            d["gptq"] = gptq.key()
-        return d
+    def estimate(self, params: QuantizeParams, inputs) -> dict[str, dict]:
+        """The roles and stored bytes of its input's tensors, from their shapes alone."""
+        if "model" not in inputs:
+            raise UsageError(
+                f"estimate follows {self.kind} over a step that estimates its output (sanitize, "
+                "graft); this one's model input does not"
+            )
+        return {"out": quant_estimate.layout(inputs["model"][0]["tensors"], params)}
 
     def run(self, ctx: Context, params: QuantizeParams, inputs) -> dict[str, Artifact]:
         calibration, sensitivity = (

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from buildkit.engine.step import Context, Params, Slot, Step, register
 from buildkit.formats.checkpoint import check_layout, load_config, scan_source
-from buildkit.formats.convert import sanitize_tensor, view
+from buildkit.formats.convert import mlx_pieces, sanitize_tensor, view
+from buildkit.formats.tensors import TensorInfo, nbytes
 from buildkit.store.artifact import Artifact
 
 
@@ -46,3 +47,24 @@ class Sanitize(Step):
                     model.tensors[mlx_name] = entry
             ctx.progress.advance(1, info.nbytes)
         return {"model": model, "mtp": mtp}
+
+    def estimate(self, params: SanitizeParams, inputs) -> dict[str, dict]:
+        """What ``run`` makes of the source's layout: MLX names and shapes, the head aside."""
+        src = inputs["source"][0]
+        found = {n: (t["dtype"], tuple(t["shape"])) for n, t in src["tensors"].items()}
+        check_layout(
+            src["config"],
+            {n: (None, TensorInfo(n, d, s, 0, nbytes(d, s))) for n, (d, s) in found.items()},
+        )
+        model, mtp = {}, {}
+        for name, (dtype, shape) in sorted(found.items()):
+            if name.startswith("mtp."):
+                mtp[name] = {"dtype": dtype, "shape": shape}
+                continue
+            for mlx_name, mshape, _ in mlx_pieces(name, shape):
+                model[mlx_name] = {"dtype": dtype, "shape": tuple(mshape)}
+        config = src["config"]
+        return {
+            "model": {"config": config, "tensors": model},
+            "mtp": {"config": config, "tensors": mtp},
+        }

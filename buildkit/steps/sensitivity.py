@@ -8,18 +8,27 @@ eval grades on, are never used) with that group alone quantized as the build qua
 Measured once per source and text: the key has the model, the calibration, the text's content
 digest and these params, never a budget, so a new ``target_bpw`` re-plans quantize without
 re-measuring. The figures are in ``meta`` (no tensors); the numerics are in
-``buildkit/budget.py``.
+``buildkit/quant/budget.py``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
 from buildkit.core.errors import StepError
-from buildkit.engine.step import Context, Params, Slot, Step, library_version, register
+from buildkit.engine.step import (
+    Context,
+    Inherit,
+    Params,
+    SameBytes,
+    Slot,
+    Step,
+    library_version,
+    register,
+)
 from buildkit.grade import calibration as cal
 from buildkit.quant import budget
 from buildkit.quant.roles import BF16, BITS, Recipe
@@ -29,17 +38,22 @@ DEFAULT_TEXT = "builtin:calibration.txt"
 
 
 class SensitivityParams(Params):
-    recipe: Recipe = Recipe()  # the manifest's: the roles with budget_bits are measured
+    # the manifest's: the roles with budget_bits are measured; only what it makes measured
+    # changes the bytes (``key_params``), never target_bpw
+    recipe: Annotated[Recipe, Inherit(top="recipe"), SameBytes()] = Recipe()
     # candidate bits; a group is measured at those of them its role's budget_bits lists
     bits: list[int] = Field(default_factory=lambda: [3, 4, 6, 8])
     group_size: int = Field(default=64, ge=16)
     # identity is the content digest, not this path; unset: the calibration input's text
-    text: str | None = None
+    text: Annotated[str | None, Inherit(slot="calibration", fallback=DEFAULT_TEXT), SameBytes()] = (
+        None
+    )
     heldout_every: int = Field(default=5, ge=2)  # as calibrate's: only its calibration lines
     seq_len: int = Field(default=128, ge=2)
     # tokens the KL is measured on; the bf16 log-probabilities are kept: tokens x vocab x 4 bytes
     max_tokens: int = Field(default=2048, ge=2)
-    # one bits per layer's routed experts (gate, up, down), or per tensor: bench/RESULTS.md
+    # one bits per layer's routed experts (gate, up, down), or per tensor: bench/RESULTS.md,
+    # "Budget against uniform"
     granularity: Literal["layer", "tensor"] = "layer"
 
     @field_validator("bits")
@@ -50,6 +64,18 @@ class SensitivityParams(Params):
                 f"bits must be a non-empty list of {', '.join(map(str, BITS))} or {BF16} (bf16)"
             )
         return sorted(set(v))
+
+    def key_params(self, inputs=None) -> dict:
+        """The params but the text (its content digest is the fingerprint) and the recipe, of
+        which only what it makes measured enters: each group's tensors and candidate bits
+        (never target_bpw, so a new budget re-plans without re-measuring)."""
+        d = super().key_params(inputs)
+        if inputs and inputs.get("model"):
+            tensors = inputs["model"][0].tensors
+            groups = measured(self, tensors)
+            if not _default(self, tensors, groups):
+                d["measured"] = groups
+        return d
 
 
 def measured(params: SensitivityParams, tensors: dict[str, dict]) -> dict[str, dict]:
@@ -73,8 +99,8 @@ def measured(params: SensitivityParams, tensors: dict[str, dict]) -> dict[str, d
 
 
 def _default(params: SensitivityParams, tensors: dict[str, dict], groups: dict) -> bool:
-    """Whether ``groups`` is what the step measured before roles other than the routed experts
-    could be budgeted (every routed expert at every bits): then the key stays as it was."""
+    """Whether ``groups`` is the default measurement, every routed expert at every candidate
+    bits, which ``bits`` and ``granularity`` in the key already say: then it adds nothing."""
     names = budget.routed_weights(tensors)
     return groups == {
         g: {"tensors": ns, "bits": params.bits}
@@ -89,23 +115,9 @@ class Sensitivity(Step):
     Params = SensitivityParams
     # model: sanitize:model; calibration: a calibrate output (data-aware candidates)
     inputs = {"model": Slot(), "calibration": Slot(required=False)}
-    uses_recipe = True
-    text_from = "calibration"
 
     def libraries(self) -> dict[str, str]:
         return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
-
-    def key_params(self, params: SensitivityParams, inputs=None) -> dict:
-        """The params but the text (its content digest is the fingerprint) and the recipe, of
-        which only what it makes measured enters: each group's tensors and candidate bits
-        (never target_bpw, so a new budget re-plans without re-measuring)."""
-        d = params.model_dump(mode="json", exclude={"text", "recipe"})
-        if inputs and inputs.get("model"):
-            tensors = inputs["model"][0].tensors
-            groups = measured(params, tensors)
-            if not _default(params, tensors, groups):
-                d["measured"] = groups
-        return d
 
     def reads(self, params: SensitivityParams, ctx: Context) -> dict[str, Path]:
         return {"text": cal.text_path(params.text or DEFAULT_TEXT, ctx.options.project_root)}

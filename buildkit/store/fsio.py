@@ -70,7 +70,8 @@ def fsync_dir(path: Path) -> None:
 
 class _Buffers:
     """Page-aligned buffers for ``DirectFile``, kept for the next file once one is closed:
-    a fresh mapping faults in every page it is written to (bench/RESULTS.md). At most ``keep``
+    a fresh mapping faults in every page it is written to (bench/RESULTS.md, "Speed tricks
+    re-measured"). At most ``keep``
     idle buffers are kept, one per tensor worker; any more are unmapped on release."""
 
     def __init__(self, keep: int = 2):
@@ -115,11 +116,11 @@ class DirectFile:
     """A new file written past the page cache where the OS allows it (Linux ``O_DIRECT``).
 
     Nothing reads store objects or published shards back soon enough to use their pages, and
-    a fresh page cache page is dear on small VMs (bench/RESULTS.md). Bytes are gathered in a
-    page-aligned buffer and written in whole blocks; the last block is padded and the file
-    truncated to its length, then fsynced if ``sync`` (else a later syncfs makes it durable).
-    If the file system refuses direct I/O, the rest goes through the page cache, as all of it
-    does with ``direct=False`` or without ``O_DIRECT`` (macOS).
+    a fresh page cache page is dear on small VMs (bench/RESULTS.md, "Tried and not kept"). Bytes
+    are gathered in a page-aligned buffer and written in whole blocks; the last block is padded
+    and the file truncated to its length, then fsynced if ``sync`` (else a later syncfs makes it
+    durable). If the file system refuses direct I/O, the rest goes through the page cache, as
+    all of it does with ``direct=False`` or without ``O_DIRECT`` (macOS).
     """
 
     BLOCK = 4096
@@ -198,8 +199,9 @@ class DirectRange:
     partial blocks at its two ends (shared with whatever lies beside it in the file) through
     the page cache. So tasks may fill neighbouring ranges of one file at once (a pack's
     tensors) and no block is ever written both ways; writes through the page cache are
-    throttled as dirty pages pile up (bench/RESULTS.md). Direct I/O refused: the rest through
-    the page cache, as ``DirectFile``. ``sync``: fsync the file once the range is written."""
+    throttled as dirty pages pile up (bench/RESULTS.md, "35B-shaped sparse source"). Direct I/O
+    refused: the rest through the page cache, as ``DirectFile``. ``sync``: fsync the file once
+    the range is written."""
 
     BLOCK = DirectFile.BLOCK
 

@@ -56,7 +56,7 @@ np = lazy("numpy", __name__)
 
 # Blocks of rows a step reads, makes and writes at a time (``Store.iter_rows``): memory is a
 # block, not the largest tensor, and below glibc's 32 MiB mmap threshold a block's buffer is
-# reused instead of mapped fresh (bench/RESULTS.md).
+# reused instead of mapped fresh (bench/RESULTS.md, "Speed tricks re-measured").
 ROW_BLOCK_BYTES = 8 << 20
 HASH_CHUNK = 4 << 20  # source files are hashed through a buffer of this size
 HASH_READERS = 4  # source files hashed at once

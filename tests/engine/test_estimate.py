@@ -12,9 +12,10 @@ import pytest
 from conftest import Project
 
 from buildkit.engine import manifest
-from buildkit.engine.estimate import estimate
+from buildkit.engine.estimate import layouts
 from buildkit.fixtures.generated import PRESETS, FixtureSpec, generate
 from buildkit.formats.tensors import read_header
+from buildkit.quant.estimate import summary
 from buildkit.store.store import Store
 
 
@@ -90,7 +91,7 @@ def test_the_35b_sparse_fixture_estimates_as_the_published_xl(tmp_path, project,
         assert 71.5e9 < apparent < 72.5e9 and on_disk < 100e6
         assert len([f for f in files if f.suffix == ".safetensors"]) == 26
         m = manifest.load("xl-mtp", project.manifests, source=str(src))
-        e = estimate(m)
+        e = summary(m.name, m.source, layouts(m))
         assert (
             e["parts"]["language_model"]["params"] + e["parts"]["vision_tower"]["params"]
             == 35_107_181_936

@@ -177,14 +177,12 @@ def test_min_tokens_per_cycle_gate():
 
 
 def test_trunk_eval_key_is_unchanged_by_the_head_params():
-    from buildkit.steps.eval import Eval
-
-    base = Eval().key_params(EvalParams())
+    base = EvalParams().key_params()
     assert "depth" not in base and "speculative" not in base
-    head = Eval().key_params(EvalParams(scope="head"))
+    head = EvalParams(scope="head").key_params()
     assert head["depth"] == 3 and "speculative" not in head
-    assert "speculative" in Eval().key_params(
-        EvalParams(scope="head", speculative=spec.SpeculativeParams())
+    assert (
+        "speculative" in EvalParams(scope="head", speculative=spec.SpeculativeParams()).key_params()
     )
 
 

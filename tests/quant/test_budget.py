@@ -14,8 +14,8 @@ from buildkit.quant.quantize import assign_roles
 from buildkit.quant.roles import Role
 from buildkit.store.store import Store
 
-# oq-budget on the trained fixture (buildkit/trained.py), the donor head from it too: on random
-# weights the outputs are near-uniform and a KL sensitivity is noise.
+# oq-budget on the trained fixture (buildkit/fixtures/trained.py), the donor head from it too: on
+# random weights the outputs are near-uniform and a KL sensitivity is noise.
 VARIANT = "oq-budget-trained"
 TRAINED = 'source = "fixture:trained"\n[steps.donor_fetch]\nparams.source = "fixture:trained"\n'
 
@@ -233,9 +233,9 @@ def test_roles_without_budget_bits_keep_their_keys():
 
 
 def test_sensitivity_key_has_its_params_and_never_a_budget():
-    from buildkit.steps.sensitivity import Sensitivity, SensitivityParams
+    from buildkit.steps.sensitivity import SensitivityParams
 
-    kp = Sensitivity().key_params(SensitivityParams(bits=[8, 3, 4], text="a/path.txt"), {})
+    kp = SensitivityParams(bits=[8, 3, 4], text="a/path.txt").key_params({})
     # the text enters by its content digest (the step's fingerprint), not its path
     assert kp == {
         "bits": [3, 4, 8],
@@ -255,7 +255,7 @@ def test_a_budgeted_plan_enters_quantize_key_per_tensor(measured):
     params = node.params.model_copy(
         update={"recipe": node.params.recipe.model_copy(update={"target_bpw": hi})}
     )
-    kp = node.step.key_params(params, {"model": [model], "sensitivity": [sens]})
+    kp = params.key_params({"model": [model], "sensitivity": [sens]})
     plan = kp["plan"]
     assert (
         plan["budget"]["target_bpw"] == hi
@@ -270,4 +270,4 @@ def test_a_budgeted_plan_enters_quantize_key_per_tensor(measured):
         and "budget_bits" not in plan["roles"]["routed_expert@8"]
     )
     with pytest.raises(StepError, match="needs measured sensitivities: add inputs.sensitivity"):
-        node.step.key_params(params, {"model": [model]})
+        params.key_params({"model": [model]})

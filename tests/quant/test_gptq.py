@@ -1,4 +1,4 @@
-"""GPTQ routed experts (buildkit/gptq.py): the numerics, the options, and the figure on the
+"""GPTQ routed experts (buildkit/quant/gptq.py): the numerics, the options, and the figure on the
 trained fixture."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from buildkit.formats.tensors import f32_to_bf16
 from buildkit.quant import gptq
 from buildkit.quant.dataaware import pack
 from buildkit.quant.roles import Role
-from buildkit.steps.calibrate import Calibrate, CalibrateParams
+from buildkit.steps.calibrate import CalibrateParams
 from buildkit.store.store import Store
 
 TRAINED_TEXT = Path(__file__).resolve().parents[2] / "buildkit" / "data" / "trained" / "heldout.txt"
@@ -155,9 +155,8 @@ def test_role_and_calibrate_options_stay_out_of_old_keys():
     assert Role(bits=4, calibrated=True, method="gptq").key_dump()["method"] == "gptq"
     with pytest.raises(ValueError, match="needs calibrated = true"):
         Role(bits=4, method="gptq")
-    step = Calibrate()
-    assert "keep_inputs" not in step.key_params(CalibrateParams())
-    assert step.key_params(CalibrateParams(keep_inputs=True))["keep_inputs"] is True
+    assert "keep_inputs" not in CalibrateParams().key_params()
+    assert CalibrateParams(keep_inputs=True).key_params()["keep_inputs"] is True
 
 
 def manifests(p: Project) -> None:

@@ -263,7 +263,7 @@ print(json.dumps({"mapped": mapped, "kept": libc.mallinfo2().fordblks}))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_a_build_process_keeps_freed_buffers_for_reuse(tmp_path):
     """A build's blocks come from malloc's heap and stay there once freed, for the next block,
-    instead of each being mapped afresh and its pages faulted in (buildkit/allocator.py)."""
+    instead of each being mapped afresh and its pages faulted in (buildkit/core/allocator.py)."""
     import ctypes
 
     if not hasattr(ctypes.CDLL(None), "mallinfo2"):

@@ -21,7 +21,7 @@ from buildkit.formats.tensors import from_mlx, nbytes, to_float32, to_mlx
 from buildkit.grade import calibration as cal
 from buildkit.quant import dataaware
 from buildkit.quant.roles import Recipe, Role
-from buildkit.steps.calibrate import Calibrate, CalibrateParams
+from buildkit.steps.calibrate import CalibrateParams
 from buildkit.store.store import Store
 
 VARIANT = "oq4e-search-mtp-xl"
@@ -383,8 +383,7 @@ def test_split_is_deterministic_and_skips_the_header():
 
 
 def test_calibrate_key_has_params_but_not_the_path():
-    step = Calibrate()
-    kp = step.key_params(CalibrateParams(text="anywhere.txt"))
+    kp = CalibrateParams(text="anywhere.txt").key_params()
     assert kp == {
         "heldout_every": 5,
         "seq_len": 128,
@@ -393,7 +392,7 @@ def test_calibrate_key_has_params_but_not_the_path():
         "rows_per_expert": 128,
     }
     # GPTQ's calibration (keep_inputs) runs every token: rows_per_expert changes nothing there
-    kept = step.key_params(CalibrateParams(keep_inputs=True))
+    kept = CalibrateParams(keep_inputs=True).key_params()
     assert kept["keep_inputs"] is True and "rows_per_expert" not in kept
 
 

@@ -1,5 +1,6 @@
-"""A build whose every file is as its last success left it does nothing (buildkit/uptodate.py);
-any change to a file it depends on takes the full path, which decides by content digests."""
+"""A build whose every file is as its last success left it does nothing
+(buildkit/store/uptodate.py); any change to a file it depends on takes the full path, which
+decides by content digests."""
 
 from __future__ import annotations
 
