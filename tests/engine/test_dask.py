@@ -14,15 +14,14 @@ import subprocess
 import sys
 import threading
 
+import distributed
 import pytest
+from distributed.diagnostics.plugin import SchedulerPlugin  # noqa: E402
 
 from buildkit.engine.distributed import DaskExecutor
 from buildkit.quant.quantize import quantize_entry
 from buildkit.quant.roles import Role
 from buildkit.store.store import Store
-
-distributed = pytest.importorskip("distributed")
-from distributed.diagnostics.plugin import SchedulerPlugin  # noqa: E402
 
 
 class Tasks(SchedulerPlugin):

@@ -12,60 +12,40 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
+import boto3
+import distributed
 import pytest
 from conftest import REPO, Project, ran
 from hubserver import Hub
+from s3server import CREDS, free_port, moto_s3
 
 from buildkit.fixtures.generated import FixtureSpec, generate
 from buildkit.formats.tensors import read_header
-
-distributed = pytest.importorskip("distributed")
-boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
 
 pytestmark = pytest.mark.skipif(
     shutil.which("unshare") is None or os.geteuid() != 0,
     reason="workers are isolated with unshare --mount, which needs root",
 )
 
-CREDS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
 DASK = str(Path(sys.executable).with_name("dask"))
 # the worker's command, run with the hidden directories' paths in $HIDE
 ISOLATE = 'set -e; for d in $HIDE; do mount -t tmpfs -o size=1m tmpfs "$d"; done; exec "$0" "$@"'
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3():
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = free_port()
-    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    srv.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.stop()
+    with moto_s3() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(scope="module")

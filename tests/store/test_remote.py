@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 import os
 import shutil
 import socket
@@ -17,35 +16,18 @@ import time
 import uuid
 from pathlib import Path
 
+import boto3
 import pytest
 from conftest import XL, Project, cached, ran, waves
-
-boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
-ed25519 = pytest.importorskip("cryptography.hazmat.primitives.asymmetric.ed25519")
-from cryptography.hazmat.primitives import serialization  # noqa: E402
-
-CREDS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from s3server import CREDS, moto_s3
 
 
 @pytest.fixture(scope="module")
 def server():
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
-    port = free_port()
-    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    srv.start()
-    yield f"http://127.0.0.1:{port}"
-    srv.stop()
+    with moto_s3() as endpoint:
+        yield endpoint
 
 
 def client(endpoint: str):
