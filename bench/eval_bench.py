@@ -81,7 +81,7 @@ def main() -> None:
     src = Path(generate(root / "src", spec))
     shutil.copytree(REPO / "manifests", root / "manifests", ignore=shutil.ignore_patterns("*.lock"))
     (root / "manifests" / "xl-bench.toml").write_text(
-        f'extends = "xl"\n[steps.eval]\nparams.max_tokens = {args.max_tokens}\n'
+        f'extends = "xl"\n[steps.reference]\nparams.max_tokens = {args.max_tokens}\n'
     )
     bk = [
         sys.executable,

@@ -193,28 +193,24 @@ def grade(model_dir: Path, source: Path, text: Path, log: Path) -> dict:
 def per_position_kl(source: Path, dirs: dict[str, Path], text: Path) -> dict:
     """KL(p_source || p_model) at every graded position, per model directory: eval's own
     numerics (buildkit.grade.evaluate), kept per position so methods can be compared paired."""
-    import mlx.core as mx
-
     from buildkit.grade import evaluate as ev
-    from buildkit.steps.eval import EvalParams, heldout_tokens
+    from buildkit.grade import forward as fw
+    from buildkit.grade import reference as rf
+    from buildkit.grade import texts
+    from buildkit.grade.weights import DirWeights
+    from buildkit.steps.reference import ReferenceParams
 
-    p = EvalParams()
-    src = ev.DirWeights(source)
-    tokens = heldout_tokens(
-        text.read_text(encoding="utf-8"), p.heldout_every, src.tokenizer_json(), p.max_tokens
+    p = ReferenceParams()
+    src = DirWeights(source)
+    tokens = texts.heldout_tokens(
+        texts.read(text), p.heldout_every, src.tokenizer_json(), p.max_tokens
     )
-    seqs = ev.sequences(tokens, p.seq_len)
-    ts, head = ev.run_trunk(src, seqs), ev.Output(src)
-    ref = [ev._logprobs(head(ts.h[j][r])) for j, r, _ in ev.rows(seqs)]
+    ref = rf.compute(src, *rf.layout({"": tokens}, p.seq_len))
     out = {}
     for label, d in dirs.items():
-        w = ev.DirWeights(d)
-        tm, mh = ev.run_trunk(w, seqs), ev.Output(w)
-        kl = []
-        for (j, r, ids), lp in zip(ev.rows(seqs), ref, strict=True):
-            k = mx.sum(mx.exp(lp) * (lp - ev._logprobs(mh(tm.h[j][r]))), axis=-1)
-            kl.append(np.maximum(np.array(k[: len(ids) - 1]), 0.0))
-        out[label] = np.concatenate(kl).astype(np.float64)
+        w = DirWeights(d)
+        f = ev.position_figures(src, w, ref, fw.run_trunk(w, ref.windows))
+        out[label] = f["kl"].astype(np.float64)
     return out
 
 
@@ -225,12 +221,16 @@ def expert_output_error(source: Path, dirs: dict[str, Path], text: Path) -> dict
     import mlx.core as mx
     import mlx.nn as nn
 
+    from buildkit.formats.checkpoint import PROJS
     from buildkit.grade import calibration as cal
-    from buildkit.steps.eval import EvalParams
+    from buildkit.grade import texts
+    from buildkit.steps.reference import ReferenceParams
 
     model = load_f32(source)[0]
-    _, held = cal.split_lines(text.read_text(encoding="utf-8"), HELDOUT_EVERY)
-    ids = cal.tokenize((source / "tokenizer.json").read_bytes(), held, EvalParams().max_tokens)
+    _, held = texts.split_lines(texts.read(text), HELDOUT_EVERY)
+    ids = texts.tokenize(
+        (source / "tokenizer.json").read_bytes(), held, ReferenceParams().max_tokens
+    )
     seen, ref = {}, {}
 
     class Tap(nn.Module):  # records what the router sent where, then runs the experts
@@ -244,7 +244,7 @@ def expert_output_error(source: Path, dirs: dict[str, Path], text: Path) -> dict
 
     for i, layer in enumerate(model.language_model.model.layers):
         sw = layer.mlp.switch_mlp
-        ref[i] = {p: np.array(getattr(sw, p).weight) for p in cal.PROJS}
+        ref[i] = {p: np.array(getattr(sw, p).weight) for p in PROJS}
         layer.mlp.switch_mlp = Tap(sw, i)
     mx.eval(model(mx.array([ids])))
     out = {}
@@ -254,7 +254,7 @@ def expert_output_error(source: Path, dirs: dict[str, Path], text: Path) -> dict
         for i, (x, idx) in seen.items():
             idx = idx.reshape(len(x), -1)
             sw = f"language_model.model.layers.{i}.mlp.switch_mlp."
-            k = [sw + p for p in cal.PROJS]
+            k = [sw + p for p in PROJS]
             if any(
                 n + ".scales" not in t
                 or t[n + ".weight"].shape[-1] * 32 != BITS * GROUP * t[n + ".scales"].shape[-1]
@@ -269,12 +269,12 @@ def expert_output_error(source: Path, dirs: dict[str, Path], text: Path) -> dict
                 )
                 for n in k
             ]
-            if any(v.shape != ref[i][p].shape for v, p in zip(w, cal.PROJS, strict=True)):
+            if any(v.shape != ref[i][p].shape for v, p in zip(w, PROJS, strict=True)):
                 break
             for e in range(len(w[0])):
                 rows = x[(idx == e).any(-1)]
                 if len(rows):
-                    y = cal.expert_outputs(rows, *(ref[i][p][e] for p in cal.PROJS))
+                    y = cal.expert_outputs(rows, *(ref[i][p][e] for p in PROJS))
                     yq = cal.expert_outputs(rows, *(v[e] for v in w))
                     errs.append(np.linalg.norm(yq - y) / np.linalg.norm(y))
         else:
@@ -302,10 +302,10 @@ CALIB_TOKENS = 0  # --calib-tokens, passed to the drivers: the first N calibrati
 def calibration_tokens(source: Path, text: Path, seq_len: int) -> list[list[int]]:
     """The calibration split of the text (its first ``CALIB_TOKENS`` tokens, if set) in whole
     sequences of ``seq_len`` tokens, or of all of them if they are fewer."""
-    from buildkit.grade import calibration as cal
+    from buildkit.grade import texts
 
-    calib, _ = cal.split_lines(text.read_text(encoding="utf-8"), HELDOUT_EVERY)
-    ids = cal.tokenize((source / "tokenizer.json").read_bytes(), calib, CALIB_TOKENS or 1 << 20)
+    calib, _ = texts.split_lines(texts.read(text), HELDOUT_EVERY)
+    ids = texts.tokenize((source / "tokenizer.json").read_bytes(), calib, CALIB_TOKENS or 1 << 20)
     seq_len = min(seq_len, len(ids))
     n = len(ids) // seq_len
     return [ids[i * seq_len : (i + 1) * seq_len] for i in range(n)]

@@ -41,7 +41,8 @@ def fixture(work: Path) -> list[tuple[str, float, float]]:
     from buildkit.fixtures.trained import write_trained
     from buildkit.grade import drafting
     from buildkit.grade import evaluate as ev
-    from buildkit.steps.eval import heldout_tokens
+    from buildkit.grade.texts import heldout_tokens
+    from buildkit.grade.weights import DirWeights
 
     out = work / "xl-mtp"
     subprocess.run(
@@ -50,7 +51,7 @@ def fixture(work: Path) -> list[tuple[str, float, float]]:
         cwd=REPO, check=True, capture_output=True,
     )  # fmt: skip
     src_dir = write_trained(work / "trained")
-    src, mod = ev.DirWeights(src_dir), ev.DirWeights(out)
+    src, mod = DirWeights(src_dir), DirWeights(out)
     text = (REPO / "buildkit" / "data" / "calibration.txt").read_text()
     tokens = heldout_tokens(text, 5, src.tokenizer_json(), 1024)
     rows = []

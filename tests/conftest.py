@@ -84,13 +84,15 @@ def seed(tmp_path_factory) -> Project:
 
 
 # xl's steps in plan order (topological, ties by name), and each one's dependency wave: verify
-# and eval both need only quantize, so with -j 2 they run, and are reported, in either order.
-XL = ["fetch", "sanitize", "quantize", "eval", "verify", "publish"]
+# and eval both need only quantize (and reference, sanitize's), so with -j 2 they run, and are
+# reported, in either order.
+XL = ["fetch", "sanitize", "quantize", "reference", "eval", "verify", "publish"]
 XL_MTP = [
     "fetch",
     "sanitize",
     "graft",
     "quantize",
+    "reference",
     "eval",
     "requantize",
     "eval_head",
@@ -108,7 +110,15 @@ HEAD_NORMS = (
     "layers.0.self_attn.q_norm",
     "layers.0.self_attn.k_norm",
 )
-XL_WAVE = {"fetch": 0, "sanitize": 1, "quantize": 2, "eval": 3, "verify": 3, "publish": 4}
+XL_WAVE = {
+    "fetch": 0,
+    "sanitize": 1,
+    "quantize": 2,
+    "reference": 2,
+    "eval": 3,
+    "verify": 3,
+    "publish": 4,
+}
 
 
 def waves(steps: list[str]) -> list[tuple[int | None, list[str]]]:

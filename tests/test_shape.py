@@ -14,10 +14,8 @@ MAX_LINES = 60
 ALLOWED = {
     "buildkit.fixtures.generated:generate": "a linear script: plan, shards, index, side files",
     "buildkit.fixtures.generated:FixtureSpec._check": "one check per field, each its own message",
-    "buildkit.quant.budget:measure": "one linear pass over a layer's modules and candidate bits",
     "buildkit.store.hub:explain": "one branch per Hub failure a user meets, each with its advice",
-    "buildkit.grade.evalstream:_switch_class": "a class built at run time over lazy-imported mlx",
-    "buildkit.steps.sensitivity:Sensitivity.run": "a linear script: checks, text, cost, measure",
+    "buildkit.grade.forward:_switch_class": "a class built at run time over lazy-imported mlx",
 }
 
 

@@ -193,17 +193,19 @@ def print_status(rows: list[dict]) -> None:
 
 def cmd_eval(args) -> int:
     from buildkit.grade import evaluate as ev
+    from buildkit.grade.weights import DirWeights
 
-    model, source = ev.DirWeights(Path(args.model)), ev.DirWeights(Path(args.source))
+    model, source = DirWeights(Path(args.model)), DirWeights(Path(args.source))
     if source.quantization:
         raise UsageError(
             f"--source {args.source} is quantized; point it at the bf16 source directory"
         )
     from buildkit.steps.eval import EvalParams
+    from buildkit.steps.reference import ReferenceParams
 
-    p = EvalParams()
-    tokens, graded = eval_tokens(args, source, p)
-    figures, (ts, tm) = ev.evaluate(source, model, tokens, p.seq_len)
+    p, r = EvalParams(), ReferenceParams()
+    tokens, graded = eval_tokens(args, source, r)
+    figures, (ts, tm) = ev.evaluate(source, model, tokens, r.seq_len)
     figures |= graded
     figures["size_bytes"] = model.bytes()
     if "acceptance" in figures:
@@ -223,16 +225,17 @@ def cmd_eval(args) -> int:
 
 def eval_tokens(args, source, p) -> tuple[list[int], dict]:
     """The tokens ``buildkit eval`` grades and what they are: a user's ``--text`` whole (unless
-    ``--max-tokens`` caps it), else the builtin text's held-out lines as the step grades them."""
-    from buildkit.grade import calibration as cal
-    from buildkit.steps.eval import heldout_tokens, read_text, whole_tokens
+    ``--max-tokens`` caps it), else the builtin text's held-out lines as the reference step
+    takes them (``p``: its params)."""
+    from buildkit.grade import texts
 
     if args.text:  # the user's own text: graded whole
-        text = read_text(cal.text_path(args.text, Path.cwd()))
-        tokens, in_text = whole_tokens(text, source.tokenizer_json(), args.max_tokens or 1 << 62)
+        text = texts.read(texts.text_path(args.text, Path.cwd()))
+        tok = source.tokenizer_json()
+        tokens, in_text = texts.whole_tokens(text, tok, args.max_tokens or 1 << 62)
         return tokens, {"text": args.text, "text_tokens": in_text, "lines": "all"}
-    text = read_text(cal.text_path(p.text, Path.cwd()))
-    every = heldout_tokens(text, p.heldout_every, source.tokenizer_json(), 1 << 62)
+    text = texts.read(texts.text_path(p.text, Path.cwd()))
+    every = texts.heldout_tokens(text, p.heldout_every, source.tokenizer_json(), 1 << 62)
     tokens = every[: args.max_tokens or p.max_tokens]
     held = f"held-out (every {p.heldout_every}th)"
     return tokens, {"text": p.text, "text_tokens": len(every), "lines": held}

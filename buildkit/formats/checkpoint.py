@@ -24,6 +24,8 @@ OFFSET_NORMS = (
 )
 HEAD_PREFIX = "language_model.mtp."  # the head in the published model, where oMLX looks for it
 DRAFTER_DIR = "mtp"  # the head again, as mlx_vlm's standalone drafter (docs/architecture.md)
+SWITCH = ".mlp.switch_mlp"  # a MoE layer's routed experts, as mlx_lm names them
+PROJS = ("gate_proj", "up_proj", "down_proj")  # each expert's three projections, in that order
 MTP_OFFSET_NORMS = (
     "pre_fc_norm_embedding.weight",
     "pre_fc_norm_hidden.weight",

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 from buildkit.core.lazy import lazy
 from buildkit.grade import evaluate as ev
+from buildkit.grade import forward as fw
+from buildkit.grade.forward import Trunk
+from buildkit.grade.weights import Weights
 
 np = lazy("numpy", __name__)
 
@@ -69,17 +72,15 @@ def head_pass(head, emb, hidden, cache, mask):
     return head.norm(x)
 
 
-def drafts_by_depth(w: ev.Weights, t: ev.Trunk, tokens: list[int], depth: int) -> list[list[int]]:
+def drafts_by_depth(w: Weights, t: Trunk, tokens: list[int], depth: int) -> list[list[int]]:
     """Per window, [[accepted, tried], ...] for depths 1..``depth`` of ``w``'s head on its own
     trunk ``t`` (``t.argmax`` filled) over ``tokens``, the text the trunk ran."""
     return count(chains(w, t, depth), t, tokens, depth)
 
 
-def chains(w: ev.Weights, t: ev.Trunk, depth: int) -> list[list]:
+def chains(w: Weights, t: Trunk, depth: int) -> list[list]:
     """Per batch, per depth, the head's drafts [B, L-1] (position t drafts token t+1+depth)."""
     import mlx.core as mx
-
-    from buildkit.grade import evalstream as es
 
     head = ev.streamed_head(w)  # its experts read a block at a time, never whole
     n_batches = len(t.h)
@@ -89,7 +90,7 @@ def chains(w: ev.Weights, t: ev.Trunk, depth: int) -> list[list]:
     drafts: list[list] = [[] for _ in range(n_batches)]  # per batch, per depth: [B, L-1]
     for d in range(1, depth + 1):
         if d > 1:
-            emb = [mx.array(es.embeddings(w, np.array(dr[-1]))) for dr in drafts]
+            emb = [mx.array(fw.embeddings(w, np.array(dr[-1]))) for dr in drafts]
         for j in range(n_batches):
             n = hidden[j].shape[1]
             if d == 1:
@@ -99,8 +100,8 @@ def chains(w: ev.Weights, t: ev.Trunk, depth: int) -> list[list]:
                 cache = _Keys(d - 1, keys[j].keys, keys[j].values)
                 mask = _chain_mask(n, d)
             o = head_pass(head, emb[j], hidden[j], cache, mask)
-            # the trunk's final norm and lm_head, the vocabulary streamed (es.HeadScan)
-            arg = es.HeadScan([w], [es.final_norm(w, [o])]).arg[0]
+            # the trunk's final norm and lm_head, the vocabulary streamed (forward.HeadScan)
+            arg = fw.HeadScan([w], [fw.final_norm(w, [o])]).arg[0]
             pred = mx.array(arg.reshape(o.shape[:2]).astype(np.int32))
             mx.eval(o, pred)
             k, v = cache.new
@@ -114,7 +115,7 @@ def chains(w: ev.Weights, t: ev.Trunk, depth: int) -> list[list]:
     return drafts
 
 
-def count(drafts: list[list], t: ev.Trunk, tokens: list[int], depth: int) -> list:
+def count(drafts: list[list], t: Trunk, tokens: list[int], depth: int) -> list:
     """Per window, accepted and tried drafts per depth ([window][depth] = [accepted, tried]:
     the bootstrap resamples windows). A depth-k draft at t is tried when the k-1 drafts
     before it were accepted and the text itself went on with them (x_{t+1+i} = d_i): only then
@@ -156,10 +157,10 @@ def verify_costs(verify_cost: float | list[float], depth: int) -> list[float]:
 
 
 def figures(
-    src: ev.Weights,
-    mod: ev.Weights,
-    ts: ev.Trunk,
-    tm: ev.Trunk,
+    src: Weights,
+    mod: Weights,
+    ts: Trunk,
+    tm: Trunk,
     tokens: list[int],
     depth: int,
     verify_cost: float | list[float],

@@ -5,11 +5,8 @@ budget): for each group of routed-expert weights (a layer's three, or each tenso
 each candidate bits b, the mean KL divergence of the model's next-token distributions from the
 bf16 source's, on the calibration lines of the text, when that group alone is quantized at b
 bits (as the build quantizes it: data-aware with the calibration's statistics, or
-``mx.quantize``) and every other tensor is bf16. It runs ``evaluate``'s layers: the bf16 trunk
-once, keeping the hidden states entering each layer and the final log-probabilities; then, per
-layer, every candidate of that layer's groups from its kept input, all of them together
-through each later bf16 layer (each later layer read once per measured layer, not per
-candidate), and the output head.
+``mx.quantize``: ``dequantized``) and every other tensor is bf16. ``grade.sensitivity`` runs
+the measurement; this module plans and runs no forward pass.
 
 **Plan**: each budgeted group gets one of its role's ``budget_bits`` so that the summed
 sensitivity is least while the stored bits of all tensors stay at or under ``target_bpw`` x
@@ -26,9 +23,8 @@ import math
 
 from buildkit.core.errors import StepError
 from buildkit.core.lazy import lazy
+from buildkit.formats.checkpoint import SWITCH
 from buildkit.formats.tensors import ITEMSIZE
-from buildkit.grade import calibration as cal
-from buildkit.grade import evaluate as ev
 from buildkit.quant.roles import BF16, Role
 from buildkit.store.artifact import Artifact
 
@@ -51,7 +47,7 @@ def routed_weights(tensors: dict[str, dict]) -> list[str]:
     return sorted(
         n
         for n, e in tensors.items()
-        if cal.SWITCH in n and n.endswith(".weight") and len(e["shape"]) == 3
+        if SWITCH in n and n.endswith(".weight") and len(e["shape"]) == 3
     )
 
 
@@ -92,8 +88,8 @@ def group_of(name: str, granularity: str) -> str:
     module = name.removesuffix(".weight")
     if granularity == "tensor":
         return module
-    if cal.SWITCH in module:
-        return module.partition(cal.SWITCH)[0] + cal.SWITCH
+    if SWITCH in module:
+        return module.partition(SWITCH)[0] + SWITCH
     parent = module.rpartition(".")[0]
     return parent if name.startswith(LAYERS) and not parent.endswith(".mlp") else module
 
@@ -106,7 +102,7 @@ def groups_of(names: list[str], granularity: str) -> dict[str, list[str]]:
     return out
 
 
-def _dequantized(store, model: Artifact, name: str, role: Role, calibration) -> np.ndarray:
+def dequantized(store, model: Artifact, name: str, role: Role, calibration) -> np.ndarray:
     """The tensor as quantize stores it under ``role`` (data-aware if the role is calibrated),
     dequantized to float32 ([E, out, in] or [out, in]). The quantized objects go to the store
     as objects of their own (quantize writes its tensors into packs, so these are not reused;
@@ -144,7 +140,7 @@ def cost(
     for name, e in tensors.items():
         if name.startswith(LAYERS) and name.endswith(".weight") and len(e["shape"]) >= 2:
             k = math.prod(e["shape"])
-            active[layer_index(name)] += k * share if cal.SWITCH in name else k
+            active[layer_index(name)] += k * share if SWITCH in name else k
     head = math.prod(tensors[LM_HEAD]["shape"]) if LM_HEAD in tensors else 0
     layer_passes = head_passes = flops = 0
     for g, names in groups.items():
@@ -159,141 +155,6 @@ def cost(
         "head_passes": head_passes,
         "tflop": round(flops / 1e12, 3),
     }
-
-
-def measure(
-    store,
-    model: Artifact,
-    calibration: Artifact | None,
-    groups: dict[str, list[str]],
-    bits: list[int] | dict[str, list[int]],
-    group_size: int,
-    tokens: list[int],
-    seq_len: int,
-    progress=None,
-) -> dict[str, dict[int, float]]:
-    """S(b) for each group and bits b (``bits``: one list for every group, or a list per
-    group): the mean KL on ``tokens`` with that group's tensors alone quantized (the routed
-    experts data-aware if ``calibration`` is given; 16, bf16, is the source itself: 0). The
-    layers' matmuls run in numpy (calibrate's modules: mlx's CPU BLAS is much slower), the
-    candidate tensors dequantized, so the reference and every candidate share one arithmetic
-    and differ only by the group."""
-    import mlx.core as mx
-
-    NpLinear, NpSwitchGLU = cal.numpy_modules()
-    config = model.meta["config"]
-    src = ev.StoreWeights(store, [model], config, None)
-    args = cal.build_model(config).language_model.args
-    n_layers = args.num_hidden_layers
-    if not isinstance(bits, dict):
-        bits = dict.fromkeys(groups, list(bits))
-
-    def layer(i: int):
-        module = ev.decoder_layer(src, i, args)
-        sw = module.mlp.switch_mlp
-        gate_up = np.concatenate([np.array(sw.gate_proj.weight), np.array(sw.up_proj.weight)], 1)
-        switch = module.mlp.switch_mlp = NpSwitchGLU(gate_up, np.array(sw.down_proj.weight))
-        cal.linears_to_numpy(module, NpLinear)
-        return module, switch
-
-    seqs = ev.sequences(tokens, seq_len)
-    hs = [ev.embed(src, seqs)]  # hs[i]: what enters layer i, then the last layer's output
-    for i in range(n_layers):
-        hs.append(ev.run_layer(layer(i)[0], hs[i]))
-    out = ev.Output(src)
-    out.lm_head = NpLinear(np.array(out.lm_head.weight))
-    ref = ev.reference_logprobs(out, hs[-1], seqs)
-    by_layer: dict[int, list[str]] = {}
-    for g, names in groups.items():
-        if len({layer_index(n) for n in names}) != 1:
-            raise StepError(f"sensitivity group {g} spans layers: {names}")
-        by_layer.setdefault(layer_index(names[0]), []).append(g)
-    result: dict[str, dict[int, float]] = {g: {} for g in groups}
-    todo = [(g, b) for g in groups for b in bits[g] if b != BF16]
-    for g in groups:
-        if BF16 in bits[g]:
-            result[g][BF16] = 0.0  # the source itself: no divergence
-    if progress:
-        progress.start(len(todo), "candidates")
-
-    def role(name: str, b: int) -> Role:
-        expert = cal.SWITCH in name and calibration is not None
-        return Role(bits=b, group_size=group_size, calibrated=expert)
-
-    def swapped(module, names: list[str], b: int):
-        """Set the group's weights in ``module`` (a numpy layer) to their quantized values;
-        returns how to put the originals back."""
-        sw = module.mlp.switch_mlp
-        inter = sw.down.shape[-1]
-        undo = []
-        expert = {}
-        for n in names:
-            deq = _dequantized(store, model, n, role(n, b), calibration)
-            rel = n.removesuffix(".weight").split(".", 4)[4]  # after language_model.model.layers.N
-            if cal.SWITCH.lstrip(".") + "." in rel:
-                expert[rel.rpartition(".")[2]] = deq
-                continue
-            owner = module
-            for part in rel.split("."):
-                owner = getattr(owner, part)
-            undo.append((owner, owner.w))
-            owner.w = deq
-        if expert:
-            own = {
-                "gate_proj": sw.gate_up[:, :inter],
-                "up_proj": sw.gate_up[:, inter:],
-                "down_proj": sw.down,
-            } | expert
-            module.mlp.switch_mlp = NpSwitchGLU(
-                np.concatenate([own["gate_proj"], own["up_proj"]], 1), own["down_proj"]
-            )
-
-        def undo_all():
-            for owner, w in undo:
-                owner.w = w
-            module.mlp.switch_mlp = sw
-
-        return undo_all
-
-    def record(g: str, b: int, h: list) -> None:
-        result[g][b] = float(f"{ev.mean_kl(out, ref, h, seqs):.6g}")
-        if progress:
-            progress.advance(1)
-
-    for i, layer_groups in sorted(by_layer.items()):
-        cands = {}
-        if i == -1:  # the embeddings: a candidate's table looked up, then every layer
-            for g in layer_groups:
-                for b in bits[g]:
-                    if b != BF16:
-                        table = _dequantized(store, model, EMBED, role(EMBED, b), calibration)
-                        cands[g, b] = [mx.array(table[s]) for s in seqs]
-            start = 0
-        elif i >= n_layers:  # lm_head: the last layer's output through a candidate head
-            for g in layer_groups:
-                for b in bits[g]:
-                    if b != BF16:
-                        bf16 = out.lm_head
-                        deq = _dequantized(store, model, LM_HEAD, role(LM_HEAD, b), calibration)
-                        out.lm_head = NpLinear(deq)
-                        record(g, b, hs[-1])
-                        out.lm_head = bf16
-            continue
-        else:
-            module, _ = layer(i)
-            for g in layer_groups:
-                for b in bits[g]:
-                    if b != BF16:
-                        undo = swapped(module, groups[g], b)
-                        cands[g, b] = ev.run_layer(module, hs[i])
-                        undo()
-            start = i + 1
-        for k in range(start, n_layers):  # the later layers are bf16, read once for all
-            later = layer(k)[0]
-            cands = {c: ev.run_layer(later, h) for c, h in cands.items()}
-        for (g, b), h in cands.items():
-            record(g, b, h)
-    return result
 
 
 def stored_bits(entry: dict, role: Role) -> int:

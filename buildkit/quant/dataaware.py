@@ -36,8 +36,9 @@ import threading
 
 from buildkit.core.errors import StepError
 from buildkit.core.lazy import lazy
+from buildkit.formats import calibstats
+from buildkit.formats.checkpoint import SWITCH
 from buildkit.formats.tensors import f32_to_bf16, to_float32, unpack
-from buildkit.grade import calibration as cal
 from buildkit.quant.roles import Role
 from buildkit.store.store import ROW_BLOCK_BYTES
 
@@ -188,7 +189,7 @@ def expert_statistics(store, name: str, entry: dict, role: Role, calibration):
     """(importance [E, in] and tokens [E], or None where calibration has no statistics for it)
     of a routed-expert weight a calibrated role matches, once it is known to be one."""
     module, shape, g = name.removesuffix(".weight"), entry["shape"], role.group_size
-    if cal.SWITCH not in module or len(shape) != 3 or not name.endswith(".weight"):
+    if SWITCH not in module or len(shape) != 3 or not name.endswith(".weight"):
         raise StepError(
             f"calibrated role matches {name!r} {shape}, which is not a routed-expert weight; "
             "calibration collects statistics for *.mlp.switch_mlp.* only: give this tensor a role "
@@ -198,7 +199,7 @@ def expert_statistics(store, name: str, entry: dict, role: Role, calibration):
         raise StepError(
             f"tensor {name!r}: last dimension {shape[-1]} is not a multiple of group_size {g}"
         )
-    stats = cal.stats_for(store, calibration, module)
+    stats = calibstats.stats_for(store, calibration, module)
     E, _, C = shape
     if stats is not None and (stats[0].shape != (E, C) or stats[1].shape != (E,)):
         raise StepError(
@@ -283,7 +284,7 @@ def quantize_entry(
         else:
             tally.groups += int(reached.sum()) * O * (C // g)
             tally.groups_won += blocks.won
-            tally.fallback.setdefault(module.partition(cal.SWITCH)[0], set()).update(
+            tally.fallback.setdefault(module.partition(SWITCH)[0], set()).update(
                 np.flatnonzero(~reached).tolist()
             )
     return out

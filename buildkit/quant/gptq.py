@@ -32,8 +32,8 @@ import numba
 import numpy as np
 
 from buildkit.core.errors import StepError
+from buildkit.formats.checkpoint import PROJS, SWITCH
 from buildkit.formats.tensors import f32_to_bf16, to_float32, unpack
-from buildkit.grade import calibration as cal
 from buildkit.quant.dataaware import Tally, repack, stored_parts
 from buildkit.quant.roles import Role
 from buildkit.store.store import ROW_BLOCK_BYTES
@@ -53,11 +53,11 @@ HESSIAN_BYTES = 64 << 20
 
 
 def inputs_name(layer: str) -> str:
-    return f"{layer}{cal.SWITCH}.inputs"
+    return f"{layer}{SWITCH}.inputs"
 
 
 def experts_name(layer: str) -> str:
-    return f"{layer}{cal.SWITCH}.experts"
+    return f"{layer}{SWITCH}.experts"
 
 
 def regularize(h: np.ndarray, prior: np.ndarray, rows: float = PRIOR_ROWS) -> np.ndarray:
@@ -229,8 +229,8 @@ def pairs(names: list[str]) -> dict[str, str]:
     have = set(names)
     out = {}
     for n in names:
-        layer, sep, rest = n.partition(f"{cal.SWITCH}.")
-        up = f"{layer}{cal.SWITCH}.up_proj.weight"
+        layer, sep, rest = n.partition(f"{SWITCH}.")
+        up = f"{layer}{SWITCH}.up_proj.weight"
         if sep and rest == "gate_proj.weight" and up in have:
             out[n] = up
     return out
@@ -243,8 +243,8 @@ def checked_parts(items: list[tuple[str, dict]], g: int) -> list[tuple[str, str,
     parts = []
     for name, entry in items:
         module, shape = name.removesuffix(".weight"), entry["shape"]
-        layer, sep, proj = module.partition(cal.SWITCH + ".")
-        if not sep or len(shape) != 3 or proj not in cal.PROJS:
+        layer, sep, proj = module.partition(SWITCH + ".")
+        if not sep or len(shape) != 3 or proj not in PROJS:
             raise StepError(
                 f"GPTQ role matches {name!r} {shape}, which is not a routed-expert weight; "
                 "give this tensor a role without method = 'gptq'"
@@ -277,7 +277,7 @@ class Experts:
         self.rows_of = [np.flatnonzero((chosen == e).any(-1)) for e in range(self.count)]
         self.reached = np.array([len(r) > 0 for r in self.rows_of])
         # down_proj's inputs are each expert's activations: gate and up, read in the same blocks
-        self.sw = f"{layer}{cal.SWITCH}"
+        self.sw = f"{layer}{SWITCH}"
         self.gate_up = (
             zip(*(store.iter_rows(model[f"{self.sw}.{p}.weight"], block_bytes) for p in PROJS_IN))
             if proj == "down_proj"

@@ -11,6 +11,7 @@ from . import (  # noqa: F401  (registration)
     graft,
     publish,
     quantize,
+    reference,
     sanitize,
     sensitivity,
     verify,

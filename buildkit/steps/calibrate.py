@@ -31,8 +31,11 @@ from buildkit.engine.step import (
     library_version,
     register,
 )
+from buildkit.formats import calibstats
+from buildkit.formats.checkpoint import PROJS, SWITCH
 from buildkit.formats.tensors import f32_to_bf16
 from buildkit.grade import calibration as cal
+from buildkit.grade import texts
 from buildkit.store.artifact import Artifact
 
 np = lazy("numpy", __name__)
@@ -68,12 +71,12 @@ class Calibrate(Step):
         return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
 
     def reads(self, params: CalibrateParams, ctx: Context) -> dict[str, Path]:
-        return {"text": cal.text_path(params.text, ctx.options.project_root)}
+        return {"text": texts.text_path(params.text, ctx.options.project_root)}
 
     def run(self, ctx: Context, params: CalibrateParams, inputs) -> dict[str, Artifact]:
         model = inputs["model"][0]
-        path = cal.text_path(params.text, ctx.options.project_root)
-        calib, held = read_lines(path, params.heldout_every)
+        path = texts.text_path(params.text, ctx.options.project_root)
+        calib, held = texts.lines(path, params.heldout_every)
         if "tokenizer.json" not in model.files:
             raise StepError(
                 "the model artifact has no tokenizer.json; "
@@ -81,8 +84,8 @@ class Calibrate(Step):
             )
         tok = ctx.store.get_blob(model.files["tokenizer.json"])
         streams = {
-            "calibration": cal.tokenize(tok, calib, params.max_tokens),
-            "heldout": cal.tokenize(tok, held, params.max_heldout_tokens),
+            "calibration": texts.tokenize(tok, calib, params.max_tokens),
+            "heldout": texts.tokenize(tok, held, params.max_heldout_tokens),
         }
         n_experts = model.meta["config"].get("text_config", model.meta["config"])["num_experts"]
         found = Statistics(ctx.store, n_experts, params.keep_inputs)
@@ -108,22 +111,6 @@ class Calibrate(Step):
         return {"out": stats, "heldout": heldout}
 
 
-def read_lines(path, heldout_every: int) -> tuple[list[str], list[str]]:
-    """The calibration text's (calibration lines, held-out lines)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise StepError(f"calibration text {path}: not UTF-8 ({e})") from None
-    calib, held = cal.split_lines(text, heldout_every)
-    if not calib or not held:
-        raise StepError(
-            f"calibration text {path}: {len(calib)} calibration and {len(held)} "
-            "held-out lines; "
-            f"it needs at least {heldout_every} non-blank lines"
-        )
-    return calib, held
-
-
 class Statistics:
     """calibrate's two outputs, a MoE layer at a time as the forward pass reaches it."""
 
@@ -138,11 +125,11 @@ class Statistics:
         store, tensors = self.store, self.stats.tensors
         s = cal.expert_stats(seen["calibration"], self.n_experts)
         self.used.append(sum(map(len, seen["calibration"].x)))
-        sw = layer + cal.SWITCH
-        tensors[cal.tokens_name(layer)] = store.put_tensor("I64", s["tokens"])
-        for proj in cal.PROJS:
+        sw = layer + SWITCH
+        tensors[calibstats.tokens_name(layer)] = store.put_tensor("I64", s["tokens"])
+        for proj in PROJS:
             sq = s["mid_sq"] if proj == "down_proj" else s["in_sq"]
-            tensors[cal.stat_name(f"{sw}.{proj}")] = store.put_tensor("F32", sq)
+            tensors[calibstats.stat_name(f"{sw}.{proj}")] = store.put_tensor("F32", sq)
         if (s["tokens"] == 0).any():
             self.unreached[layer] = np.flatnonzero(s["tokens"] == 0).tolist()
         if self.keep_inputs:

@@ -1,10 +1,10 @@
 """eval: grade a quantized model by its outputs against the bf16 source, on a held-out text.
 
-Inputs ``model`` (quantize/requantize artifacts) and ``source`` (sanitize:model, plus graft
-for a head); ``params.text`` names the text (``builtin:calibration.txt`` by default, whose
-held-out lines, every ``heldout_every``-th, are used; or any project file, split the same
-way). The text's content digest is in the key, its path is not. The numerics are
-``buildkit/grade/evaluate.py``.
+Inputs ``model`` (quantize/requantize artifacts), ``source`` (sanitize:model, plus graft
+for a head) and ``reference`` (reference nodes: the source's pass over the texts' windows,
+computed once per source and text and shared by every variant's eval; one gives the main
+text, others domains). The text, its windows and ``max_tokens`` are the reference's
+(``steps/reference.py``). The numerics are ``grade/evaluate.py``.
 
 ``scope = "trunk"`` (the default) measures KL divergence, top-1 agreement and perplexities
 (and acceptance, if the models have heads); output ``trunk`` keeps both trunks' hidden
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field
@@ -38,13 +37,15 @@ from buildkit.engine.step import (
     library_version,
     register,
 )
-from buildkit.grade import calibration as cal
+from buildkit.formats import checkpoint as ckpt
 from buildkit.grade import drafting
 from buildkit.grade import evaluate as ev
+from buildkit.grade import reference as rf
+from buildkit.grade.forward import Trunk
+from buildkit.grade.weights import StoreWeights
 from buildkit.store.artifact import Artifact
 
 np = lazy("numpy", __name__)
-MAX_TOKENS = 2048  # docs/evaluation.md: the widths measured at 1024..4610 tokens
 
 
 def _trunk(p) -> bool:
@@ -52,16 +53,7 @@ def _trunk(p) -> bool:
 
 
 class EvalParams(Params):
-    # identity is the content digest (``reads``), not this path
-    text: Annotated[str, SameBytes()] = "builtin:calibration.txt"
-    # domain name -> text graded whole beside ``text`` (keyed by name and content digest)
-    texts: Annotated[dict[str, str], SameBytes()] = Field(default_factory=dict)
-    heldout_every: int = Field(default=5, ge=2)
-    seq_len: int = Field(default=128, ge=2)
-    # depth-1 acceptance within +-3 points on the default fixture; KLD mean's +-10% is out of
-    # reach on its texts (docs/evaluation.md); on the 35B shapes see bench/RESULTS.md, "Eval at
-    # the 35B shapes"
-    max_tokens: int = Field(default=MAX_TOKENS, ge=2)
+    # the text, its windows and max_tokens are the reference input's (``steps/reference.py``)
     # grade windows in rounds until KLD mean's 95% interval is within this share of it (and
     # acceptance within target_acceptance_ci, where this node measures it) or max_tokens
     target_rel_ci: float | None = Field(default=None, gt=0)
@@ -84,10 +76,8 @@ class EvalParams(Params):
 
     def key_params(self, inputs=None) -> dict:
         out = super().key_params(inputs)
-        if self.scope == "head":
-            out["text_name"] = self.text  # the card names the text the drafts ran on
-            if self.speculative is not None:
-                out["speculative_version"] = spec.VERSION
+        if self.scope == "head" and self.speculative is not None:
+            out["speculative_version"] = spec.VERSION
         return out
 
 
@@ -169,20 +159,20 @@ def model_size(parts: list[Artifact]) -> dict:
     }
 
 
-def weights(ctx: Context, inputs) -> tuple[ev.StoreWeights, ev.StoreWeights]:
+def weights(ctx: Context, inputs) -> tuple[StoreWeights, StoreWeights]:
     from buildkit.quant.quantize import quantization_config
 
     src = inputs["source"]
     config = src[0].meta["config"]
     tok = src[0].files.get("tokenizer.json")
     return (
-        ev.StoreWeights(ctx.store, src, config, None, tok),
-        ev.StoreWeights(ctx.store, inputs["model"], config, quantization_config(inputs["model"])),
+        StoreWeights(ctx.store, src, config, None, tok),
+        StoreWeights(ctx.store, inputs["model"], config, quantization_config(inputs["model"])),
     )
 
 
-def _put_trunks(store, trunks, tokens: list[int]) -> Artifact:
-    art = Artifact(meta={"tokens": len(tokens), "groups": trunks[0].groups})
+def _put_trunks(store, trunks, tokens: list[int], text: str) -> Artifact:
+    art = Artifact(meta={"tokens": len(tokens), "groups": trunks[0].groups, "text": text})
     art.tensors["tokens"] = store.put_tensor("I32", np.array(tokens, np.int32))
     for who, t in zip(("source", "model"), trunks, strict=False):
         for j, (x0, h) in enumerate(zip(t.x0, t.h, strict=False)):
@@ -194,12 +184,12 @@ def _put_trunks(store, trunks, tokens: list[int]) -> Artifact:
     return art
 
 
-def _get_trunks(store, art: Artifact) -> tuple[ev.Trunk, ev.Trunk]:
+def _get_trunks(store, art: Artifact) -> tuple[Trunk, Trunk]:
     import mlx.core as mx
 
     out = []
     for who in ("source", "model"):
-        t = ev.Trunk()
+        t = Trunk()
         j = 0
         while f"{who}.h.{j}" in art.tensors:
             t.x0.append(mx.array(store.read_tensor(art.tensors[f"{who}.x0.{j}"])))
@@ -218,23 +208,19 @@ class Eval(WorldStep):
     kind = "eval"
     # 2: streamed forward, KL by running log-sum-exp; text name; domains
     # 3: 95% intervals (block bootstrap), llama.cpp's KLD report, rates only from 30 drafts
-    version = 3
+    # 4: the source's trunk from a reference node; the trunk output names its text
+    version = 4
     Params = EvalParams
     inputs = {
         "model": Slot(many=True),  # the quantized model's artifacts
-        "source": Slot(many=True),  # sanitize:model (and graft, for a head): the bf16 reference
+        "source": Slot(many=True),  # sanitize:model (and graft, for a head): the bf16 weights
+        "reference": Slot(many=True, required=False),  # reference nodes (scope "trunk")
         "trunk": Slot(required=False),  # an eval node's trunk output (scope "head")
     }
     outputs = ("out", "trunk")
 
     def libraries(self) -> dict[str, str]:
         return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
-
-    def reads(self, params: EvalParams, ctx: Context) -> dict[str, Path]:
-        files = {"text": cal.text_path(params.text, ctx.options.project_root)}
-        for name, where in sorted(params.texts.items()):  # a domain's name is in the key too
-            files[f"texts.{name}"] = cal.text_path(where, ctx.options.project_root)
-        return files
 
     def outdated(
         self, params: EvalParams, outputs: dict[str, Artifact], ctx: Context
@@ -244,9 +230,9 @@ class Eval(WorldStep):
         return spec_fits_now(outputs["out"].meta.get("report", {}).get("speculative"))
 
     def watch(self, params: EvalParams, ctx: Context):
-        # the texts only: a run skipped for memory is tried again by a planning build, not by
-        # the no-op shortcut (docs/evaluation.md)
-        return list(self.reads(params, ctx).values()), []
+        # nothing outside the store (the texts are the reference's): a run skipped for memory
+        # is tried again by a planning build, not by the no-op shortcut (docs/evaluation.md)
+        return [], []
 
     def check_request(self, params: EvalParams, ctx: Context) -> None:
         if params.speculative is not None:  # mlx_vlm's own speculative run is part of the grade
@@ -298,43 +284,34 @@ class Eval(WorldStep):
         main = ev.only(ts), ev.only(tm)  # the drafts run on the main text's batches
         depth = drafting.figures(src, mod, *main, tokens, params.depth, params.verify_cost)
         ev.merge(report, depth)
-        report["text"] = params.text
+        report["text"] = inputs["trunk"][0].meta.get("text", "")
         if params.speculative is not None:
             report["speculative"] = self._speculative(ctx, params, inputs, src, tokens)
         trunk = Artifact(meta={"tokens": report["tokens"]})
         return report, trunk
 
     def _trunks(self, ctx: Context, params: EvalParams, inputs, src, mod):
-        """The model against its source on the text (and each domain's), in rounds until the
-        intervals are narrow enough (``target_rel_ci``) or ``max_tokens``."""
-        tokens, in_text = self._tokens(ctx, params, src)
-        domains = {
-            name: whole_tokens(
-                read_text(cal.text_path(where, ctx.options.project_root)),
-                src.tokenizer_json(),
-                params.max_tokens,
-            )[0]
-            for name, where in sorted(params.texts.items())
-        }
-        cuts = rounds(len(tokens), params.seq_len, params.target_rel_ci is not None)
+        """The model against the reference on its texts (the main one and each domain), in
+        rounds of its windows until the intervals are narrow enough (``target_rel_ci``) or
+        the reference's windows end."""
+        ref = reference(ctx.store, inputs)
+        main = ref.meta["texts"][""]
+        doms = {g: ref.tokens(g) for g in dict.fromkeys(ref.groups) if g}
+        ctx.progress.start(ckpt.text_config(mod.config)["num_hidden_layers"], "layers")
+        cuts = rounds(ref.tokens(""), ref.meta["seq_len"], params.target_rel_ci is not None)
         m, at = None, 0
         for n in cuts:
-            more = ev.measure(
-                src,
-                mod,
-                {"": tokens[at:n], **(domains if m is None else {})},
-                params.seq_len,
-                progress=ctx.progress,
-            )
+            part = ref.part(at, n, domains=m is None)  # the domains are graded whole, first
+            more = ev.measure(src, mod, part, progress=ctx.progress)
             m = more if m is None else (m.extend(more) or m)
-            report = ev.report(m, {"": n, **{g: len(t) for g, t in domains.items()}})
+            report = ev.report(m, {"": n, **doms})
             at = n
             if params.target_rel_ci is not None and narrow_enough(report, params):
                 break
-        report |= {"text": text_name(params.text), "text_tokens": in_text}
-        report["stopped_by"] = stopped_by(report, params, at, in_text)
+        report |= {"text": main["text"], "text_tokens": main["text_tokens"]}
+        report["stopped_by"] = stopped_by(report, params, at, main["text_tokens"])
         report |= model_size(inputs["model"])
-        trunk = _put_trunks(ctx.store, (m.ts, m.tm), tokens[:at])
+        trunk = _put_trunks(ctx.store, (m.ts, m.tm), ref.main_tokens()[:at], main["text"])
         return report, trunk
 
     @staticmethod
@@ -376,12 +353,18 @@ class Eval(WorldStep):
             )
         return out
 
-    @staticmethod
-    def _tokens(ctx: Context, params: EvalParams, src: ev.StoreWeights) -> tuple[list[int], int]:
-        """(the held-out tokens graded, at most ``max_tokens``; how many the text holds)."""
-        text = read_text(cal.text_path(params.text, ctx.options.project_root))
-        every = heldout_tokens(text, params.heldout_every, src.tokenizer_json(), 1 << 62)
-        return every[: params.max_tokens], len(every)
+
+def reference(store, inputs) -> rf.Reference:
+    """The reference inputs as one, with a main text."""
+    if not inputs.get("reference"):
+        raise StepError(
+            "eval grades against the source's reference: give input "
+            'reference = ["reference"] (a step of kind "reference" on sanitize:model)'
+        )
+    ref = rf.get(store, inputs["reference"])
+    if "" not in ref.groups:
+        raise StepError("eval: no reference input has a main text (its params.text)")
+    return ref
 
 
 def rounds(n_tokens: int, seq_len: int, adaptive: bool) -> list[int]:
@@ -417,39 +400,4 @@ def stopped_by(report: dict, params: EvalParams, graded: int, in_text: int) -> s
         return f"target_rel_ci {params.target_rel_ci:g} reached"
     if graded >= in_text:
         return "the whole text"
-    return f"max_tokens {params.max_tokens}"
-
-
-def read_text(path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise StepError(f"evaluation text {path}: not UTF-8 ({e}); give a UTF-8 file") from None
-
-
-def text_name(spec: str) -> str:
-    """How the card names the graded text: a builtin one by its name (its content is buildkit's
-    own), a project file as such (its path is not in the key, only its content)."""
-    return spec if spec.startswith(cal.BUILTIN) else "a project file"
-
-
-def whole_tokens(text: str, tokenizer_json: bytes, max_tokens: int) -> tuple[list[int], int]:
-    """(the first ``max_tokens`` token ids of a whole text, every line and character of it, as
-    the source's tokenizer reads it; the text's full token count)."""
-    tokens = cal.tokenize(tokenizer_json, [text], len(text.encode("utf-8")) + 1)
-    if len(tokens) < 2:
-        raise StepError(f"the text has {len(tokens)} tokens; evaluation needs at least 2")
-    return tokens[:max_tokens], len(tokens)
-
-
-def heldout_tokens(
-    text: str, heldout_every: int, tokenizer_json: bytes, max_tokens: int
-) -> list[int]:
-    """The held-out lines of a text (calibration's split), tokenized with the source's tokenizer."""
-    _, held = cal.split_lines(text, heldout_every)
-    tokens = cal.tokenize(tokenizer_json, held, max_tokens)
-    if len(tokens) < 2:
-        raise StepError(
-            f"the text has {len(held)} held-out lines, {len(tokens)} tokens; evaluation needs more"
-        )
-    return tokens
+    return f"max_tokens {graded}"  # the reference's windows ended

@@ -29,12 +29,13 @@ from buildkit.engine.step import (
     library_version,
     register,
 )
-from buildkit.grade import calibration as cal
+from buildkit.formats.checkpoint import SWITCH
+from buildkit.grade import sensitivity as sens
+from buildkit.grade import texts
+from buildkit.grade.weights import StoreWeights
 from buildkit.quant import budget
-from buildkit.quant.roles import BF16, BITS, Recipe
+from buildkit.quant.roles import BF16, BITS, Recipe, Role
 from buildkit.store.artifact import Artifact
-
-DEFAULT_TEXT = "builtin:calibration.txt"
 
 
 class SensitivityParams(Params):
@@ -45,9 +46,9 @@ class SensitivityParams(Params):
     bits: list[int] = Field(default_factory=lambda: [3, 4, 6, 8])
     group_size: int = Field(default=64, ge=16)
     # identity is the content digest, not this path; unset: the calibration input's text
-    text: Annotated[str | None, Inherit(slot="calibration", fallback=DEFAULT_TEXT), SameBytes()] = (
-        None
-    )
+    text: Annotated[
+        str | None, Inherit(slot="calibration", fallback=texts.DEFAULT), SameBytes()
+    ] = None
     heldout_every: int = Field(default=5, ge=2)  # as calibrate's: only its calibration lines
     seq_len: int = Field(default=128, ge=2)
     # tokens the KL is measured on; the bf16 log-probabilities are kept: tokens x vocab x 4 bytes
@@ -98,6 +99,22 @@ def measured(params: SensitivityParams, tensors: dict[str, dict]) -> dict[str, d
     return out
 
 
+def measure(ctx: Context, params: SensitivityParams, model, calibration, groups, bits, tokens):
+    """Each group's KL at its quantized bits (``grade.sensitivity``), the candidates quantized
+    as the build quantizes them (data-aware routed experts if ``calibration`` is given)."""
+
+    def candidate(name: str, b: int):
+        expert = SWITCH in name and calibration is not None
+        role = Role(bits=b, group_size=params.group_size, calibrated=expert)
+        return budget.dequantized(ctx.store, model, name, role, calibration)
+
+    w = StoreWeights(ctx.store, [model], model.meta["config"], None)
+    quantized = {g: [b for b in bs if b != BF16] for g, bs in bits.items()}
+    return sens.measure(
+        w, groups, quantized, budget.layer_index, candidate, tokens, params.seq_len, ctx.progress
+    )
+
+
 def _default(params: SensitivityParams, tensors: dict[str, dict], groups: dict) -> bool:
     """Whether ``groups`` is the default measurement, every routed expert at every candidate
     bits, which ``bits`` and ``granularity`` in the key already say: then it adds nothing."""
@@ -120,7 +137,7 @@ class Sensitivity(Step):
         return {name: library_version(name) for name in ("mlx", "mlx-lm", "tokenizers", "numpy")}
 
     def reads(self, params: SensitivityParams, ctx: Context) -> dict[str, Path]:
-        return {"text": cal.text_path(params.text or DEFAULT_TEXT, ctx.options.project_root)}
+        return {"text": texts.text_path(params.text or texts.DEFAULT, ctx.options.project_root)}
 
     def run(self, ctx: Context, params: SensitivityParams, inputs) -> dict[str, Artifact]:
         model = inputs["model"][0]
@@ -143,13 +160,9 @@ class Sensitivity(Step):
                 "the model artifact has no tokenizer.json; sensitivity tokenizes with the "
                 "source's own"
             )
-        path = cal.text_path(params.text or DEFAULT_TEXT, ctx.options.project_root)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise StepError(f"calibration text {path}: not UTF-8 ({e})") from None
-        calib, _ = cal.split_lines(text, params.heldout_every)
-        tokens = cal.tokenize(
+        path = texts.text_path(params.text or texts.DEFAULT, ctx.options.project_root)
+        calib, _ = texts.split_lines(texts.read(path), params.heldout_every)
+        tokens = texts.tokenize(
             ctx.store.get_blob(model.files["tokenizer.json"]), calib, params.max_tokens
         )
         if len(tokens) < 2:
@@ -162,17 +175,10 @@ class Sensitivity(Step):
             f"{cost['head_passes']} output-head passes over {len(tokens)} tokens, "
             f"~{cost['tflop']} TFLOP of matmuls"
         )
-        figures = budget.measure(
-            ctx.store,
-            model,
-            calibration,
-            groups,
-            bits,
-            params.group_size,
-            tokens,
-            params.seq_len,
-            ctx.progress,
-        )
+        figures = measure(ctx, params, model, calibration, groups, bits, tokens)
+        for g, bs in bits.items():
+            if BF16 in bs:
+                figures[g][BF16] = 0.0  # the source itself: no divergence
         out = Artifact(
             meta={
                 "measure": budget.MEASURE,

@@ -26,8 +26,8 @@ from pydantic import Field
 from buildkit.core.errors import VerifyError
 from buildkit.engine.step import Context, Params, Slot, Step, library_version, register
 from buildkit.formats import checkpoint as ckpt
+from buildkit.formats.checkpoint import PROJS, SWITCH
 from buildkit.formats.convert import view
-from buildkit.grade import calibration as cal
 from buildkit.quant.measures import compare_experts, inspect_tensor, layer_expert_errors, task_slice
 from buildkit.store.artifact import Artifact
 
@@ -52,9 +52,9 @@ def expert_error_figure(
     problems, tasks = [], []
     for key in sorted(k for k in heldout.tensors if k.endswith(".inputs")):
         sw = key.removesuffix(".inputs")
-        layer = sw.removesuffix(cal.SWITCH)
+        layer = sw.removesuffix(SWITCH)
         sources, stored, qargs = {}, {}, {}
-        for proj in cal.PROJS:
+        for proj in PROJS:
             module = f"{sw}.{proj}"
             q = roles_q.get(module)
             if q is None or f"{module}.weight" not in expected or f"{module}.scales" not in model:
@@ -64,7 +64,7 @@ def expert_error_figure(
             sources[proj] = view(digest, info, shape, slc)  # the raw source file's bytes
             stored[proj] = [model[f"{module}.{k}"] for k in ("weight", "scales", "biases")]
             qargs[proj] = (q["bits"], q["group_size"], q.get("mode", "affine"))
-        if len(qargs) < len(cal.PROJS):
+        if len(qargs) < len(PROJS):
             continue
         heldout_entries = {k: heldout.tensors[f"{sw}.{k}"] for k in ("inputs", "experts")}
         skip = sorted(fallback.get(layer, ()))

@@ -16,7 +16,7 @@ import threading
 
 import distributed
 import pytest
-from distributed.diagnostics.plugin import SchedulerPlugin  # noqa: E402
+from distributed.diagnostics.plugin import SchedulerPlugin
 
 from buildkit.engine.distributed import DaskExecutor
 from buildkit.quant.quantize import quantize_entry

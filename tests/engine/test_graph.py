@@ -31,6 +31,8 @@ MTP_EDGES = {
     ("verify_head", "publish", "report"),
     ("quantize", "eval", "model"),
     ("sanitize", "eval", "source = sanitize:model"),
+    ("sanitize", "reference", "source = sanitize:model"),
+    ("reference", "eval", "reference"),
     ("quantize", "eval_head", "model"),
     ("requantize", "eval_head", "model"),
     ("sanitize", "eval_head", "source = sanitize:model"),
@@ -64,6 +66,7 @@ def test_graph_command_renders_every_node_and_edge(project, capsys, fmt):
             "graft",
             "requantize",
             "verify",
+            "reference",
             "eval",
             "publish",
         )
@@ -76,7 +79,7 @@ def test_graph_command_renders_every_node_and_edge(project, capsys, fmt):
         assert (
             "verify_head (verify) <- model=quantize, requantize, source=fetch, base=quantize" in out
         )
-        assert "eval (eval) <- model=quantize, source=sanitize:model\n" in out
+        assert "eval (eval) <- model=quantize, source=sanitize:model, reference=reference\n" in out
         assert (
             "eval_head (eval) <- model=quantize, requantize, source=sanitize:model, graft, "
             "trunk=eval:trunk\n" in out
@@ -171,6 +174,7 @@ def test_order_breaks_ties_by_name_not_declaration_order(project):
         "sanitize",
         "aa",
         "quantize",
+        "reference",
         "eval",
         "verify",
         "publish",
@@ -206,7 +210,8 @@ def test_render_text_dot_and_mermaid_of_xl(project):
         "fetch (fetch)\n"
         "sanitize (sanitize) <- source=fetch\n"
         "quantize (quantize) <- model=sanitize:model\n"
-        "eval (eval) <- model=quantize, source=sanitize:model\n"
+        "reference (reference) <- source=sanitize:model\n"
+        "eval (eval) <- model=quantize, source=sanitize:model, reference=reference\n"
         "verify (verify) <- model=quantize, source=fetch\n"
         "publish (publish) <- model=quantize, source=fetch, report=verify, eval=eval"
     )
@@ -217,6 +222,7 @@ def test_render_text_dot_and_mermaid_of_xl(project):
             '  "fetch" [label="fetch\\n(fetch)"];',
             '  "sanitize" [label="sanitize\\n(sanitize)"];',
             '  "quantize" [label="quantize\\n(quantize)"];',
+            '  "reference" [label="reference\\n(reference)"];',
             '  "eval" [label="eval\\n(eval)"];',
             '  "verify" [label="verify\\n(verify)"];',
             '  "publish" [label="publish\\n(publish)"];',
@@ -227,8 +233,10 @@ def test_render_text_dot_and_mermaid_of_xl(project):
             '  "quantize" -> "eval" [label="model"];',
             '  "quantize" -> "publish" [label="model"];',
             '  "quantize" -> "verify" [label="model"];',
+            '  "reference" -> "eval" [label="reference"];',
             '  "sanitize" -> "eval" [label="source = sanitize:model"];',
             '  "sanitize" -> "quantize" [label="model = sanitize:model"];',
+            '  "sanitize" -> "reference" [label="source = sanitize:model"];',
             '  "verify" -> "publish" [label="report"];',
             "}",
         ]
@@ -239,18 +247,21 @@ def test_render_text_dot_and_mermaid_of_xl(project):
             '  n0["fetch (fetch)"]',
             '  n1["sanitize (sanitize)"]',
             '  n2["quantize (quantize)"]',
-            '  n3["eval (eval)"]',
-            '  n4["verify (verify)"]',
-            '  n5["publish (publish)"]',
-            '  n3 -->|"eval"| n5',
-            '  n0 -->|"source"| n5',
+            '  n3["reference (reference)"]',
+            '  n4["eval (eval)"]',
+            '  n5["verify (verify)"]',
+            '  n6["publish (publish)"]',
+            '  n4 -->|"eval"| n6',
+            '  n0 -->|"source"| n6',
             '  n0 -->|"source"| n1',
-            '  n0 -->|"source"| n4',
-            '  n2 -->|"model"| n3',
-            '  n2 -->|"model"| n5',
+            '  n0 -->|"source"| n5',
             '  n2 -->|"model"| n4',
-            '  n1 -->|"source = sanitize:model"| n3',
+            '  n2 -->|"model"| n6',
+            '  n2 -->|"model"| n5',
+            '  n3 -->|"reference"| n4',
+            '  n1 -->|"source = sanitize:model"| n4',
             '  n1 -->|"model = sanitize:model"| n2',
-            '  n4 -->|"report"| n5',
+            '  n1 -->|"source = sanitize:model"| n3',
+            '  n5 -->|"report"| n6',
         ]
     )

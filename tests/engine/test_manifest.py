@@ -45,7 +45,7 @@ ERRORS = {
             "{d}/bad.toml:3: steps.quantize.kind: unknown step kind 'quantise' "
             "(did you mean 'quantize'?); "
             "known kinds: ",
-            "publish, quantize, requantize",
+            "publish, quantize, reference, requantize",
         ],
     ),
     "unknown param": (
@@ -96,7 +96,7 @@ ERRORS = {
         [
             "{d}/bad.toml:4: steps.extra.inputs.model: input 'sanitise' names no step "
             "(did you mean 'sanitize'?); "
-            "steps: fetch, sanitize, quantize, verify, eval, publish, extra"
+            "steps: fetch, sanitize, quantize, verify, reference, eval, publish, extra"
         ],
     ),
     "input naming a missing output": (
@@ -189,7 +189,15 @@ def test_manifest_error_is_one_exception_type_with_file_and_path(project):
 def test_extends_inherits_and_deep_merges(project):
     xl = manifest.load("xl", project.manifests)
     mtp = manifest.load("xl-mtp", project.manifests)
-    assert list(xl.nodes) == ["fetch", "sanitize", "quantize", "verify", "eval", "publish"]
+    assert list(xl.nodes) == [
+        "fetch",
+        "sanitize",
+        "quantize",
+        "verify",
+        "reference",
+        "eval",
+        "publish",
+    ]
     assert list(mtp.nodes) == [*xl.nodes, "graft", "requantize", "verify_head", "eval_head"]
     assert [p.rsplit("/", 1)[1] for p in mtp.chain] == ["xl-mtp.toml", "xl.toml"]
     # inherited untouched, redefined partly (kind from xl, inputs from xl-mtp), new

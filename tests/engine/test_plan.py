@@ -150,14 +150,15 @@ def test_planner_on_a_built_store(project, seed):
     ref = Store(project.store).get_ref("xl")
     states = planner(project, "xl").plan()
     assert [(s.name, s.fresh, s.reasons) for s in states] == [
-        (n, True, []) for n in ["fetch", "sanitize", "quantize", "eval", "verify", "publish"]
+        (n, True, [])
+        for n in ["fetch", "sanitize", "quantize", "reference", "eval", "verify", "publish"]
     ]
     assert {s.name: s.key for s in states} == ref["keys"]
 
     project.write_manifest("xl4", 'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 4 }\n')
     p = planner(project, "xl4")
     by = {s.name: s for s in p.plan()}
-    assert [n for n, s in by.items() if s.fresh] == ["fetch", "sanitize"]
+    assert [n for n, s in by.items() if s.fresh] == ["fetch", "sanitize", "reference"]
     assert by["quantize"].reasons == [
         "params.plan.roles.routed_expert.bits changed 6→4"
     ]  # against xl's build

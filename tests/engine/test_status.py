@@ -15,9 +15,9 @@ def rows(p: Project) -> dict[str, dict]:
 def test_status_counts_nodes_another_variants_build_made(project, seed):
     project.adopt(seed)  # xl and xl-mtp built
     assert "forgot build xl" in project.run("forget", "xl").stdout
-    xl = rows(project)["xl"]  # every node in the store (xl-mtp's build shares five) and fresh
+    xl = rows(project)["xl"]  # every node in the store (xl-mtp's build shares six) and fresh
     assert (xl["state"], xl["built"]) == ("fresh", False), xl
-    assert xl["reason"] == "6 of 6 steps in the store, shared with xl-mtp"
+    assert xl["reason"] == "7 of 7 steps in the store, shared with xl-mtp"
     assert xl["built_by"] == ["xl-mtp"]
     text = project.run("status").stdout
     assert "never built" not in text.split("xl-mtp")[-1]  # the xl row: last, after xl-mtp's
@@ -27,7 +27,7 @@ def test_status_counts_nodes_another_variants_build_made(project, seed):
     xl = rows(project)["xl"]
     assert xl["state"] == "stale", xl
     assert xl["reason"].startswith("publish: output missing from the store")
-    assert xl["reason"].endswith("(5 of 6 steps in the store, shared with xl-mtp)")
+    assert xl["reason"].endswith("(6 of 7 steps in the store, shared with xl-mtp)")
     plan = project.run("plan", "xl").stdout
     assert "1 to run" in plan
 

@@ -24,11 +24,12 @@ CHILD = """
 import sys
 import numpy as np
 from buildkit.grade import drafting, evaluate as ev
+from buildkit.grade.weights import DirWeights
 def hwm():  # VmHWM starts afresh at exec, where ru_maxrss keeps the parent's
     for ln in open("/proc/self/status"):
         if ln.startswith("VmHWM:"):
             return int(ln.split()[1]) * 1024
-src = ev.DirWeights(sys.argv[1])
+src = DirWeights(sys.argv[1])
 if sys.argv[2] == "whole":  # the head loaded whole, as drafting did before
     ev.streamed_head = ev.load_head
 tokens = np.random.default_rng(0).integers(0, 1024, 256).tolist()

@@ -13,7 +13,10 @@ from conftest import Project, cached, ran
 
 from buildkit.fixtures.generated import FixtureSpec, generate
 from buildkit.grade import evaluate as ev
-from buildkit.steps.eval import MAX_TOKENS, heldout_tokens
+from buildkit.grade import texts
+from buildkit.grade.texts import heldout_tokens
+from buildkit.grade.weights import HEAD, DirWeights
+from buildkit.steps.reference import MAX_TOKENS
 from buildkit.store.store import Store
 
 TEXT = Path(__file__).resolve().parents[2] / "buildkit" / "data" / "calibration.txt"
@@ -151,7 +154,7 @@ def test_buildkit_eval_grades_an_mlx_lm_convert_directory(built, capsys, tmp_pat
 
 
 def n_sequences(tokens: list[int]) -> int:
-    return sum(b.shape[0] for b in ev.sequences(tokens, 128))
+    return sum(b.shape[0] for b in texts.windows(tokens, 128))
 
 
 def test_eval_text_grades_every_line_of_the_file(built, capsys, tmp_path):
@@ -159,7 +162,7 @@ def test_eval_text_grades_every_line_of_the_file(built, capsys, tmp_path):
     lines and every other line; the printed output says how many of its tokens."""
     from tokenizers import Tokenizer
 
-    from buildkit.steps.eval import MAX_TOKENS
+    from buildkit.steps.reference import MAX_TOKENS
 
     p, src, *_ = built
     lines = ["# a header line, graded too", ""] + [
@@ -213,7 +216,7 @@ def test_target_rel_ci_grades_in_rounds_until_narrow_enough(built, tmp_path):
 
 def _mlx_lm_ppl(model, tokens: list[int]) -> float:
     nll = []
-    for b in ev.sequences(tokens, 128):
+    for b in texts.windows(tokens, 128):
         for row in b:
             logits = model(mx.array(row[None]))[0].astype(mx.float32)
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -266,16 +269,16 @@ def test_status_shows_the_figures(built, capsys):
 def test_text_is_keyed_by_content_not_path(built, capsys):
     p, src, *_ = built
     (p.root / "held.txt").write_text(TEXT.read_text())
-    p.write_manifest("xl-text", 'extends = "xl"\n[steps.eval]\nparams.text = "held.txt"\n')
+    p.write_manifest("xl-text", 'extends = "xl"\n[steps.reference]\nparams.text = "held.txt"\n')
     plan = cli_json(
         p, capsys, "plan", "xl-text", "--source", str(src), "--out", str(p.out / "xl"), "--json"
     )
-    assert {s["step"]: s["fresh"] for s in plan["steps"]}["eval"] is True
+    assert {s["step"]: s["fresh"] for s in plan["steps"]}["reference"] is True
     (p.root / "held.txt").write_text(TEXT.read_text() + "one more line\n" * 5)
     plan = cli_json(
         p, capsys, "plan", "xl-text", "--source", str(src), "--out", str(p.out / "xl"), "--json"
     )
-    step = {s["step"]: s for s in plan["steps"]}["eval"]
+    step = {s["step"]: s for s in plan["steps"]}["reference"]
     assert not step["fresh"] and "source changed: text" in step["reasons"][0]
 
 
@@ -407,7 +410,7 @@ def test_trained_head_accepts_within_three_points_of_bf16(trained):
     assert abs(e["acceptance"] - e["acceptance_source"]) <= 0.03
 
 
-class Broken(ev.DirWeights):
+class Broken(DirWeights):
     """The published xl-mtp with its head broken the way a converter can break it."""
 
     NORMS = (
@@ -424,7 +427,7 @@ class Broken(ev.DirWeights):
         self.how = how
 
     def swapped(self, name):
-        if name.startswith(ev.HEAD) and self.how == "gate_up" and ".switch_mlp." in name:
+        if name.startswith(HEAD) and self.how == "gate_up" and ".switch_mlp." in name:
             return (
                 name.replace("gate_proj", "\0")
                 .replace("up_proj", "gate_proj")
@@ -436,7 +439,7 @@ class Broken(ev.DirWeights):
         yield from super().iter_rows(self.swapped(name), rows)
 
     def read(self, name):
-        head = name.startswith(ev.HEAD)
+        head = name.startswith(HEAD)
         name = self.swapped(name)
         a = super().read(name)
         if (
@@ -467,7 +470,7 @@ def test_trained_broken_heads_grade_lower(trained, how):
     good = eval_json(p, "xl-mtp")["acceptance"]
     text, every = trained_text()
     tokens = heldout_tokens(text.read_text(), every, (src / "tokenizer.json").read_bytes(), 1024)
-    fig, _ = ev.evaluate(ev.DirWeights(src), Broken(p.out / "xl-mtp", how), tokens, 128)
+    fig, _ = ev.evaluate(DirWeights(src), Broken(p.out / "xl-mtp", how), tokens, 128)
     assert fig["acceptance"] <= good - DROP[how], (how, fig["acceptance"], good)
 
 
@@ -480,7 +483,8 @@ def test_trained_data_aware_experts_beat_data_agnostic_at_the_same_bits(tmp_path
         "oq4e-trained",
         'extends = "oq4e-mtp-xl"\nsource = "fixture:trained"\n'
         '[steps.donor_fetch]\nparams.source = "fixture:trained"\n'
-        "[steps.eval]\nparams.max_tokens = 1024\n[steps.eval_baseline]\nparams.max_tokens = 1024\n",
+        "[steps.reference]\nparams.max_tokens = 1024\n"
+        "[steps.reference_domains]\nparams.max_tokens = 1024\n",
     )
     p.build("oq4e-trained")
     e = eval_json(p, "oq4e-trained")

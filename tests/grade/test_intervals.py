@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from conftest import Project
 
-from buildkit.grade import evaluate as ev
-from buildkit.grade import stats
-from buildkit.steps.eval import EvalParams, heldout_tokens
+from buildkit.grade import stats, texts
+from buildkit.grade.texts import heldout_tokens
+from buildkit.steps.reference import ReferenceParams
 
 TEXT = Path(__file__).resolve().parents[2] / "buildkit" / "data" / "calibration.txt"
 
@@ -32,7 +32,7 @@ def trained(request, tmp_path_factory):
     p = Project(root / "project")
     p.build("xl-mtp", "--source", str(src))
     e = json.loads((p.out / "xl-mtp" / "eval.json").read_text())
-    p_ = EvalParams()
+    p_ = ReferenceParams()
     tok = (Path(src) / "tokenizer.json").read_bytes()
     tokens = heldout_tokens(TEXT.read_text(), p_.heldout_every, tok, p_.max_tokens)
     return p, Path(src), e, tokens
@@ -58,7 +58,7 @@ def test_kld_mean_interval_holds_mlx_lms_own_kld(trained):
     mod, _ = load(str(p.out / "xl-mtp"))
     ref, mod = float32(ref), float32(mod)
     kls = []
-    for b in ev.sequences(tokens, EvalParams().seq_len):
+    for b in texts.windows(tokens, ReferenceParams().seq_len):
         for row in b:
             a = logprobs(ref(mx.array(row[None]))[0, :-1])
             q = logprobs(mod(mx.array(row[None]))[0, :-1])
@@ -131,7 +131,7 @@ def bf16_head_acceptance(src: Path, tokens: list[int]) -> float:
         return mx.fast.rms_norm(x, shifted(raw[name]), eps)
 
     hits = total = 0
-    for b in ev.sequences(tokens, EvalParams().seq_len):
+    for b in texts.windows(tokens, ReferenceParams().seq_len):
         for row in b:
             ids = mx.array(row[None])
             logits = model(ids)
@@ -199,7 +199,7 @@ def test_the_bootstrap_is_deterministic_and_wider_on_fewer_windows():
 
 
 def test_gates_pass_only_when_the_whole_interval_clears_the_limit():
-    from buildkit.steps.eval import gate_failures
+    from buildkit.steps.eval import EvalParams, gate_failures
 
     rep = {"kld_mean": 0.010, "ci95": {"kld_mean": [0.008, 0.013]}}
     assert gate_failures(EvalParams(max_kld_mean=0.014), rep) == []

@@ -16,7 +16,10 @@ from buildkit.clients import speculative as spec
 from buildkit.fixtures.trained import write_trained
 from buildkit.grade import drafting
 from buildkit.grade import evaluate as ev
-from buildkit.steps.eval import EvalParams, gate_failures, heldout_tokens
+from buildkit.grade import forward as fw
+from buildkit.grade.texts import heldout_tokens
+from buildkit.grade.weights import DirWeights
+from buildkit.steps.eval import EvalParams, gate_failures
 
 TEXT = Path(__file__).resolve().parents[2] / "buildkit" / "data" / "calibration.txt"
 SPEC = "[steps.eval_head]\nparams.speculative = {}\n"
@@ -109,7 +112,7 @@ def test_broken_head_is_lossless_and_slow(built, tmp_path):
     w["fc.weight"] = mx.concatenate([fc[:, h:], fc[:, :h]], axis=1)
     f.unlink()
     mx.save_safetensors(str(f), w, metadata={"format": "mlx"})
-    src = ev.DirWeights(write_trained(tmp_path / "trained"))
+    src = DirWeights(write_trained(tmp_path / "trained"))
     tokens = heldout_tokens(TEXT.read_text(), 5, src.tokenizer_json(), 1024)
     p = spec.SpeculativeParams(prompts=2, max_tokens=16, bf16=False)
     prompts = spec.decode_prompts(
@@ -191,13 +194,13 @@ def test_chain_is_the_drafters_incremental_loop(built, tmp_path):
     drafts: the head's cache filled with the true entries 0..t, then one token at a time."""
     from mlx_lm.models.cache import KVCache
 
-    src = ev.DirWeights(write_trained(tmp_path / "trained"))
-    mod = ev.DirWeights(built.out / "xl-mtp-spec")
+    src = DirWeights(write_trained(tmp_path / "trained"))
+    mod = DirWeights(built.out / "xl-mtp-spec")
     tokens = heldout_tokens(TEXT.read_text(), 5, src.tokenizer_json(), 64)
     _, (_, tm) = ev.evaluate(src, mod, tokens, 64, head=False)
     depth = 3
     drafts = drafting.chains(mod, tm, depth)
-    head, out = ev.load_head(mod), ev.Output(mod)
+    head, out = ev.load_head(mod), fw.Output(mod)
     x0, h = tm.x0[0], tm.h[0]
     for t in (0, 17, 40, h.shape[1] - 2):
         cache = [KVCache()]
@@ -205,7 +208,7 @@ def test_chain_is_the_drafters_incremental_loop(built, tmp_path):
         o = o[:, -1:]
         got = [int(mx.argmax(out(o), axis=-1).item())]
         for _ in range(depth - 1):
-            e = ev.embed(mod, [np.array([[got[-1]]], np.int32)])[0]
+            e = fw.embed(mod, [np.array([[got[-1]]], np.int32)])[0]
             o = drafting.head_pass(head, e, o, cache[0], None)
             got.append(int(mx.argmax(out(o), axis=-1).item()))
         want = [int(drafts[0][d][0, t].item()) for d in range(depth)]

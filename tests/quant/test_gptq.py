@@ -164,13 +164,13 @@ def manifests(p: Project) -> None:
         f'[steps.calibrate]\nkind = "calibrate"\ninputs = {{ model = "sanitize:model" }}\n'
         f'params.text = "{TRAINED_TEXT}"\n'
         '[steps.quantize]\ninputs = { calibration = "calibrate" }\n'
-        f'[steps.eval]\nparams.text = "{TRAINED_TEXT}"\nparams.max_tokens = 1024\n'
+        f'[steps.reference]\nparams.text = "{TRAINED_TEXT}"\nparams.max_tokens = 1024\n'
     )
     p.write_manifest(
         "xl-4bit",
         'extends = "xl"\n[recipe.roles]\nrouted_expert = { bits = 4, group_size = 64 }\n'
         # 1024 tokens, not the step's 128: the margin below needs the positions
-        f'[steps.eval]\nparams.text = "{TRAINED_TEXT}"\nparams.max_tokens = 1024\n',
+        f'[steps.reference]\nparams.text = "{TRAINED_TEXT}"\nparams.max_tokens = 1024\n',
     )
     p.write_manifest(
         "gptq-nokeep",

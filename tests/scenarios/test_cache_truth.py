@@ -91,7 +91,7 @@ def test_gc_keeps_every_build_request_until_forgotten(project, seed, tmp_path, c
     assert "would free 0.0 MB" in capsys.readouterr().out.splitlines()[-1]
     assert project.cli("gc") == 0
     plan = project.run("plan", "xl").stdout
-    assert plan.count("fresh") == 6, plan  # the default build is whole
+    assert plan.count("fresh") == 7, plan  # the default build is whole
 
     assert project.cli("forget", "xl", "--out", str(project.out / "xl-other")) == 0
     capsys.readouterr()
@@ -105,7 +105,7 @@ def test_gc_keeps_every_build_request_until_forgotten(project, seed, tmp_path, c
     ).stdout
     assert "stale quantize (quantize)" in plan and "output missing from the store" in plan
     assert "input" not in plan.split("stale fetch")[1].splitlines()[0]
-    assert project.run("plan", "xl").stdout.count("fresh") == 6
+    assert project.run("plan", "xl").stdout.count("fresh") == 7
 
     project.run("build", "xl", "--source", str(other), "--out", str(project.out / "xl-other"))
     assert project.cli("gc", "--keep-last", "1", "--dry-run") == 0
@@ -116,7 +116,7 @@ def test_gc_keeps_every_build_request_until_forgotten(project, seed, tmp_path, c
         project.run(
             "plan", "xl", "--source", str(other), "--out", str(project.out / "xl-other")
         ).stdout.count("fresh")
-        == 6
+        == 7
     )
 
 

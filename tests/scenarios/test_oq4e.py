@@ -18,14 +18,14 @@ from conftest import REPO, Project, cached, ran
 
 from buildkit.core.errors import StepError
 from buildkit.formats.tensors import from_mlx, nbytes, to_float32, to_mlx
-from buildkit.grade import calibration as cal
+from buildkit.grade import texts
 from buildkit.quant import dataaware
 from buildkit.quant.roles import Recipe, Role
 from buildkit.steps.calibrate import CalibrateParams
 from buildkit.store.store import Store
 
 VARIANT = "oq4e-search-mtp-xl"
-BUILTIN_TEXT = cal.text_path("builtin:calibration.txt", Path("."))
+BUILTIN_TEXT = texts.text_path("builtin:calibration.txt", Path("."))
 LAYER0 = "language_model.model.layers.0.mlp.switch_mlp"
 
 
@@ -373,9 +373,9 @@ def test_importance_weighting_matters_where_channels_differ():
 
 
 def test_split_is_deterministic_and_skips_the_header():
-    calib, held = cal.split_lines("# licence\n# more\n\na\nb\n\nc\nd\ne\nf\n", 3)
+    calib, held = texts.split_lines("# licence\n# more\n\na\nb\n\nc\nd\ne\nf\n", 3)
     assert calib == ["a", "b", "d", "e"] and held == ["c", "f"]
-    calib, held = cal.split_lines(BUILTIN_TEXT.read_text(), 5)
+    calib, held = texts.split_lines(BUILTIN_TEXT.read_text(), 5)
     assert len(calib) + len(held) >= 250 and len(held) == (len(calib) + len(held)) // 5
     assert calib[0].startswith("The morning train") and not any(
         ln.startswith("#") for ln in calib + held

@@ -43,7 +43,7 @@ def test_the_complete_manifest_plans_and_its_rules_cover_the_checkpoint(tmp_path
     p = Project(tmp_path)
     p.write_manifest("my-4bit", complete[0])
     assert p.cli("plan", "my-4bit") == 0
-    assert "my-4bit: 6 steps, 6 to run" in capsys.readouterr().out
+    assert "my-4bit: 7 steps, 7 to run" in capsys.readouterr().out
     # estimate assigns every tensor a role as quantize does: an unmatched tensor or rule fails
     assert p.cli("estimate", "my-4bit") == 0
     assert "bits per weight:" in capsys.readouterr().out

@@ -238,7 +238,7 @@ def test_deleted_action_record_reruns_the_node_with_a_reason(project, seed):
     )
     b = project.build("xl")
     assert ran(b) == ["quantize"]  # same bytes again: verify and publish stay cached
-    assert sorted(cached(b)) == ["eval", "fetch", "publish", "sanitize", "verify"]
+    assert sorted(cached(b)) == ["eval", "fetch", "publish", "reference", "sanitize", "verify"]
 
     (project.store / "refs" / "xl.json").unlink()
     for root in (project.store / "roots").iterdir():  # each build request remembers its nodes too

@@ -60,7 +60,7 @@ def uploaded(server, tmp_path_factory):
         client(server).create_bucket(Bucket="base")
         a = Project(tmp_path_factory.mktemp("writer"))
         p = a.build("xl", "--remote", "s3://base/ci", "--remote-upload")
-        assert "sent 6 nodes" in p.stderr, p.stderr
+        assert "sent 7 nodes" in p.stderr, p.stderr
         files = tmp_path_factory.mktemp("fileremote") / "base"
         a.run("push", "xl", "--out", str(a.out / "xl"), "--remote", files.as_uri())
         yield a, files
@@ -106,20 +106,20 @@ def test_empty_store_builds_from_s3_and_second_upload_sends_nothing(aws, uploade
     url = f"s3://{bucket}/ci"
     before = listing(aws, bucket)
     p = writer.build("xl", "--remote", url, "--remote-upload")
-    assert "sent 0 nodes" in p.stderr and "6 nodes already there" in p.stderr, p.stderr
+    assert "sent 0 nodes" in p.stderr and "7 nodes already there" in p.stderr, p.stderr
     assert listing(aws, bucket) == before  # not one PUT: keys, etags and times unchanged
 
     b = Project(tmp_path / "reader")
     p = b.build("xl", "--remote", url)
     # Every computing step is a remote hit; publish writes the directory (its only side effect).
     assert ran(p) == ["publish"], p.stderr
-    assert sorted(cached(p)) == ["eval", "fetch", "quantize", "sanitize", "verify"]
-    assert p.stderr.count("(remote)") == 5
+    assert sorted(cached(p)) == ["eval", "fetch", "quantize", "reference", "sanitize", "verify"]
+    assert p.stderr.count("(remote)") == 6
     assert tree(b.out / "xl") == tree(writer.out / "xl")
     # Planning fetches records and listings only; objects come when a node that runs needs them.
     c = Project(tmp_path / "planner")
     p = c.run("plan", "xl", "--out", str(c.out / "xl"), "--remote", url)
-    assert p.stdout.count("fresh") == 5 and "stale publish" in p.stdout, p.stdout
+    assert p.stdout.count("fresh") == 6 and "stale publish" in p.stdout, p.stdout
     assert not [q for q in (c.store / "objects").rglob("*") if q.is_file()]
     assert b.run("store", "check").returncode == 0
     assert not stray(b.store)
@@ -223,7 +223,7 @@ def test_trusted_keys_refuse_unsigned_and_wrongly_signed_records(uploaded, tmp_p
     assert ran(p) == ["publish"] and "refused" not in p.stderr, p.stderr
 
     p = Project(tmp_path / "unsigned").build("xl", "--remote", unsigned.as_uri())
-    assert p.stderr.count("refused: unsigned, and trusted keys are set") == 6, p.stderr
+    assert p.stderr.count("refused: unsigned, and trusted keys are set") == 7, p.stderr
     assert waves(ran(p)) == waves(XL), p.stderr
 
     # A valid signature moved onto other content: the envelope's sha256 is made to match.
@@ -337,7 +337,7 @@ def test_push_pull_file_remote_then_build_offline(uploaded, tmp_path, monkeypatc
     monkeypatch.setenv("BUILDKIT_REMOTE", remote.as_uri())
     b = Project(tmp_path / "reader")
     p = b.run("pull", "xl", "--out", str(b.out / "xl"))
-    assert "pulled 6 nodes" in p.stderr
+    assert "pulled 7 nodes" in p.stderr
     monkeypatch.delenv("BUILDKIT_REMOTE")
     p = b.build("xl")
     assert ran(p) == ["publish"], p.stderr  # everything was pulled: no remote needed

@@ -1,6 +1,11 @@
-"""Eval's forward at the real model's size: every large tensor streamed in blocks of rows.
+"""The forward pass: mlx_lm's ``qwen3_5_moe`` classes run one decoder layer in memory at a time,
+in float32 (mlx on CPU has no bf16 ``gather_mm``), their linears as numpy matmuls (mlx's CPU
+matmul is 10-20x slower than OpenBLAS). calibrate, sensitivity, the reference and eval all run
+their layers here. A layer's routed experts are either read whole (``whole_layer``: calibrate
+and sensitivity, which keep or swap them) or streamed (``streamed_layer``: eval and the
+reference, at the real model's size).
 
-Nothing vocabulary- or expert-stack-sized is ever widened whole (the real embedding and
+Streamed, nothing vocabulary- or expert-stack-sized is ever widened whole (the real embedding and
 lm_head are 248320 x 2048, each layer's experts 256 x 3 x 512 x 2048):
 
 - the embedding: only the rows of the tokens the text uses are kept as its blocks pass;
@@ -20,9 +25,12 @@ states; blocks are read (and checked against their digests) in the calling threa
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from buildkit.core import workers
+from buildkit.core.errors import SourceError
 from buildkit.core.lazy import lazy
+from buildkit.formats.checkpoint import PROJS, SWITCH
 from buildkit.formats.tensors import dequantize, to_float32, to_mlx
 
 np = lazy("numpy", __name__)
@@ -169,6 +177,11 @@ def _np_linear():
     return NpLinear
 
 
+def np_linear(weight: np.ndarray):
+    """A bias-free linear ``x @ W.T`` over a float32 numpy W [out, in]."""
+    return _np_linear()(weight)
+
+
 def linears_to_numpy(module) -> None:
     """Swap a module's bias-free linears, quantized or not, for numpy matmuls of their float32
     weights (a quantized one dequantized once, as mlx_lm's kernel would per call)."""
@@ -276,7 +289,7 @@ def _switch_class():
     return StreamedSwitchGLU
 
 
-def load_module(module, w, prefix: str, skip: str) -> None:
+def load_module(module, w, prefix: str, skip: str = "\0") -> None:
     """Load a module's tensors under ``prefix`` (floating ones widened to float32), but those
     under ``skip``."""
     import mlx.core as mx
@@ -345,6 +358,207 @@ def moe(mlp, x):
     mx.eval(inds, scores)
     y = mx.array(mlp.switch_mlp.weighted(x, inds, scores))
     return y + mx.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x)
+
+
+def _whole_switch_class():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class WholeSwitchGLU(nn.Module):
+        """mlx_lm's SwitchGLU (``down(silu(gate x) * up x)`` for each chosen expert, output
+        [..., k, H]) one expert at a time over the rows routed to it, the experts held whole
+        in float32. An observer ``routed`` (calibration's) may cut a batch short once it has
+        its rows (``cutoff``) and sums each expert's x² and activations² as they pass."""
+
+        def __init__(self, gate_up: np.ndarray, down: np.ndarray):
+            super().__init__()
+            self.gate_up = gate_up  # [E, 2I, H]: one matmul for both
+            self.down = down
+            self.routed = None
+
+        def __call__(self, x, indices, **kw):
+            a = np.asarray(x)
+            xs = a.reshape(-1, a.shape[-1])
+            idx = np.asarray(indices).reshape(xs.shape[0], -1)
+            k, n_experts = idx.shape[-1], self.down.shape[0]
+            r = self.routed
+            y = np.empty((*idx.shape, xs.shape[-1]), np.float32)
+            if r is not None and a.ndim == 3:  # only whole sequences, once the rows suffice
+                n = r.cutoff(idx, a.shape[0], n_experts) * a.shape[1]
+                xs, idx = xs[:n], idx[:n]  # the rest of the batch is dropped after this layer
+                y[n:] = 0
+            order = np.argsort(idx.reshape(-1), kind="stable")
+            counts = np.bincount(idx.reshape(-1), minlength=n_experts)
+            inter = self.down.shape[-1]
+            starts = np.concatenate([[0], np.cumsum(counts)])
+            out = y.reshape(-1, xs.shape[-1])
+            if r is not None:
+                r.start(len(counts), xs.shape[-1], inter)
+
+            def run(experts):
+                for e in experts:
+                    rows = order[starts[e] : starts[e + 1]]
+                    xe = xs[rows // k]
+                    gu = mm(self.gate_up[e], xe)
+                    mid = silu(gu[:, :inter]) * gu[:, inter:]
+                    out[rows] = mm(self.down[e], mid)
+                    if r is not None:
+                        r.add(e, xe, mid)
+
+            # on two threads (numpy's matmuls release the GIL), experts alternating: each
+            # expert's rows of y and of the sums are its own, so the bytes are one thread's
+            active = np.flatnonzero(counts)
+            for _ in workers.imap("calibrate", run, [active[0::2], active[1::2]]):
+                pass
+            if r is not None:
+                r.x.append(xs.copy())
+                r.experts.append(idx.copy())
+            return mx.array(y.reshape(*a.shape[:-1], k, -1))
+
+    return WholeSwitchGLU
+
+
+def silu(g: np.ndarray) -> np.ndarray:
+    return g / (1.0 + np.exp(-g))
+
+
+def mm(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``x @ w.T`` for a weight w [out, in] and a few rows x [n, in], computed as ``(w @ x.T).T``:
+    OpenBLAS's sgemm runs that shape faster at a few rows, with the same bytes here
+    (bench/RESULTS.md)."""
+    return (w @ x.T).T
+
+
+def whole_switch(gate_up: np.ndarray, down: np.ndarray):
+    """The experts module over float32 gate and up [E, 2I, H] and down [E, H, I], held whole."""
+    return _whole_switch_class()(gate_up, down)
+
+
+def whole_experts(w, switch: str) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's routed experts in float32, gate and up in one [E, 2I, H] array: read straight
+    to numpy, not through mlx and a concatenation, so one copy of them in memory."""
+    names = {p: f"{switch}.{p}.weight" for p in PROJS}
+    E, inter, hidden = w.shapes[names["gate_proj"]]
+    gate_up = np.empty((E, 2 * inter, hidden), np.float32)
+    for half, p in enumerate(("gate_proj", "up_proj")):
+        gate_up[:, half * inter : (half + 1) * inter] = to_float32(
+            w.read(names[p]), w.names[names[p]]
+        )
+    return gate_up, to_float32(w.read(names["down_proj"]), w.names[names["down_proj"]])
+
+
+def whole_layer(w, i: int, args):
+    """Decoder layer ``i`` of a bf16 model with its routed experts read whole
+    (``whole_switch``) and its other linears as numpy matmuls."""
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+
+    layer = DecoderLayer(args, i)
+    prefix = f"language_model.model.layers.{i}"
+    layer.mlp.switch_mlp = whole_switch(*whole_experts(w, prefix + SWITCH))
+    load_module(layer, w, prefix + ".", skip=prefix + SWITCH + ".")
+    linears_to_numpy(layer)
+    return layer
+
+
+# ---- a model's pass over windows of text -------------------------------------------------
+
+
+def build_model(config: dict):
+    """mlx_lm's qwen3_5_moe Model for a checkpoint config (weights not loaded; mlx is lazy,
+    so nothing is allocated until a layer's weights are loaded)."""
+    from mlx_lm.models import qwen3_5_moe
+
+    if config.get("model_type") != "qwen3_5_moe":
+        raise SourceError(
+            "the forward pass runs qwen3_5_moe checkpoints; config.json has model_type "
+            f"{config.get('model_type')!r}"
+        )
+    return qwen3_5_moe.Model(qwen3_5_moe.ModelArgs.from_dict(config))
+
+
+def text_args(w):
+    """The text model's ModelArgs of ``w``'s config (what DecoderLayer takes)."""
+    return build_model(w.config).language_model.args
+
+
+@dataclass
+class Trunk:
+    """One model's pass over the text: per batch of sequences, the embeddings x0 and the last
+    decoder layer's output h (before the final norm), float32 [B, L, H]; per sequence its
+    argmax per position; and per batch the text it is from ("" the main one, else a domain)."""
+
+    x0: list = field(default_factory=list)
+    h: list = field(default_factory=list)
+    argmax: list = field(default_factory=list)
+    groups: list = field(default_factory=list)
+
+
+def rows(seqs: list[np.ndarray]):
+    """(batch index, row, token ids [L]) of every sequence: logits are made one sequence at a
+    time (the real vocabulary makes a batch's logits gigabytes)."""
+    return [(j, r, b[r]) for j, b in enumerate(seqs) for r in range(b.shape[0])]
+
+
+def run_layer(layer, hs: list) -> list:
+    """One decoder layer over each batch of hidden states (no cache: whole sequences)."""
+    import mlx.core as mx
+
+    out = [layer(h, mask=layer_mask(layer, h), cache=None) for h in hs]
+    mx.eval(out)
+    return out
+
+
+def run_trunk(w, seqs: list[np.ndarray], progress=None) -> Trunk:
+    """Every layer over every batch of ``seqs`` ([B, L] token ids), one layer's small modules
+    in memory, its experts and the embedding streamed."""
+    import mlx.core as mx
+
+    from buildkit.core.allocator import tune_imported
+
+    tune_imported()  # freed layers go back to malloc, not to a second reserve in mlx
+    args = text_args(w)
+    x0 = [mx.array(embeddings(w, s)) for s in seqs]
+    h = list(x0)
+    for i in range(args.num_hidden_layers):
+        layer = streamed_layer(w, f"language_model.model.layers.{i}.", args, i)
+        h = run_streamed(layer, h)
+        del layer  # free this layer's weights before loading the next
+        if progress:
+            progress.advance(1)
+    return Trunk(x0, h)
+
+
+class Output:
+    """The final norm and lm_head of a model (mlx_lm's modules, quantized as published)."""
+
+    def __init__(self, w):
+        model = build_model(w.config)
+        quantize_as_loaded(model, w, "")
+        self.norm, self.lm_head = model.language_model.model.norm, model.language_model.lm_head
+        load_module(self.norm, w, "language_model.model.norm.")
+        load_module(self.lm_head, w, "language_model.lm_head.")
+
+    def __call__(self, h):
+        return self.lm_head(self.norm(h))
+
+
+def embed(w, seqs: list[np.ndarray]) -> list:
+    """The embeddings [B, L, H] of each batch of token ids, float32 (mlx_lm's module)."""
+    import mlx.core as mx
+
+    model = build_model(w.config)
+    quantize_as_loaded(model, w, "")
+    module = model.language_model.model.embed_tokens
+    load_module(module, w, "language_model.model.embed_tokens.")
+    x0 = [module(mx.array(s)) for s in seqs]
+    mx.eval(x0)
+    return x0
+
+
+def np_logprobs(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities of logits [..., V] in numpy (float32; mlx's CPU exp is slower)."""
+    m = logits.max(axis=-1, keepdims=True)
+    return logits - (m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)))
 
 
 # ---- the output head, streamed over the vocabulary --------------------------------------

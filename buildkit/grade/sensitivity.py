@@ -1,0 +1,164 @@
+"""Sensitivity's measurement: how far the model's next-token distributions move from the bf16
+source's when one group of tensors alone is quantized.
+
+The bf16 trunk runs once (``forward.whole_layer``: every matmul in numpy, the candidates'
+tensors dequantized, so the reference and every candidate share one arithmetic and differ
+only by the group), keeping the hidden states entering each layer and the final
+log-probabilities; then, per layer, every candidate of that layer's groups from its kept
+input, all of them together through each later bf16 layer (each later layer read once per
+measured layer, not per candidate), and the output head. What a candidate's tensors are is
+the caller's (``quant.budget.dequantized``: as the build quantizes them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from buildkit.core.errors import StepError
+from buildkit.core.lazy import lazy
+from buildkit.formats.checkpoint import SWITCH
+from buildkit.grade import forward as fw
+from buildkit.grade import texts
+from buildkit.grade.weights import Weights
+
+np = lazy("numpy", __name__)
+
+EMBED = "language_model.model.embed_tokens.weight"
+
+# a group's tensors at ``bits``, dequantized to float32, as the build would store them
+Candidate = Callable[[str, int], "np.ndarray"]
+
+
+def reference_logprobs(out: fw.Output, h: list, seqs: list[np.ndarray]) -> list[np.ndarray]:
+    """Log-probabilities of each sequence (``forward.rows``' order) from final hidden states."""
+    return [fw.np_logprobs(np.array(out(h[j][r]))) for j, r, _ in fw.rows(seqs)]
+
+
+def mean_kl(out: fw.Output, ref: list[np.ndarray], h: list, seqs: list[np.ndarray]) -> float:
+    """Mean KL(ref || model) over the positions that have a next token, of final hidden
+    states ``h`` against ``ref`` (``reference_logprobs``)."""
+    total, n = 0.0, 0
+    for lp_ref, (j, r, s) in zip(ref, fw.rows(seqs), strict=True):
+        m = len(s) - 1
+        lp = fw.np_logprobs(np.array(out(h[j][r])[:m]))
+        k = (np.exp(lp_ref[:m]) * (lp_ref[:m] - lp)).sum(axis=-1)
+        total, n = total + float(np.maximum(k, 0.0).astype(np.float64).sum()), n + m
+    return total / max(n, 1)
+
+
+def swap(module, names: list[str], deq: dict[str, np.ndarray]) -> Callable[[], None]:
+    """Set a group's weights in a numpy layer to ``deq`` (name -> float32); returns how to put
+    the originals back."""
+    sw = module.mlp.switch_mlp
+    inter = sw.down.shape[-1]
+    undo, expert = [], {}
+    for n in names:
+        rel = n.removesuffix(".weight").split(".", 4)[4]  # after language_model.model.layers.N
+        if SWITCH.lstrip(".") + "." in rel:
+            expert[rel.rpartition(".")[2]] = deq[n]
+            continue
+        owner = module
+        for part in rel.split("."):
+            owner = getattr(owner, part)
+        undo.append((owner, owner.w))
+        owner.w = deq[n]
+    if expert:
+        own = {
+            "gate_proj": sw.gate_up[:, :inter],
+            "up_proj": sw.gate_up[:, inter:],
+            "down_proj": sw.down,
+        } | expert
+        module.mlp.switch_mlp = fw.whole_switch(
+            np.concatenate([own["gate_proj"], own["up_proj"]], 1), own["down_proj"]
+        )
+
+    def undo_all():
+        for owner, w in undo:
+            owner.w = w
+        module.mlp.switch_mlp = sw
+
+    return undo_all
+
+
+class Measure:
+    """One sensitivity run over ``w`` (a bf16 model) on ``tokens``."""
+
+    def __init__(self, w: Weights, tokens: list[int], seq_len: int, progress=None):
+        self.w, self.progress = w, progress
+        self.args = fw.text_args(w)
+        self.n_layers = self.args.num_hidden_layers
+        self.seqs = texts.windows(tokens, seq_len)
+        self.hs = [fw.embed(w, self.seqs)]  # hs[i]: what enters layer i, then the last output
+        for i in range(self.n_layers):
+            self.hs.append(fw.run_layer(self.layer(i), self.hs[i]))
+        self.out = fw.Output(w)
+        self.out.lm_head = fw.np_linear(np.array(self.out.lm_head.weight))
+        self.ref = reference_logprobs(self.out, self.hs[-1], self.seqs)
+
+    def layer(self, i: int):
+        return fw.whole_layer(self.w, i, self.args)
+
+    def kl(self, h: list) -> float:
+        if self.progress:
+            self.progress.advance(1)
+        return float(f"{mean_kl(self.out, self.ref, h, self.seqs):.6g}")
+
+    def at(self, i: int, cands: dict[tuple, Callable]) -> dict[tuple, float]:
+        """KL of each candidate of layer ``i`` (-1 the embeddings, ``n_layers`` or more
+        lm_head): ``cands[c]()`` gives candidate c's tensors (name -> float32)."""
+        if i >= self.n_layers:  # lm_head: the last layer's output through a candidate head
+            got, bf16 = {}, self.out.lm_head
+            for c, make in cands.items():
+                (deq,) = make().values()
+                self.out.lm_head = fw.np_linear(deq)
+                got[c] = self.kl(self.hs[-1])
+                self.out.lm_head = bf16
+            return got
+        if i == -1:  # the embeddings: a candidate's table looked up, then every layer
+            import mlx.core as mx
+
+            hs = {c: [mx.array(make()[EMBED][s]) for s in self.seqs] for c, make in cands.items()}
+        else:
+            module, hs = self.layer(i), {}
+            for c, make in cands.items():
+                undo = swap(module, c[1], make())
+                hs[c] = fw.run_layer(module, self.hs[i])
+                undo()
+        for k in range(i + 1, self.n_layers):  # the later layers are bf16, read once for all
+            later = self.layer(k)
+            hs = {c: fw.run_layer(later, h) for c, h in hs.items()}
+        return {c: self.kl(h) for c, h in hs.items()}
+
+
+def measure(
+    w: Weights,
+    groups: dict[str, list[str]],
+    bits: dict[str, list[int]],
+    layer_of: Callable[[str], int],
+    candidate: Candidate,
+    tokens: list[int],
+    seq_len: int,
+    progress=None,
+) -> dict[str, dict[int, float]]:
+    """Mean KL on ``tokens`` for each group and each of its ``bits`` (quantized ones), that
+    group's tensors alone replaced by ``candidate(name, bits)``. ``layer_of(name)``: the
+    layer a tensor is in (-1 the embeddings, past the last lm_head)."""
+    by_layer: dict[int, list[str]] = {}
+    for g, names in groups.items():
+        if len({layer_of(n) for n in names}) != 1:
+            raise StepError(f"sensitivity group {g} spans layers: {names}")
+        by_layer.setdefault(layer_of(names[0]), []).append(g)
+    m = Measure(w, tokens, seq_len)
+    if progress:
+        progress.start(sum(len(bits[g]) for g in groups), "candidates")
+    m.progress = progress
+    result: dict[str, dict[int, float]] = {g: {} for g in groups}
+    for i, layer_groups in sorted(by_layer.items()):
+        cands = {
+            (g, tuple(groups[g]), b): (lambda g=g, b=b: {n: candidate(n, b) for n in groups[g]})
+            for g in layer_groups
+            for b in bits[g]
+        }
+        for (g, _, b), kl in m.at(i, cands).items():
+            result[g][b] = kl
+    return result
