@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from conftest import REPO, Project
 
-from buildkit.cli.main import main
 from buildkit.core import keys
 from buildkit.engine.release import machine, tool_versions
 from buildkit.store.store import Store
@@ -32,8 +31,8 @@ def released(tmp_path_factory) -> Project:
     """The default variants built with --release into one store (locks in the project's
     manifests/)."""
     p = Project(tmp_path_factory.mktemp("release"))
-    for v in DEFAULTS:
-        assert p.cli("build", v, "--release", "-q", "--out", str(p.out / v)) == 0
+    for v in DEFAULTS:  # each build a process of its own, as a user's: what a lock must pin
+        p.run("build", v, "--release", "-q", "--out", str(p.out / v))
     return p
 
 
@@ -46,12 +45,14 @@ def nodes(table: dict) -> dict:
 
 
 def verify(
-    monkeypatch, capsys, cwd: Path, variant: str, lock: Path, manifests: Path = REPO / "manifests"
+    cwd: Path, variant: str, lock: Path, manifests: Path = REPO / "manifests"
 ) -> tuple[int, str]:
-    monkeypatch.chdir(cwd)
-    capsys.readouterr()
-    code = main(["--manifests", str(manifests), "verify", variant, "--against", str(lock)])
-    return code, "".join(capsys.readouterr())
+    """`buildkit verify VARIANT --against LOCK` as CI and users run it: a process of its own."""
+    argv = ["--manifests", str(manifests), "verify", variant, "--against", str(lock)]
+    p = subprocess.run(
+        [sys.executable, "-m", "buildkit.cli", *argv], cwd=cwd, capture_output=True, text=True
+    )
+    return p.returncode, p.stdout + p.stderr
 
 
 def tampered(p: Project, variant: str, edit) -> Path:
@@ -79,10 +80,10 @@ def test_release_writes_a_lock_with_every_node_source_and_tool(released):
 
 
 @pytest.mark.parametrize("variant", DEFAULTS)
-def test_committed_lock_reproduces_from_an_empty_store(monkeypatch, capsys, tmp_path, variant):
+def test_committed_lock_reproduces_from_an_empty_store(tmp_path, variant):
     """CI: `buildkit verify V --against manifests/V.lock` for each default variant."""
     lock = REPO / "manifests" / f"{variant}.lock"
-    code, out = verify(monkeypatch, capsys, tmp_path, variant, lock)
+    code, out = verify(tmp_path, variant, lock)
     assert code == 0, out[-4000:]
     assert f"{variant}: {len(json.loads(lock.read_text())['nodes'])} nodes reproduce" in out
     assert "tool versions differ" not in out
@@ -103,7 +104,7 @@ def test_release_pins_are_the_versions_of_the_committed_locks():
         )
 
 
-def test_verify_names_the_first_differing_node_and_library_versions(released, monkeypatch, capsys):
+def test_verify_names_the_first_differing_node_and_library_versions(released):
     def other_mlx(d):
         d["tools"]["mlx"] = "0.0.1"
         for n in ("quantize", "verify", "publish"):  # what a lock made with another mlx looks like
@@ -111,8 +112,6 @@ def test_verify_names_the_first_differing_node_and_library_versions(released, mo
             d["nodes"][n]["key"] = ZERO
 
     code, out = verify(
-        monkeypatch,
-        capsys,
         released.root,
         "xl",
         tampered(released, "xl", other_mlx),
@@ -128,14 +127,12 @@ def test_verify_names_the_first_differing_node_and_library_versions(released, mo
     assert "pip install -c constraints.txt" in out
 
 
-def test_verify_names_changed_source_files(released, monkeypatch, capsys):
+def test_verify_names_changed_source_files(released):
     def other_shard(d):
         d["sources"]["fetch"]["files"]["model-00002-of-00002.safetensors"] = ZERO
         d["nodes"]["fetch"]["key"] = ZERO
 
     code, out = verify(
-        monkeypatch,
-        capsys,
         released.root,
         "xl",
         tampered(released, "xl", other_shard),
@@ -146,7 +143,7 @@ def test_verify_names_changed_source_files(released, monkeypatch, capsys):
     assert "tool versions differ" not in out
 
 
-def test_verify_refuses_a_bad_lock_before_building(released, monkeypatch, capsys):
+def test_verify_refuses_a_bad_lock_before_building(released):
     bad = released.root / "bad.lock"
     cases = {
         "{not json": "cannot read lock file",
@@ -156,11 +153,9 @@ def test_verify_refuses_a_bad_lock_before_building(released, monkeypatch, capsys
     }
     for text, message in cases.items():
         bad.write_text(text)
-        code, out = verify(monkeypatch, capsys, released.root, "xl", bad, released.manifests)
+        code, out = verify(released.root, "xl", bad, released.manifests)
         assert code == 2 and message in out and "[run]" not in out, out
-    code, out = verify(
-        monkeypatch, capsys, released.root, "xl", released.root / "none.lock", released.manifests
-    )
+    code, out = verify(released.root, "xl", released.root / "none.lock", released.manifests)
     assert code == 2 and "cannot read lock file" in out
 
 
