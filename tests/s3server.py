@@ -7,6 +7,7 @@ import logging
 import socket
 from collections.abc import Iterator
 
+import boto3
 from moto.server import ThreadedMotoServer
 
 CREDS = {
@@ -33,3 +34,14 @@ def moto_s3() -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         srv.stop()
+
+
+def s3_client(endpoint: str):
+    """A boto3 S3 client of the server at ``endpoint``."""
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=CREDS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=CREDS["AWS_SECRET_ACCESS_KEY"],
+        region_name=CREDS["AWS_DEFAULT_REGION"],
+    )

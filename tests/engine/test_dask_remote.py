@@ -22,12 +22,11 @@ import time
 import uuid
 from pathlib import Path
 
-import boto3
 import distributed
 import pytest
 from conftest import REPO, Project, ran
 from hubserver import Hub
-from s3server import CREDS, free_port, moto_s3
+from s3server import CREDS, free_port, moto_s3, s3_client
 
 from buildkit.fixtures.generated import FixtureSpec, generate
 from buildkit.formats.tensors import read_header
@@ -339,13 +338,3 @@ def test_worker_with_other_library_versions_is_refused(tmp_path, hub, s3):
     assert p.returncode == 1, p.stderr
     assert "'mlx': '0.0.1'" in p.stderr and "the build needs" in p.stderr, p.stderr
     assert "install buildkit with -c constraints.txt on every worker" in p.stderr
-
-
-def s3_client(endpoint: str):
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )

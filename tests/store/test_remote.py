@@ -16,28 +16,18 @@ import time
 import uuid
 from pathlib import Path
 
-import boto3
 import pytest
 from conftest import XL, Project, cached, ran, waves
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from s3server import CREDS, moto_s3
+from s3server import s3_client as client
 
 
 @pytest.fixture(scope="module")
 def server():
     with moto_s3() as endpoint:
         yield endpoint
-
-
-def client(endpoint: str):
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
 
 
 @pytest.fixture
