@@ -13,8 +13,8 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from buildkit.core.errors import SourceError
@@ -171,6 +171,23 @@ def read_tensor(
     out = np.empty(info.shape, DTYPES[info.dtype])
     _pread_into(byte_view(out), info.start, path, fd)
     return out
+
+
+def read_row_blocks(
+    info: TensorInfo, path: str | Path, n: int, step: int, slc: tuple | None = None
+) -> Iterator[np.ndarray]:
+    """Rows ``[a, a + step)`` of a tensor's first ``n`` rows in turn, each read alone from the
+    file (of ``tensor[..., start:stop, ...]`` along ``slc = (axis, start, stop)`` if given)."""
+    stride = info.nbytes // info.shape[0]
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        part = replace(
+            info,
+            shape=(b - a, *info.shape[1:]),
+            start=info.start + a * stride,
+            end=info.start + b * stride,
+        )
+        yield read_slice(part, path, *slc) if slc is not None else read_tensor(part, path)
 
 
 def read_slice(info: TensorInfo, path: str | Path, axis: int, start: int, stop: int) -> np.ndarray:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 from buildkit.core.errors import SourceError, UsageError
@@ -16,7 +15,7 @@ from buildkit.formats import checkpoint as ckpt
 from buildkit.formats.convert import (
     mlx_layout,  # the conversion sanitize does, as verify recomputes it
 )
-from buildkit.formats.tensors import read_header, read_slice, read_tensor
+from buildkit.formats.tensors import read_header, read_row_blocks, read_tensor
 
 np = lazy("numpy", __name__)
 
@@ -135,17 +134,8 @@ class DirWeights(Weights):
         if moved or not shape or (slc is not None and slc[0] == 0):
             yield from super().iter_rows(name, rows)  # small tensors, converted whole
             return
-        stride = info.nbytes // info.shape[0]
-        for a in range(0, shape[0], rows):
-            b = min(shape[0], a + rows)
-            part = replace(
-                info,
-                shape=(b - a, *info.shape[1:]),
-                start=info.start + a * stride,
-                end=info.start + b * stride,
-            )
-            arr = read_slice(part, path, *slc) if slc is not None else read_tensor(part, path)
-            yield arr.reshape(b - a, *shape[1:])
+        for arr in read_row_blocks(info, path, shape[0], rows, slc):
+            yield arr.reshape(arr.shape[0], *shape[1:])
 
     def tokenizer_json(self):
         p = self.path / "tokenizer.json"

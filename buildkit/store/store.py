@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from buildkit.core import keys
@@ -44,6 +44,7 @@ from buildkit.formats.tensors import (
     byte_view,
     nbytes,
     read_header,
+    read_row_blocks,
     read_slice,
     read_tensor,
 )
@@ -299,16 +300,7 @@ class Store:
             for a in range(0, n, step):
                 yield whole[a : a + step]
             return
-        stride = info.nbytes // info.shape[0]
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            part = replace(
-                info,
-                shape=(b - a, *info.shape[1:]),
-                start=info.start + a * stride,
-                end=info.start + b * stride,
-            )
-            arr = read_slice(part, path, *slc) if slc is not None else read_tensor(part, path)
+        for arr in read_row_blocks(info, path, n, step, slc):
             self.stats.add(read=arr.nbytes)
             yield arr
 
