@@ -209,10 +209,10 @@ def cmd_eval(args) -> int:
     figures |= graded
     figures["size_bytes"] = model.bytes()
     if "acceptance" in figures:
-        from buildkit.grade import drafting
+        from buildkit.grade import drafting, stats
 
         depth = args.depth or p.depth
-        ev.merge(figures, drafting.figures(source, model, ts, tm, tokens, depth, p.verify_cost))
+        stats.merge(figures, drafting.figures(source, model, ts, tm, tokens, depth, p.verify_cost))
     if args.speculative:
         figures["speculative"] = speculative(args, source, tokens, "acceptance" in figures)
     rc = 1 if figures.get("speculative", {}).get("lossless") is False else 0

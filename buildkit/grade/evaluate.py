@@ -22,6 +22,7 @@ from buildkit.core.lazy import lazy
 from buildkit.formats import checkpoint as ckpt
 from buildkit.grade import forward as fw
 from buildkit.grade import reference as rf
+from buildkit.grade import stats
 from buildkit.grade.forward import Trunk
 from buildkit.grade.weights import HEAD, Weights
 
@@ -70,8 +71,6 @@ def position_figures(
 def summarize(f: dict[str, np.ndarray], where: np.ndarray | None = None) -> dict:
     """The figures of ``position_figures`` over all positions, or those ``where`` is true,
     each with its interval (``stats.trunk_figures``)."""
-    from buildkit.grade import stats
-
     if where is not None:
         f = {k: v[where] for k, v in f.items()}
     return stats.trunk_figures(f)
@@ -253,20 +252,8 @@ def report(m: Measured, tokens: dict[str, int]) -> dict:
     if doms:
         fig["domains"] = {g: {"tokens": tokens[g], **summarize(m.pf, in_group == g)} for g in doms}
     if m.hits:
-        merge(fig, heads(m.hits, m.groups))
+        stats.merge(fig, heads(m.hits, m.groups))
     return fig
-
-
-def merge(fig: dict, more: dict) -> None:
-    """Add ``more``'s figures to ``fig``'s, domains and intervals merged, not replaced."""
-    for k, v in more.items():
-        if k == "domains":
-            for g, d in v.items():
-                merge(fig.setdefault("domains", {}).setdefault(g, {}), d)
-        elif k == "ci95":
-            fig.setdefault("ci95", {}).update(v)
-        else:
-            fig[k] = v
 
 
 def window_groups(t: Trunk) -> list[str]:
@@ -279,8 +266,6 @@ def heads(hits: dict, groups: list[str]) -> dict:
     """Each head's acceptance on its own trunk (``hits``: "model"/"source" -> per-window hits
     and totals; ``groups``: each window's text), over the main text and per domain, with
     intervals."""
-    from buildkit.grade import stats
-
     out = {}
     for g in dict.fromkeys(groups):
         sel = [i for i, y in enumerate(groups) if y == g]

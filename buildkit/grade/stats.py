@@ -242,3 +242,15 @@ def best_drafts(speed, samples, costs, measured: list[int], tokens: int) -> dict
         "undecided": f"not decided at {tokens} tokens ({best + 1} and {second + 1} drafts "
         "within each other's interval)",
     }
+
+
+def merge(fig: dict, more: dict) -> None:
+    """Add ``more``'s figures to ``fig``'s, domains and intervals merged, not replaced."""
+    for k, v in more.items():
+        if k == "domains":
+            for g, d in v.items():
+                merge(fig.setdefault("domains", {}).setdefault(g, {}), d)
+        elif k == "ci95":
+            fig.setdefault("ci95", {}).update(v)
+        else:
+            fig[k] = v

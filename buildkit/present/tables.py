@@ -131,21 +131,10 @@ def merge_evals(reports: list[dict]) -> dict:
             continue
         if rep.get("scope") == "head":
             figures = {k: v for k, v in figures.items() if k != "tokens"}
-        _join(out, figures)
+        stats.merge(out, figures)
     for other in (out.get("others") or {}).values():
         _ratios(out, other)
     return out
-
-
-def _join(into: dict, figures: dict) -> None:
-    for k, v in figures.items():
-        if k == "domains":
-            for name, d in v.items():
-                _join(into.setdefault("domains", {}).setdefault(name, {}), d)
-        elif k == "ci95":
-            into.setdefault("ci95", {}).update(v)
-        else:
-            into[k] = v
 
 
 def _ratios(model: dict, other: dict) -> None:

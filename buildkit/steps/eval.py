@@ -38,7 +38,7 @@ from buildkit.engine.step import (
     register,
 )
 from buildkit.formats import checkpoint as ckpt
-from buildkit.grade import drafting
+from buildkit.grade import drafting, stats
 from buildkit.grade import evaluate as ev
 from buildkit.grade import reference as rf
 from buildkit.grade.forward import Trunk
@@ -279,11 +279,11 @@ class Eval(WorldStep):
                 )
         hits = {"model": ev.head_hits(mod, tm), "source": ev.head_hits(src, ts)}
         report = {"tokens": inputs["trunk"][0].meta["tokens"]}
-        ev.merge(report, ev.heads(hits, ev.window_groups(tm)))
+        stats.merge(report, ev.heads(hits, ev.window_groups(tm)))
         tokens = ctx.store.read_tensor(inputs["trunk"][0].tensors["tokens"]).tolist()
         main = ev.only(ts), ev.only(tm)  # the drafts run on the main text's batches
         depth = drafting.figures(src, mod, *main, tokens, params.depth, params.verify_cost)
-        ev.merge(report, depth)
+        stats.merge(report, depth)
         report["text"] = inputs["trunk"][0].meta.get("text", "")
         if params.speculative is not None:
             report["speculative"] = self._speculative(ctx, params, inputs, src, tokens)
@@ -382,8 +382,6 @@ def rounds(n_tokens: int, seq_len: int, adaptive: bool) -> list[int]:
 def narrow_enough(report: dict, params: EvalParams) -> bool:
     """Whether KLD mean's interval is within ``target_rel_ci`` of it and (if measured here)
     acceptance's within ``target_acceptance_ci`` points."""
-    from buildkit.grade import stats
-
     ci = report.get("ci95", {})
     rel = stats.rel_half_width(report["kld_mean"], ci.get("kld_mean"))
     if rel is None or rel > params.target_rel_ci:
