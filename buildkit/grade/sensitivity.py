@@ -8,6 +8,11 @@ log-probabilities; then, per layer, every candidate of that layer's groups from 
 input, all of them together through each later bf16 layer (each later layer read once per
 measured layer, not per candidate), and the output head. What a candidate's tensors are is
 the caller's (``quant.budget.dequantized``: as the build quantizes them).
+
+``local`` estimates the same figures for about one layer pass per candidate instead of a pass
+through every later layer: each candidate's error in its own layer's output, times a gain (KL
+per unit of that error) measured at a few layers. The 35B model's oq measures ~20x fewer layer
+passes so; the plans it gives are checked against ``measure``'s in tests/quant.
 """
 
 from __future__ import annotations
@@ -124,10 +129,34 @@ class Measure:
                 undo = swap(module, c[1], make())
                 hs[c] = fw.run_layer(module, self.hs[i])
                 undo()
-        for k in range(i + 1, self.n_layers):  # the later layers are bf16, read once for all
+        return self.after(i, hs)
+
+    def after(self, i: int, hs: dict) -> dict:
+        """KL of each of ``hs`` (outputs of layer ``i``, -1 the embeddings) run through the
+        later layers, which are bf16 and read once for all."""
+        for k in range(i + 1, self.n_layers):
             later = self.layer(k)
             hs = {c: fw.run_layer(later, h) for c, h in hs.items()}
         return {c: self.kl(h) for c, h in hs.items()}
+
+
+def _by_layer(groups: dict[str, list[str]], layer_of: Callable[[str], int]) -> dict[int, list]:
+    """layer -> the groups in it; a group spanning layers is an error."""
+    by_layer: dict[int, list[str]] = {}
+    for g, names in groups.items():
+        if len({layer_of(n) for n in names}) != 1:
+            raise StepError(f"sensitivity group {g} spans layers: {names}")
+        by_layer.setdefault(layer_of(names[0]), []).append(g)
+    return dict(sorted(by_layer.items()))
+
+
+def _candidates(groups, bits, layer_groups, candidate: Candidate) -> dict[tuple, Callable]:
+    """(group, its tensors, bits) -> how to make that candidate's tensors, for ``m.at``."""
+    return {
+        (g, tuple(groups[g]), b): (lambda g=g, b=b: {n: candidate(n, b) for n in groups[g]})
+        for g in layer_groups
+        for b in bits[g]
+    }
 
 
 def measure(
@@ -143,22 +172,128 @@ def measure(
     """Mean KL on ``tokens`` for each group and each of its ``bits`` (quantized ones), that
     group's tensors alone replaced by ``candidate(name, bits)``. ``layer_of(name)``: the
     layer a tensor is in (-1 the embeddings, past the last lm_head)."""
-    by_layer: dict[int, list[str]] = {}
-    for g, names in groups.items():
-        if len({layer_of(n) for n in names}) != 1:
-            raise StepError(f"sensitivity group {g} spans layers: {names}")
-        by_layer.setdefault(layer_of(names[0]), []).append(g)
+    by_layer = _by_layer(groups, layer_of)
     m = Measure(w, tokens, seq_len)
     if progress:
         progress.start(sum(len(bits[g]) for g in groups), "candidates")
     m.progress = progress
     result: dict[str, dict[int, float]] = {g: {} for g in groups}
-    for i, layer_groups in sorted(by_layer.items()):
-        cands = {
-            (g, tuple(groups[g]), b): (lambda g=g, b=b: {n: candidate(n, b) for n in groups[g]})
-            for g in layer_groups
-            for b in bits[g]
-        }
-        for (g, _, b), kl in m.at(i, cands).items():
+    for i, layer_groups in by_layer.items():
+        for (g, _, b), kl in m.at(i, _candidates(groups, bits, layer_groups, candidate)).items():
             result[g][b] = kl
     return result
+
+
+def squared_error(a: list, b: list) -> float:
+    """Mean over positions of the squared norm of ``a - b`` (lists of [B, L, H] arrays)."""
+    import mlx.core as mx
+
+    total, n = 0.0, 0
+    for x, y in zip(a, b, strict=True):
+        d = x.astype(mx.float32) - y.astype(mx.float32)
+        total += float(mx.sum(d * d))
+        n += d.shape[0] * d.shape[1]
+    return total / max(n, 1)
+
+
+def kind(group: str) -> str:
+    """What a group is within its layer, for the gains: ``mlp.switch_mlp``, ``attention``
+    (``self_attn`` and ``linear_attn`` alike), ``mlp.shared_expert``, ``mlp.gate``, …; the
+    group itself outside the decoder layers."""
+    if ".layers." not in group:
+        return group
+    rel = group.split(".layers.", 1)[1].partition(".")[2]
+    head, _, rest = rel.partition(".")
+    return (
+        ".".join(["attention", rest] if rest else ["attention"]) if head.endswith("_attn") else rel
+    )
+
+
+def _outputs(m: Measure, i: int, cands: dict[tuple, Callable]):
+    """(candidate, layer ``i``'s output with it) for each of ``cands`` (-1: the embeddings)."""
+    import mlx.core as mx
+
+    module = None if i == -1 else m.layer(i)
+    for c, make in cands.items():
+        if i == -1:
+            yield c, [mx.array(make()[EMBED][s]) for s in m.seqs]
+            continue
+        undo = swap(module, c[1], make())
+        h = fw.run_layer(module, m.hs[i])
+        undo()
+        yield c, h
+
+
+def local(
+    w: Weights,
+    groups: dict[str, list[str]],
+    bits: dict[str, list[int]],
+    layer_of: Callable[[str], int],
+    candidate: Candidate,
+    tokens: list[int],
+    seq_len: int,
+    probes: list[int],
+    progress=None,
+) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
+    """``measure``'s figures estimated at about the cost of one layer pass per candidate.
+
+    Each candidate runs its own layer only: its error is the mean squared change of that
+    layer's output (the residual stream, what every later layer reads). A gain, KL per unit of
+    that error, is measured for each kind of group (``kind``: the routed experts, attention,
+    the shared expert, …) at the decoder layers ``probes`` (and at the embeddings) by running
+    that group's largest-error candidate through every later layer, and interpolated between
+    probed layers in log space: how much the later layers amplify an error varies smoothly with
+    depth, and differs by what made it (one gain for every kind planned worse plans: RESULTS).
+    lm_head's candidates are measured (one output-head pass each). Returns the figures and the
+    gains, keyed ``"<layer> <kind>"`` (layer -1 the embeddings)."""
+    by_layer = _by_layer(groups, layer_of)
+    m = Measure(w, tokens, seq_len)
+    probes_at = {*probes, *([-1] if -1 in by_layer else [])}
+    if progress:
+        n_cands = sum(len(bits[g]) for g in groups)
+        n_probes = sum(len(gs) for i, gs in by_layer.items() if i in probes_at)
+        progress.start(n_cands + n_probes, "candidates and probes")
+    result: dict[str, dict[int, float]] = {g: {} for g in groups}
+    err: dict[tuple, float] = {}  # (layer, candidate) -> its error in the layer's output
+    top: dict[tuple, tuple] = {}  # (probed layer, group) -> its largest-error candidate, output
+    for i, layer_groups in by_layer.items():
+        cands = _candidates(groups, bits, layer_groups, candidate)
+        if i >= m.n_layers:  # lm_head: measured, the head alone runs
+            m.progress = progress
+            for (g, _, b), kl in m.at(i, cands).items():
+                result[g][b] = kl
+            m.progress = None
+            continue
+        for c, h in _outputs(m, i, cands):
+            e = err[i, c] = squared_error(h, m.hs[i + 1])
+            if i in probes_at and e > top.get((i, c[0]), (None, None, 0.0))[2]:
+                top[i, c[0]] = (c, h, e)
+            if progress:
+                progress.advance(1)
+    gains: dict[tuple[int, str], float] = {}
+    for (p, g), (c, h, e) in sorted(top.items(), key=lambda t: t[0]):
+        gains[p, kind(g)] = m.after(p, {c: h})[c] / e
+        if progress:
+            progress.advance(1)
+    for (i, (g, _, b)), e in err.items():
+        result[g][b] = float(f"{gain_at(gains, i, kind(g)) * e:.6g}")
+    return result, {f"{i} {k}": v for (i, k), v in sorted(gains.items())}
+
+
+def gain_at(gains: dict[tuple[int, str], float], i: int, what: str) -> float:
+    """The gain of a group of kind ``what`` in layer ``i``: probed, or interpolated in log space
+    between the decoder layers where that kind was probed (the nearest one's beyond them; any
+    kind's where it never was); 0 where no probe had an error to measure."""
+    if (i, what) in gains:
+        return gains[i, what]
+    for match in (lambda k: k == what, lambda k: True):
+        known = sorted((j, v) for (j, k), v in gains.items() if j >= 0 and v > 0 and match(k))
+        if known:
+            break
+    else:
+        return 0.0
+    xs, ys = np.array([j for j, _ in known], float), np.log([v for _, v in known])
+    if len(set(xs)) < len(xs):  # several kinds at one layer (the fallback): their mean
+        u = np.unique(xs)
+        ys, xs = np.array([ys[xs == x].mean() for x in u]), u
+    return float(np.exp(np.interp(i, xs, ys)))

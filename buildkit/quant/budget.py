@@ -34,6 +34,11 @@ MEASURE = (
     "mean KL divergence from bf16 of next-token distributions on the calibration text, "
     "that group alone quantized at each bits"
 )
+LOCAL = (
+    "mean KL divergence from bf16 of next-token distributions on the calibration text, "
+    "estimated: the group's error in its own layer's output times that layer's KL per unit "
+    "of error, probed at a few layers"
+)
 MAX_STATES = 1 << 18  # cells of the knapsack's table (a row per group, a byte per cell)
 
 
@@ -127,13 +132,32 @@ def dequantized(store, model: Artifact, name: str, role: Role, calibration) -> n
     return np.array(deq.astype(mx.float32))
 
 
+def probed(layers: list[int], probes: int) -> list[int]:
+    """The decoder layers where the local sensitivity measures its gain: ``probes`` of
+    ``layers`` evenly spaced, the first and the last among them (all when there are no more)."""
+    layers = sorted({i for i in layers if i >= 0})
+    if len(layers) <= probes:
+        return layers
+    picks = np.linspace(0, len(layers) - 1, max(probes, 2)).round().astype(int)
+    return sorted({layers[k] for k in picks})
+
+
 def cost(
-    config: dict, tensors: dict[str, dict], groups: dict[str, list[str]], bits, tokens: int
+    config: dict,
+    tensors: dict[str, dict],
+    groups: dict[str, list[str]],
+    bits,
+    tokens: int,
+    method: str = "measured",
+    probes: int = 4,
 ) -> dict:
-    """What ``measure`` runs, before it runs: decoder-layer passes over the tokens (a candidate
-    of layer i runs layers i..L-1; of the embeddings, all L), output-head passes (one per
-    candidate: lm_head over every token, vocabulary wide), and their matmul flops (2 per
-    weight a token meets: a layer's routed experts at top-k of E), the reference pass aside."""
+    """What the sensitivity runs, before it runs, the reference pass aside: decoder-layer
+    passes over the tokens, output-head passes (lm_head over every token, vocabulary wide) and
+    their matmul flops (2 per weight a token meets: a layer's routed experts at top-k of E).
+    ``measured``: a candidate of layer i runs layers i..L-1 (of the embeddings, all L) and the
+    head. ``local``: a decoder layer's candidate runs its layer once; each probe (a group of
+    one of ``probes`` layers, or the embeddings) runs the later layers and the head; lm_head's
+    candidates run the head."""
     text = config.get("text_config", config)
     n, share = text["num_hidden_layers"], text["num_experts_per_tok"] / text["num_experts"]
     active = [0] * n  # weights a token meets in each layer
@@ -143,12 +167,27 @@ def cost(
             active[layer_index(name)] += k * share if SWITCH in name else k
     head = math.prod(tensors[LM_HEAD]["shape"]) if LM_HEAD in tensors else 0
     layer_passes = head_passes = flops = 0
+
+    def runs(k: int, first: int, last: int, with_head: bool = True) -> None:
+        nonlocal layer_passes, head_passes, flops
+        layer_passes += k * max(last - first, 0)
+        head_passes += k * with_head
+        flops += k * 2 * tokens * (sum(active[first:last]) + head * with_head)
+
+    per_layer: dict[int, int] = {}  # groups in each decoder layer
     for g, names in groups.items():
         k = len([b for b in bits[g] if b != BF16])
-        i = max(layer_index(names[0]), 0)
-        layer_passes += k * max(n - i, 0)
-        head_passes += k
-        flops += k * 2 * tokens * (sum(active[i:]) + head)
+        i = layer_index(names[0])
+        if method == "measured" or i >= n:
+            runs(k, max(i, 0), n)
+        elif i >= 0:
+            runs(k, i, i + 1, with_head=False)
+            per_layer[i] = per_layer.get(i, 0) + 1
+    if method == "local":  # a probe per group of a probed layer, and one of the embeddings
+        for p in probed(list(per_layer), probes):
+            runs(per_layer[p], p + 1, n)
+        if any(layer_index(ns[0]) == -1 for ns in groups.values()):
+            runs(1, 0, n)
     return {
         "candidates": sum(len([b for b in bits[g] if b != BF16]) for g in groups),
         "layer_passes": layer_passes,
@@ -275,7 +314,7 @@ def plan(
     summary = {
         "target_bpw": target_bpw,
         "bits_per_weight": round(used / weights, 4),
-        "measure": MEASURE,
+        "measure": measured.get("measure", MEASURE),
         "bits": group_bits,
         "sensitivity": {
             g: sens[g] | ({str(BF16): 0.0} if BF16 in budgeted[g][0].budget_bits else {})

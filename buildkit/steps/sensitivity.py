@@ -56,6 +56,11 @@ class SensitivityParams(Params):
     # one bits per layer's routed experts (gate, up, down), or per tensor: bench/RESULTS.md,
     # "Budget against uniform"
     granularity: Literal["layer", "tensor"] = "layer"
+    # measured: every candidate through every later layer (exact, ~L/2 layer passes each);
+    # local: each candidate's own layer's output error times a gain probed at ``probes`` layers
+    # (~1 layer pass each); auto: measured where it costs at most AUTO_RATIO x local
+    method: Literal["auto", "measured", "local"] = "auto"
+    probes: int = Field(default=4, ge=1)
 
     @field_validator("bits")
     @classmethod
@@ -71,11 +76,17 @@ class SensitivityParams(Params):
         which only what it makes measured enters: each group's tensors and candidate bits
         (never target_bpw, so a new budget re-plans without re-measuring)."""
         d = super().key_params(inputs)
+        method, probes = d.pop("method"), d.pop("probes")
         if inputs and inputs.get("model"):
-            tensors = inputs["model"][0].tensors
-            groups = measured(self, tensors)
-            if not _default(self, tensors, groups):
+            model = inputs["model"][0]
+            groups = measured(self, model.tensors)
+            if not _default(self, model.tensors, groups):
                 d["measured"] = groups
+            method = resolved(self, model.meta["config"], model.tensors, groups)
+        # measured's keys are those from before the choice existed; auto, with no model to
+        # decide on, keys as what it decides on small models
+        if method == "local":
+            d |= {"method": method, "probes": probes}
         return d
 
 
@@ -99,9 +110,30 @@ def measured(params: SensitivityParams, tensors: dict[str, dict]) -> dict[str, d
     return out
 
 
-def measure(ctx: Context, params: SensitivityParams, model, calibration, groups, bits, tokens):
-    """Each group's KL at its quantized bits (``grade.sensitivity``), the candidates quantized
-    as the build quantizes them (data-aware routed experts if ``calibration`` is given)."""
+# auto measures every candidate where that costs at most this many times local's layer passes:
+# small models (4 layers: ~2x), never the real one (40 layers: ~17x)
+AUTO_RATIO = 4
+
+
+def resolved(params: SensitivityParams, config: dict, tensors: dict, plan: dict) -> str:
+    """``params.method``, auto decided by the two methods' decoder-layer passes on this model."""
+    if params.method != "auto":
+        return params.method
+    groups = {g: p["tensors"] for g, p in plan.items()}
+    bits = {g: p["bits"] for g, p in plan.items()}
+    passes = {
+        m: budget.cost(config, tensors, groups, bits, 1, m, params.probes)["layer_passes"]
+        for m in ("measured", "local")
+    }
+    return "measured" if passes["measured"] <= AUTO_RATIO * passes["local"] else "local"
+
+
+def measure(
+    ctx: Context, params: SensitivityParams, method: str, model, calibration, groups, bits, tokens
+):
+    """Each group's KL at its quantized bits (``grade.sensitivity``, ``method``), the
+    candidates quantized as the build quantizes them (data-aware routed experts if
+    ``calibration`` is given); with local, the gains by layer too."""
 
     def candidate(name: str, b: int):
         expert = SWITCH in name and calibration is not None
@@ -110,9 +142,34 @@ def measure(ctx: Context, params: SensitivityParams, model, calibration, groups,
 
     w = StoreWeights(ctx.store, [model], model.meta["config"], None)
     quantized = {g: [b for b in bs if b != BF16] for g, bs in bits.items()}
-    return sens.measure(
-        w, groups, quantized, budget.layer_index, candidate, tokens, params.seq_len, ctx.progress
-    )
+    args = (w, groups, quantized, budget.layer_index, candidate, tokens, params.seq_len)
+    if method == "local":
+        layers = [budget.layer_index(ns[0]) for ns in groups.values()]
+        n = model.meta["config"].get("text_config", model.meta["config"])["num_hidden_layers"]
+        probes = budget.probed([i for i in layers if i < n], params.probes)
+        return sens.local(*args, probes=probes, progress=ctx.progress)
+    return sens.measure(*args, progress=ctx.progress), None
+
+
+def check(params: SensitivityParams, model, plan: dict) -> None:
+    """Refuse, naming what is wrong, a plan with nothing to measure, a tensor whose rows do not
+    split into groups, or a model without its tokenizer."""
+    names = [n for g in plan.values() for n in g["tensors"]]
+    if not names:
+        raise StepError(
+            "sensitivity: nothing to measure: the model has no routed-expert weight "
+            "(*.switch_mlp.*) and no role of the recipe has budget_bits"
+        )
+    for name in names:
+        if model.tensors[name]["shape"][-1] % params.group_size:
+            raise StepError(
+                f"{name}: last dimension {model.tensors[name]['shape'][-1]} "
+                f"is not a multiple of group_size {params.group_size}"
+            )
+    if "tokenizer.json" not in model.files:
+        raise StepError(
+            "the model artifact has no tokenizer.json; sensitivity tokenizes with the source's own"
+        )
 
 
 def _default(params: SensitivityParams, tensors: dict[str, dict], groups: dict) -> bool:
@@ -143,23 +200,7 @@ class Sensitivity(Step):
         model = inputs["model"][0]
         calibration = (inputs.get("calibration") or [None])[0]
         plan = measured(params, model.tensors)
-        names = [n for g in plan.values() for n in g["tensors"]]
-        if not names:
-            raise StepError(
-                "sensitivity: nothing to measure: the model has no routed-expert weight "
-                "(*.switch_mlp.*) and no role of the recipe has budget_bits"
-            )
-        for name in names:
-            if model.tensors[name]["shape"][-1] % params.group_size:
-                raise StepError(
-                    f"{name}: last dimension {model.tensors[name]['shape'][-1]} "
-                    f"is not a multiple of group_size {params.group_size}"
-                )
-        if "tokenizer.json" not in model.files:
-            raise StepError(
-                "the model artifact has no tokenizer.json; sensitivity tokenizes with the "
-                "source's own"
-            )
+        check(params, model, plan)
         path = texts.text_path(params.text or texts.DEFAULT, ctx.options.project_root)
         calib, _ = texts.split_lines(texts.read(path), params.heldout_every)
         tokens = texts.tokenize(
@@ -169,32 +210,35 @@ class Sensitivity(Step):
             raise StepError(f"calibration text {path}: {len(tokens)} tokens; it needs more")
         groups = {g: p["tensors"] for g, p in plan.items()}
         bits = {g: p["bits"] for g, p in plan.items()}
-        cost = budget.cost(model.meta["config"], model.tensors, groups, bits, len(tokens))
+        method = resolved(params, model.meta["config"], model.tensors, plan)
+        cost = budget.cost(
+            model.meta["config"], model.tensors, groups, bits, len(tokens), method, params.probes
+        )
         ctx.log(
-            f"{cost['candidates']} candidates: {cost['layer_passes']} decoder-layer passes and "
-            f"{cost['head_passes']} output-head passes over {len(tokens)} tokens, "
+            f"{cost['candidates']} candidates ({method}): {cost['layer_passes']} decoder-layer "
+            f"passes and {cost['head_passes']} output-head passes over {len(tokens)} tokens, "
             f"~{cost['tflop']} TFLOP of matmuls"
         )
-        figures = measure(ctx, params, model, calibration, groups, bits, tokens)
+        figures, gains = measure(ctx, params, method, model, calibration, groups, bits, tokens)
         for g, bs in bits.items():
             if BF16 in bs:
                 figures[g][BF16] = 0.0  # the source itself: no divergence
-        out = Artifact(
-            meta={
-                "measure": budget.MEASURE,
-                "quantizer": "data-aware" if calibration is not None else "mx.quantize",
-                "bits": params.bits,
-                "group_size": params.group_size,
-                "tokens": len(tokens),
-                "granularity": params.granularity,
-                "groups": groups,
-                "sensitivity": {
-                    g: {str(b): v for b, v in sorted(s.items())} for g, s in sorted(figures.items())
-                },
-            }
-        )
+        meta = {
+            "measure": budget.MEASURE if method == "measured" else budget.LOCAL,
+            "method": method,
+            "quantizer": "data-aware" if calibration is not None else "mx.quantize",
+            "bits": params.bits,
+            "group_size": params.group_size,
+            "tokens": len(tokens),
+            "granularity": params.granularity,
+            "groups": groups,
+            "sensitivity": {
+                g: {str(b): v for b, v in sorted(s.items())} for g, s in sorted(figures.items())
+            },
+        }
+        out = Artifact(meta=meta | ({"gains": gains} if gains else {}))
         ctx.log(
-            f"sensitivity of {len(groups)} groups of tensors (per {params.granularity}) at "
-            f"bits {params.bits} on {len(tokens)} calibration tokens"
+            f"sensitivity ({method}) of {len(groups)} groups of tensors "
+            f"(per {params.granularity}) at bits {params.bits} on {len(tokens)} calibration tokens"
         )
         return {"out": out}

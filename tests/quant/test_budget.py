@@ -247,6 +247,71 @@ def test_sensitivity_key_has_its_params_and_never_a_budget():
     }
 
 
+def _expert_model(layers: int) -> tuple[dict, dict]:
+    """A config and sanitized tensor entries: ``layers`` layers of 8 routed experts."""
+    config = {"num_hidden_layers": layers, "num_experts": 8, "num_experts_per_tok": 2}
+    tensors = {
+        f"language_model.model.layers.{i}.mlp.switch_mlp.{p}.weight": {
+            "dtype": "BF16",
+            "shape": [8, 64, 64],
+        }
+        for i in range(layers)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    return config, tensors
+
+
+def test_auto_sensitivity_measures_small_models_and_estimates_the_real_depth():
+    from buildkit.steps.sensitivity import SensitivityParams, measured, resolved
+
+    params = SensitivityParams()
+    for layers, method in ((4, "measured"), (8, "measured"), (40, "local")):
+        config, tensors = _expert_model(layers)
+        plan = measured(params, tensors)
+        assert resolved(params, config, tensors, plan) == method, layers
+        groups = {g: p["tensors"] for g, p in plan.items()}
+        bits = {g: p["bits"] for g, p in plan.items()}
+        m, loc = (
+            budget.cost(config, tensors, groups, bits, 64, x)["layer_passes"]
+            for x in ("measured", "local")
+        )
+        # measured: 4 bits x (L + ... + 1); local: one pass a candidate, probes the rest
+        assert m == 4 * layers * (layers + 1) // 2
+        probes = budget.probed(list(range(layers)), 4)
+        assert loc == 4 * layers + sum(layers - 1 - p for p in probes)
+    assert resolved(SensitivityParams(method="measured"), config, tensors, plan) == "measured"
+
+
+def test_local_sensitivity_keys_its_method_and_probes_and_measured_keeps_its_old_key():
+    from buildkit.steps.sensitivity import SensitivityParams
+
+    base = SensitivityParams().key_params({})
+    assert SensitivityParams(method="measured", probes=2).key_params({}) == base
+    local = SensitivityParams(method="local", probes=2).key_params({})
+    assert local == base | {"method": "local", "probes": 2}
+
+
+def test_probes_are_spread_over_the_layers_and_gains_interpolate_between_them():
+    from buildkit.grade.sensitivity import gain_at, kind
+
+    assert budget.probed([0, 1, 2], 4) == [0, 1, 2]
+    assert budget.probed(list(range(40)), 4) == [0, 13, 26, 39]
+    assert budget.probed([-1, 3, 5, 9], 2) == [3, 9]
+    layer = "language_model.model.layers.7."
+    assert kind(layer + "linear_attn") == kind(layer + "self_attn") == "attention"
+    assert kind(layer + "mlp.switch_mlp") == "mlp.switch_mlp"
+    assert kind(layer + "self_attn.q_proj") == "attention.q_proj"
+    embed = "language_model.model.embed_tokens"
+    assert kind(embed) == embed
+    gains = {(0, "e"): 1.0, (4, "e"): 16.0, (0, "a"): 2.0, (-1, embed): 0.5}
+    assert gain_at(gains, 2, "e") == pytest.approx(4.0)  # geometric between its neighbours
+    assert gain_at(gains, 9, "e") == pytest.approx(16.0) and gain_at(gains, -1, embed) == 0.5
+    assert gain_at(gains, 3, "a") == 2.0  # its own kind's, however near another kind's is
+    # a kind never probed takes every kind's: at layer 0 the mean of log 1 and log 2
+    assert gain_at(gains, 0, "z") == pytest.approx(2**0.5)
+    assert gain_at({(3, "e"): 0.0}, 1, "e") == 0.0  # no probe saw an error: nothing to scale
+
+
 def test_a_budgeted_plan_enters_quantize_key_per_tensor(measured):
     project, (lo, hi) = measured
     store, model = artifact(project, VARIANT, "sanitize", "model")

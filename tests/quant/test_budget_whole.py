@@ -146,3 +146,24 @@ def test_oq_moves_bits_between_roles_and_beats_xl_4bit_at_equal_bytes_on_the_new
     assert ours["tokens"] == xl4["tokens"]
     assert abs(ours["size_bytes"] / xl4["size_bytes"] - 1) <= 0.005
     assert ours["kld_mean"] < xl4["kld_mean"], (ours["kld_mean"], xl4["kld_mean"])
+
+
+def test_the_local_sensitivity_plans_within_5pct_of_the_measured_one_at_equal_bytes(built):
+    """The cheap method (``method = "local"``, probed at 2 of the 4 layers so the gains are
+    interpolated) against the measured one (auto's choice on 4 layers): the KL divergence of
+    the model each plans, at the same target, on the same held-out text."""
+    project, target = built
+    assert node(project, "oq-eq", "sensitivity").meta["method"] == "measured"
+    project.write_manifest(
+        "oq-local",
+        'extends = "oq-eq"\n[steps.sensitivity]\nparams.method = "local"\nparams.probes = 2\n',
+    )
+    project.build("oq-local", "--target", "eval")
+    sens = node(project, "oq-local", "sensitivity").meta
+    gained = {k.split()[0] for k in sens["gains"]}  # "<layer> <kind>"
+    assert sens["method"] == "local" and gained == {"-1", "0", "3"}
+    local, measured = (node(project, v, "eval").meta["report"] for v in ("oq-local", "oq-eq"))
+    assert local["tokens"] == measured["tokens"]
+    assert node(project, "oq-local", "quantize").meta["bits_per_weight"] <= target
+    assert abs(local["size_bytes"] / measured["size_bytes"] - 1) <= 0.005
+    assert local["kld_mean"] <= 1.05 * measured["kld_mean"], (local, measured)
