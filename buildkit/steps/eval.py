@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Annotated, Literal
 
 from pydantic import Field
@@ -332,15 +333,17 @@ class Eval(WorldStep):
         prompts = spec.decode_prompts(
             src.tokenizer_json(), spec.prompt_ids(tokens, p.prompts, p.prompt_tokens)
         )
+        t0 = time.perf_counter()
         with spec.staged(
             ctx.store, inputs["model"], inputs["source"][0], ctx.store.layout.tmp
         ) as d:
             out = spec.run(d, prompts, params.depth, p)
+        seconds = time.perf_counter() - t0
         # the clock varies run to run, the work is the run's count: logged, never in the
         # artifact (locks must reproduce)
         wall, work = out.pop("wall_ratio_cpu"), out.pop("positions")
         ctx.log(
-            f"mlx_vlm speculative: {work} positions run"
+            f"mlx_vlm speculative: {work} positions run in {seconds:.1f} s (staging included)"
             + (f" (stopped early: {out['stopped_early']})" if "stopped_early" in out else "")
             + "; wall-clock against plain decoding on this CPU: "
             + ", ".join(f"{x:.2f}x" for x in wall)
