@@ -119,17 +119,22 @@ class Measure:
                 got[c] = self.kl(self.hs[-1])
                 self.out.lm_head = bf16
             return got
-        if i == -1:  # the embeddings: a candidate's table looked up, then every layer
-            import mlx.core as mx
+        return self.after(i, dict(self.outputs(i, cands)))
 
-            hs = {c: [mx.array(make()[EMBED][s]) for s in self.seqs] for c, make in cands.items()}
-        else:
-            module, hs = self.layer(i), {}
-            for c, make in cands.items():
-                undo = swap(module, c[1], make())
-                hs[c] = fw.run_layer(module, self.hs[i])
-                undo()
-        return self.after(i, hs)
+    def outputs(self, i: int, cands: dict[tuple, Callable]):
+        """(candidate, layer ``i``'s output with it) for each of ``cands``, the layer read once;
+        of the embeddings (-1), a candidate's table looked up."""
+        import mlx.core as mx
+
+        module = None if i == -1 else self.layer(i)
+        for c, make in cands.items():
+            if i == -1:
+                yield c, [mx.array(make()[EMBED][s]) for s in self.seqs]
+                continue
+            undo = swap(module, c[1], make())
+            h = fw.run_layer(module, self.hs[i])
+            undo()
+            yield c, h
 
     def after(self, i: int, hs: dict) -> dict:
         """KL of each of ``hs`` (outputs of layer ``i``, -1 the embeddings) run through the
@@ -204,24 +209,9 @@ def kind(group: str) -> str:
         return group
     rel = group.split(".layers.", 1)[1].partition(".")[2]
     head, _, rest = rel.partition(".")
-    return (
-        ".".join(["attention", rest] if rest else ["attention"]) if head.endswith("_attn") else rel
-    )
-
-
-def _outputs(m: Measure, i: int, cands: dict[tuple, Callable]):
-    """(candidate, layer ``i``'s output with it) for each of ``cands`` (-1: the embeddings)."""
-    import mlx.core as mx
-
-    module = None if i == -1 else m.layer(i)
-    for c, make in cands.items():
-        if i == -1:
-            yield c, [mx.array(make()[EMBED][s]) for s in m.seqs]
-            continue
-        undo = swap(module, c[1], make())
-        h = fw.run_layer(module, m.hs[i])
-        undo()
-        yield c, h
+    if not head.endswith("_attn"):
+        return rel
+    return f"attention.{rest}" if rest else "attention"
 
 
 def local(
@@ -264,7 +254,7 @@ def local(
                 result[g][b] = kl
             m.progress = None
             continue
-        for c, h in _outputs(m, i, cands):
+        for c, h in m.outputs(i, cands):
             e = err[i, c] = squared_error(h, m.hs[i + 1])
             if i in probes_at and e > top.get((i, c[0]), (None, None, 0.0))[2]:
                 top[i, c[0]] = (c, h, e)

@@ -23,6 +23,7 @@ import math
 
 from buildkit.core.errors import StepError
 from buildkit.core.lazy import lazy
+from buildkit.formats import checkpoint as ckpt
 from buildkit.formats.checkpoint import SWITCH
 from buildkit.formats.tensors import ITEMSIZE
 from buildkit.quant.roles import BF16, Role
@@ -158,7 +159,7 @@ def cost(
     head. ``local``: a decoder layer's candidate runs its layer once; each probe (a group of
     one of ``probes`` layers, or the embeddings) runs the later layers and the head; lm_head's
     candidates run the head."""
-    text = config.get("text_config", config)
+    text = ckpt.text_config(config)
     n, share = text["num_hidden_layers"], text["num_experts_per_tok"] / text["num_experts"]
     active = [0] * n  # weights a token meets in each layer
     for name, e in tensors.items():

@@ -29,6 +29,7 @@ from buildkit.engine.step import (
     library_version,
     register,
 )
+from buildkit.formats import checkpoint as ckpt
 from buildkit.formats.checkpoint import SWITCH
 from buildkit.grade import sensitivity as sens
 from buildkit.grade import texts
@@ -145,7 +146,7 @@ def measure(
     args = (w, groups, quantized, budget.layer_index, candidate, tokens, params.seq_len)
     if method == "local":
         layers = [budget.layer_index(ns[0]) for ns in groups.values()]
-        n = model.meta["config"].get("text_config", model.meta["config"])["num_hidden_layers"]
+        n = ckpt.text_config(model.meta["config"])["num_hidden_layers"]
         probes = budget.probed([i for i in layers if i < n], params.probes)
         return sens.local(*args, probes=probes, progress=ctx.progress)
     return sens.measure(*args, progress=ctx.progress), None
