@@ -3,8 +3,9 @@
 The text is split deterministically into calibration and held-out lines and
 tokenized with the source's own ``tokenizer.json`` (``texts``). The sanitized
 trunk runs through ``forward`` one decoder layer at a time, its routed experts
-held whole (``forward.whole_layer``). The experts module records its input, the
-experts the router chose and the intermediate activations ``silu(gate x) * up x``.
+streamed a block at a time (``forward.streamed_layer``; both streams' rows in one
+pass over them). The experts' observer records their input, the experts the
+router chose and the intermediate activations ``silu(gate x) * up x``.
 From those, per layer and expert: the number of routed tokens and the
 per-channel mean square of the inputs of gate/up and of down, summed as the rows
 pass (``Routed``), the importance weights of the data-aware quantization
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 from buildkit.core.errors import SourceError
 from buildkit.core.lazy import lazy
-from buildkit.formats.checkpoint import PROJS
+from buildkit.formats.checkpoint import PROJS, SWITCH
 from buildkit.grade import forward as fw
 from buildkit.grade.texts import batches
 
@@ -46,6 +47,7 @@ class Routed:
     mid_sq: np.ndarray | None = None
     enough: int = 0  # stop once every expert has this many rows (0: never)
     kept: int | None = None  # sequences of the batch in which it stopped
+    routed: np.ndarray | None = None  # rows the router has sent each expert so far
 
     def cutoff(self, idx: np.ndarray, batch: int, n_experts: int) -> int:
         """Of a batch of ``batch`` sequences routed to ``idx`` [tokens, k] (in sequence order),
@@ -55,9 +57,10 @@ class Routed:
             return batch
         seqs = idx.reshape(batch, -1)
         per_seq = np.stack([np.bincount(q, minlength=n_experts) for q in seqs])
-        prior = self.tokens if self.tokens is not None else 0
-        reached = ((np.cumsum(per_seq, axis=0) + prior) >= self.enough).all(axis=1)
+        done = np.cumsum(per_seq, axis=0) + (0 if self.routed is None else self.routed)
+        reached = (done >= self.enough).all(axis=1)
         if not reached.any():
+            self.routed = done[-1]
             return batch
         self.kept = int(np.argmax(reached)) + 1
         return self.kept
@@ -66,15 +69,78 @@ class Routed:
         return np.concatenate(self.x), np.concatenate(self.experts)
 
     def start(self, n_experts: int, hidden: int, inter: int) -> None:
-        if self.tokens is None:
-            self.tokens = np.zeros(n_experts, np.int64)
-            self.in_sq = np.zeros((n_experts, hidden), np.float64)
-            self.mid_sq = np.zeros((n_experts, inter), np.float64)
+        self.tokens = np.zeros(n_experts, np.int64)
+        self.in_sq = np.zeros((n_experts, hidden), np.float64)
+        self.mid_sq = np.zeros((n_experts, inter), np.float64)
 
     def add(self, e: int, rows: np.ndarray, mid: np.ndarray) -> None:
         self.tokens[e] += len(rows)
         self.in_sq[e] += np.square(rows).sum(0, dtype=np.float64)
         self.mid_sq[e] += np.square(mid).sum(0, dtype=np.float64)
+
+
+@dataclass
+class Routing:
+    """A stream's batches through one layer's attention and router, cut where its ``Routed``
+    has enough rows: the attention outputs [B, L, H] and the MoE's inputs, experts and scores
+    of their rows, in order."""
+
+    mid: list = field(default_factory=list)
+    x: list = field(default_factory=list)
+    inds: list = field(default_factory=list)
+    scores: list = field(default_factory=list)
+
+
+def route(layer, hs: list, r: Routed, n_experts: int) -> Routing:
+    """Each batch of ``hs`` through ``layer``'s attention and router, until ``r.cutoff``
+    says the rows suffice (that batch cut to its kept sequences, later ones dropped)."""
+    out = Routing()
+    for h in hs:
+        (mid,) = fw.attend(layer, [h])
+        x = layer.post_attention_layernorm(mid.reshape(-1, mid.shape[-1]))
+        inds, scores = fw.route(layer.mlp, x)
+        keep = r.cutoff(np.asarray(inds), mid.shape[0], n_experts)
+        n = keep * mid.shape[1]
+        out.mid.append(mid[:keep])
+        out.x.append(np.asarray(x[:n], dtype=np.float32))
+        out.inds.append(np.asarray(inds[:n]))
+        out.scores.append(scores[:n])
+        if r.kept is not None:  # the statistics have their rows: the rest stops here
+            break
+    return out
+
+
+def run_layer(layer, hidden: dict[str, list], seen: dict[str, Routed], shape: tuple) -> None:
+    """One decoder layer over every stream's batches (``hidden``, replaced by the outputs),
+    the routed experts read once for all of them; each stream's rows observed by its own
+    ``Routed``. ``shape``: the experts' (count, hidden size, intermediate size)."""
+    import mlx.core as mx
+
+    routings = {s: route(layer, hs, seen[s], shape[0]) for s, hs in hidden.items()}
+    bounds, at = {}, 0  # each stream's rows of the one MoE pass
+    k = layer.mlp.top_k
+    for s, g in routings.items():  # a stream with no tokens: no rows
+        seen[s].x.append(np.concatenate([np.zeros((0, shape[1]), np.float32), *g.x]))
+        seen[s].experts.append(np.concatenate([np.zeros((0, k), np.uint32), *g.inds]))
+        seen[s].start(*shape)
+        bounds[s] = (at, at + len(seen[s].x[-1]))
+        at = bounds[s][1]
+
+    if not at:  # no stream has a token
+        return
+
+    def observe(e, tok, xe, mid):  # tok ascending: each stream's rows are one slice
+        for s, (a, b) in bounds.items():
+            lo, hi = np.searchsorted(tok, (a, b))
+            if hi > lo:
+                seen[s].add(e, xe[lo:hi], mid[lo:hi])
+
+    x = mx.array(np.concatenate([r.x[-1] for r in seen.values()]))
+    inds = mx.array(np.concatenate([r.experts[-1] for r in seen.values()]))
+    scores = mx.concatenate([a for g in routings.values() for a in g.scores])
+    y = fw.mix(layer.mlp, x, inds, scores, observe)
+    for s, g in routings.items():
+        hidden[s] = fw.residual(g.mid, y[bounds[s][0] : bounds[s][1]])
 
 
 def moe_activations(
@@ -106,19 +172,10 @@ def moe_activations(
         progress.start(args.num_hidden_layers)
     for i in range(args.num_hidden_layers):
         prefix = f"language_model.model.layers.{i}"
-        layer = fw.whole_layer(w, i, args)
-        seen: dict[str, Routed] = {}
-        for stream, hs in hidden.items():
-            r = layer.mlp.switch_mlp.routed = seen.setdefault(
-                stream, Routed(enough=(enough or {}).get(stream, 0))
-            )
-            for j, h in enumerate(hs):
-                hs[j] = fw.run_layer(layer, [h])[0]
-                if r.kept is not None:  # the statistics have their rows: the rest stops here
-                    hs[j] = hs[j][: r.kept]
-                    del hs[j + 1 :]
-                    mx.eval(hs[j])
-                    break
+        E, H, inter = w.shapes[f"{prefix}{SWITCH}.down_proj.weight"]
+        layer = fw.streamed_layer(w, prefix + ".", args, i)
+        seen = {s: Routed(enough=(enough or {}).get(s, 0)) for s in hidden}
+        run_layer(layer, hidden, seen, (E, H, inter))
         del layer  # free this layer's weights before loading the next
         yield prefix, seen
         if progress:
@@ -131,7 +188,7 @@ def moe_activations(
 def expert_stats(routed: Routed, n_experts: int) -> dict[str, np.ndarray]:
     """Routed-token counts [E] and the per-channel mean squares of the inputs of gate/up [E, H]
     and of down [E, I] of one MoE layer's experts (float32; zero where no token went)."""
-    if routed.tokens is None:
+    if routed.tokens is None or not routed.tokens.any():
         raise SourceError(
             "calibration: no token reached this MoE layer (an empty calibration text?)"
         )

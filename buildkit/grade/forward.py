@@ -1,9 +1,9 @@
 """The forward pass: mlx_lm's ``qwen3_5_moe`` classes run one decoder layer in memory at a time,
 in float32 (mlx on CPU has no bf16 ``gather_mm``), their linears as numpy matmuls (mlx's CPU
 matmul is 10-20x slower than OpenBLAS). calibrate, sensitivity, the reference and eval all run
-their layers here. A layer's routed experts are either read whole (``whole_layer``: calibrate
-and sensitivity, which keep or swap them) or streamed (``streamed_layer``: eval and the
-reference, at the real model's size).
+their layers here. A layer's routed experts are either read whole (``whole_layer``: sensitivity,
+which swaps them) or streamed (``streamed_layer``: calibrate, eval and the reference, at the
+real model's size).
 
 Streamed, nothing vocabulary- or expert-stack-sized is ever widened whole (the real embedding and
 lm_head are 248320 x 2048, each layer's experts 256 x 3 x 512 x 2048):
@@ -32,6 +32,7 @@ from buildkit.core.errors import SourceError
 from buildkit.core.lazy import lazy
 from buildkit.formats.checkpoint import PROJS, SWITCH
 from buildkit.formats.tensors import dequantize, to_float32, to_mlx
+from buildkit.grade import deltanet
 
 np = lazy("numpy", __name__)
 
@@ -241,10 +242,10 @@ def _switch_class():
             k = np.asarray(indices).shape[-1]
             return mx.array(self.run(x, indices).reshape(*a.shape[:-1], k, -1))
 
-        def weighted(self, x, indices, scores) -> np.ndarray:
+        def weighted(self, x, indices, scores, observe=None) -> np.ndarray:
             """sum_j scores[:, j] * expert_j(x) [N, H], as SparseMoeBlock sums the k outputs
             (in order of j), without an mlx copy of the [N, k, H] outputs."""
-            y = self.run(x, indices)
+            y = self.run(x, indices, observe)
             s = np.asarray(scores, dtype=np.float32)
             y = y.reshape(s.shape[0], s.shape[1], -1)
             acc = y[:, 0] * s[:, :1]
@@ -252,8 +253,11 @@ def _switch_class():
                 acc += y[:, j] * s[:, j : j + 1]
             return acc
 
-        def run(self, x, indices) -> np.ndarray:
-            """Each (row, choice)'s expert output, [N * k, H] float32."""
+        def run(self, x, indices, observe=None) -> np.ndarray:
+            """Each (row, choice)'s expert output, [N * k, H] float32. ``observe(e, rows, x,
+            mid)``, if given, sees each expert's rows (ids into x, ascending), their inputs and
+            intermediate activations ``silu(gate x) * up x`` (on either thread: an observer
+            writes only expert e's own state)."""
             w, p = self._w, self._prefix
             a = np.asarray(x, dtype=np.float32)
             xs = a.reshape(-1, a.shape[-1])
@@ -280,7 +284,10 @@ def _switch_class():
                     rows = order[starts[e] : starts[e + 1]]
                     xe = xs[rows // k]
                     g, u = (gate[i] @ xe.T).T, (up[i] @ xe.T).T
-                    out[rows] = ((g / (1.0 + np.exp(-g))) * u) @ down[i].T
+                    mid = (g / (1.0 + np.exp(-g))) * u
+                    out[rows] = mid @ down[i].T
+                    if observe is not None:
+                        observe(e, rows // k, xe, mid)
 
             for _ in workers.imap("eval", run, blocks(), window=4):
                 pass
@@ -323,18 +330,32 @@ def run_streamed(layer, hs: list) -> list:
     experts are read once."""
     import mlx.core as mx
 
+    mid = attend(layer, hs)
+    flat = mx.concatenate([m.reshape(-1, m.shape[-1]) for m in mid])
+    return residual(mid, moe(layer.mlp, layer.post_attention_layernorm(flat)))
+
+
+def attend(layer, hs: list) -> list:
+    """The attention half of a decoder layer, its residual added, over each batch [B, L, H]."""
+    import mlx.core as mx
+
     attn = layer.linear_attn if layer.is_linear else layer.self_attn
     mid = []
-    for h in hs:
-        rows = []
-        for r in range(h.shape[0]):  # one sequence at a time: the gated delta net's memory
-            x = h[r : r + 1]  # grows with the batch (2.3 GB at 8 x 128 on the 35B shapes)
-            rows.append(x + attn(layer.input_layernorm(x), layer_mask(layer, x), None))
-            mx.eval(rows[-1])
-        mid.append(mx.concatenate(rows) if len(rows) > 1 else rows[0])
-    flat = mx.concatenate([m.reshape(-1, m.shape[-1]) for m in mid])
-    y = moe(layer.mlp, layer.post_attention_layernorm(flat))
-    mx.eval(y)
+    with deltanet.chunked():
+        for h in hs:
+            rows = []
+            for r in range(h.shape[0]):  # one sequence at a time: the gated delta net's
+                x = h[r : r + 1]  # memory grows with the batch
+                rows.append(x + attn(layer.input_layernorm(x), layer_mask(layer, x), None))
+                mx.eval(rows[-1])
+            mid.append(mx.concatenate(rows) if len(rows) > 1 else rows[0])
+    return mid
+
+
+def residual(mid: list, y) -> list:
+    """Each batch of ``mid`` [B, L, H] plus its rows of the MoE's output y [N, H]."""
+    import mlx.core as mx
+
     out, at = [], 0
     for m in mid:
         n = m.shape[0] * m.shape[1]
@@ -344,9 +365,8 @@ def run_streamed(layer, hs: list) -> list:
     return out
 
 
-def moe(mlp, x):
-    """mlx_lm's SparseMoeBlock on x [N, H] (router softmax, top-k, the shared expert, gated),
-    the routed experts' weighted sum made in numpy by the streamed switch."""
+def route(mlp, x):
+    """mlx_lm's SparseMoeBlock router on x [N, H]: each row's top-k experts and their scores."""
     import mlx.core as mx
 
     gates = mx.softmax(mlp.gate(x), axis=-1, precise=True)
@@ -356,7 +376,21 @@ def moe(mlp, x):
     if mlp.norm_topk_prob:
         scores = scores / scores.sum(axis=-1, keepdims=True)
     mx.eval(inds, scores)
-    y = mx.array(mlp.switch_mlp.weighted(x, inds, scores))
+    return inds, scores
+
+
+def moe(mlp, x):
+    """mlx_lm's SparseMoeBlock on x [N, H] (router softmax, top-k, the shared expert, gated),
+    the routed experts' weighted sum made in numpy by the streamed switch."""
+    return mix(mlp, x, *route(mlp, x))
+
+
+def mix(mlp, x, inds, scores, observe=None):
+    """The MoE's output for rows x routed to ``inds`` with ``scores``: the routed experts'
+    weighted sum (``observe``: the switch's) plus the gated shared expert."""
+    import mlx.core as mx
+
+    y = mx.array(mlp.switch_mlp.weighted(x, inds, scores, observe))
     return y + mx.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x)
 
 
@@ -367,52 +401,36 @@ def _whole_switch_class():
     class WholeSwitchGLU(nn.Module):
         """mlx_lm's SwitchGLU (``down(silu(gate x) * up x)`` for each chosen expert, output
         [..., k, H]) one expert at a time over the rows routed to it, the experts held whole
-        in float32. An observer ``routed`` (calibration's) may cut a batch short once it has
-        its rows (``cutoff``) and sums each expert's x² and activations² as they pass."""
+        in float32 (sensitivity's candidates swap them)."""
 
         def __init__(self, gate_up: np.ndarray, down: np.ndarray):
             super().__init__()
             self.gate_up = gate_up  # [E, 2I, H]: one matmul for both
             self.down = down
-            self.routed = None
 
         def __call__(self, x, indices, **kw):
             a = np.asarray(x)
             xs = a.reshape(-1, a.shape[-1])
             idx = np.asarray(indices).reshape(xs.shape[0], -1)
             k, n_experts = idx.shape[-1], self.down.shape[0]
-            r = self.routed
             y = np.empty((*idx.shape, xs.shape[-1]), np.float32)
-            if r is not None and a.ndim == 3:  # only whole sequences, once the rows suffice
-                n = r.cutoff(idx, a.shape[0], n_experts) * a.shape[1]
-                xs, idx = xs[:n], idx[:n]  # the rest of the batch is dropped after this layer
-                y[n:] = 0
             order = np.argsort(idx.reshape(-1), kind="stable")
             counts = np.bincount(idx.reshape(-1), minlength=n_experts)
             inter = self.down.shape[-1]
             starts = np.concatenate([[0], np.cumsum(counts)])
             out = y.reshape(-1, xs.shape[-1])
-            if r is not None:
-                r.start(len(counts), xs.shape[-1], inter)
 
             def run(experts):
                 for e in experts:
                     rows = order[starts[e] : starts[e + 1]]
-                    xe = xs[rows // k]
-                    gu = mm(self.gate_up[e], xe)
-                    mid = silu(gu[:, :inter]) * gu[:, inter:]
-                    out[rows] = mm(self.down[e], mid)
-                    if r is not None:
-                        r.add(e, xe, mid)
+                    gu = mm(self.gate_up[e], xs[rows // k])
+                    out[rows] = mm(self.down[e], silu(gu[:, :inter]) * gu[:, inter:])
 
             # on two threads (numpy's matmuls release the GIL), experts alternating: each
-            # expert's rows of y and of the sums are its own, so the bytes are one thread's
+            # expert's rows of y are its own, so the bytes are one thread's
             active = np.flatnonzero(counts)
             for _ in workers.imap("calibrate", run, [active[0::2], active[1::2]]):
                 pass
-            if r is not None:
-                r.x.append(xs.copy())
-                r.experts.append(idx.copy())
             return mx.array(y.reshape(*a.shape[:-1], k, -1))
 
     return WholeSwitchGLU
@@ -503,8 +521,9 @@ def run_layer(layer, hs: list) -> list:
     """One decoder layer over each batch of hidden states (no cache: whole sequences)."""
     import mlx.core as mx
 
-    out = [layer(h, mask=layer_mask(layer, h), cache=None) for h in hs]
-    mx.eval(out)
+    with deltanet.chunked():
+        out = [layer(h, mask=layer_mask(layer, h), cache=None) for h in hs]
+        mx.eval(out)
     return out
 
 

@@ -62,7 +62,7 @@ class CalibrateParams(Params):
 @register
 class Calibrate(Step):
     kind = "calibrate"
-    version = 5  # bump when either output's bytes change
+    version = 6  # bump when either output's bytes change (6: experts streamed, delta rule chunked)
     Params = CalibrateParams
     inputs = {"model": Slot()}
     outputs = ("out", "heldout")

@@ -210,7 +210,7 @@ class Eval(WorldStep):
     # 2: streamed forward, KL by running log-sum-exp; text name; domains
     # 3: 95% intervals (block bootstrap), llama.cpp's KLD report, rates only from 30 drafts
     # 4: the source's trunk from a reference node; the trunk output names its text
-    version = 4
+    version = 5  # 5: the gated delta rule in chunks (grade/deltanet.py)
     Params = EvalParams
     inputs = {
         "model": Slot(many=True),  # the quantized model's artifacts

@@ -186,7 +186,7 @@ def _default(params: SensitivityParams, tensors: dict[str, dict], groups: dict) 
 @register
 class Sensitivity(Step):
     kind = "sensitivity"
-    version = 2  # 2: the KL divergence of the outputs, no longer a reconstruction-error proxy
+    version = 3  # 2: the KL of the outputs, not a reconstruction proxy; 3: delta rule chunked
     Params = SensitivityParams
     # model: sanitize:model; calibration: a calibrate output (data-aware candidates)
     inputs = {"model": Slot(), "calibration": Slot(required=False)}
