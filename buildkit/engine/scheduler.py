@@ -94,10 +94,14 @@ class Scheduler(Planner):
         try:
             while remaining or running:
                 if not failures:
+                    held = {self.m.nodes[r].step.resource for r in running.values()}
                     for n in [n for n in names if n in remaining]:
                         if len(running) >= jobs:
                             break
+                        if self.m.nodes[n].step.resource in held - {None}:
+                            continue
                         if all(p in done for p in self.topo.preds[n] if p in states):
+                            held.add(self.m.nodes[n].step.resource)
                             remaining.discard(n)
                             fut = pool.submit(
                                 self._run_node, n, states, prev, reporter, workers=jobs

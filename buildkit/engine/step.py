@@ -126,6 +126,10 @@ class Step:
     Params: ClassVar[type[Params]] = Params
     inputs: ClassVar[dict[str, Slot]] = {}
     outputs: ClassVar[tuple[str, ...]] = ("out",)
+    # steps naming the same resource run one at a time in a build (``-j`` notwithstanding):
+    # "forward" for those running a model's forward pass, each of which fills every core and
+    # holds a layer and the hidden states; two at once took twice the memory, no less time
+    resource: ClassVar[str | None] = None
 
     def run(
         self, ctx: Context, params: Params, inputs: dict[str, list[Artifact]]

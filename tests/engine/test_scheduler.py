@@ -300,3 +300,29 @@ def test_buildkit_store_env_var_is_honoured(project, tmp_path):
         text=True,
     )
     assert p.returncode == 0 and "stale fetch (fetch)" in p.stdout
+
+
+def test_forward_passes_run_one_at_a_time(project):
+    """Steps of one resource ("forward": calibrate, reference, eval, sensitivity) never overlap
+    at -j 2, while others run beside them: oq4e's calibrate and reference are ready together,
+    as are its eval and eval_baseline, and two forward passes at once held twice the memory."""
+    proc = project.build("oq4e-mtp-xl", "-j", "2")
+    lines = proc.stderr.splitlines()
+    kinds_of = {"calibrate", "reference", "eval", "sensitivity"}
+    spans, starts = [], {}
+    for i, line in enumerate(lines):
+        parts = line.split()
+        if len(parts) < 3 or parts[0] not in ("[run]", "[done]"):
+            continue
+        name, kind = parts[1], parts[2].strip("():")
+        if kind in kinds_of and parts[0] == "[run]":
+            starts[name] = i
+        elif kind in kinds_of:
+            spans.append((starts.pop(name), i, name))
+    assert len(spans) >= 5, spans  # calibrate, reference(s), eval, eval_head, eval_baseline
+    spans.sort()
+    for (_, a1, a), (b0, _, b) in zip(spans, spans[1:]):
+        assert a1 < b0, f"{a} and {b} ran at once"
+    # the others still run beside a forward pass: something started while calibrate ran
+    c0, c1, _ = next(s for s in spans if s[2] == "calibrate")
+    assert any(line.startswith("[run]") for line in lines[c0 + 1 : c1])
