@@ -12,19 +12,22 @@ the caller's (``quant.budget.dequantized``: as the build quantizes them).
 ``local`` estimates the same figures for about one layer pass per candidate instead of a pass
 through every later layer: each candidate's error in its own layer's output, times a gain (KL
 per unit of that error) measured at a few layers. The 35B model's oq measures ~20x fewer layer
-passes so; the plans it gives are checked against ``measure``'s in tests/quant.
+passes so; the plans it gives are checked against ``measure``'s in tests/quant. It streams
+(``forward.streamed_layer``, candidates a block of rows at a time, KL by ``forward.HeadScan``),
+so its memory does not grow with the model; ``measure`` holds layers whole and the source's
+log-probabilities (tokens x vocabulary floats), for small models.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from buildkit.core.errors import StepError
 from buildkit.core.lazy import lazy
 from buildkit.formats.checkpoint import SWITCH
 from buildkit.grade import forward as fw
 from buildkit.grade import texts
-from buildkit.grade.weights import Weights
+from buildkit.grade.weights import Swapped, Weights
 
 np = lazy("numpy", __name__)
 
@@ -214,60 +217,136 @@ def kind(group: str) -> str:
     return f"attention.{rest}" if rest else "attention"
 
 
+# a sensitivity candidate's tensor in float32 blocks: (name, bits, rows) -> blocks of ``rows``
+Blocks = Callable[[str, int, int], Iterator["np.ndarray"]]
+GROUP = 4  # hidden-state lists through one MoE call: its output is lists x tokens x k x H floats
+
+
 def local(
     w: Weights,
     groups: dict[str, list[str]],
     bits: dict[str, list[int]],
     layer_of: Callable[[str], int],
-    candidate: Candidate,
+    blocks: Blocks,
     tokens: list[int],
     seq_len: int,
     probes: list[int],
     progress=None,
 ) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
-    """``measure``'s figures estimated at about the cost of one layer pass per candidate.
+    """``measure``'s figures estimated at about the cost of one layer pass per candidate, in
+    one pass over the layers, streamed (``forward.streamed_layer``; a candidate's tensors made
+    a block of rows at a time, ``blocks``): memory is a layer's small modules, a block of
+    experts and some hidden states, at any model size.
 
     Each candidate runs its own layer only: its error is the mean squared change of that
     layer's output (the residual stream, what every later layer reads). A gain, KL per unit of
     that error, is measured for each kind of group (``kind``: the routed experts, attention,
-    the shared expert, …) at the decoder layers ``probes`` (and at the embeddings) by running
-    that group's largest-error candidate through every later layer, and interpolated between
-    probed layers in log space: how much the later layers amplify an error varies smoothly with
-    depth, and differs by what made it (one gain for every kind planned worse plans: RESULTS).
-    lm_head's candidates are measured (one output-head pass each). Returns the figures and the
-    gains, keyed ``"<layer> <kind>"`` (layer -1 the embeddings)."""
+    the shared expert, …) at the decoder layers ``probes`` (and at the embeddings) by carrying
+    that group's largest-error candidate's output through every later layer beside the
+    source's, and interpolated between probed layers in log space: how much the later layers
+    amplify an error varies smoothly with depth, and differs by what made it (one gain for
+    every kind planned worse plans: RESULTS). lm_head's candidates are measured (the output
+    head streamed over the vocabulary). Returns the figures and the gains, keyed
+    ``"<layer> <kind>"`` (layer -1 the embeddings)."""
     by_layer = _by_layer(groups, layer_of)
-    m = Measure(w, tokens, seq_len)
+    run = LocalPass(w, texts.windows(tokens, seq_len), blocks, progress)
     probes_at = {*probes, *([-1] if -1 in by_layer else [])}
     if progress:
         n_cands = sum(len(bits[g]) for g in groups)
         n_probes = sum(len(gs) for i, gs in by_layer.items() if i in probes_at)
         progress.start(n_cands + n_probes, "candidates and probes")
+    cands = {i: _keys(groups, bits, gs) for i, gs in by_layer.items()}
+    hn = run.trunk(cands, probes_at)
     result: dict[str, dict[int, float]] = {g: {} for g in groups}
-    err: dict[tuple, float] = {}  # (layer, candidate) -> its error in the layer's output
-    top: dict[tuple, tuple] = {}  # (probed layer, group) -> its largest-error candidate, output
-    for i, layer_groups in by_layer.items():
-        cands = _candidates(groups, bits, layer_groups, candidate)
-        if i >= m.n_layers:  # lm_head: measured, the head alone runs
-            m.progress = progress
-            for (g, _, b), kl in m.at(i, cands).items():
-                result[g][b] = kl
-            m.progress = None
-            continue
-        for c, h in m.outputs(i, cands):
-            e = err[i, c] = squared_error(h, m.hs[i + 1])
-            if i in probes_at and e > top.get((i, c[0]), (None, None, 0.0))[2]:
-                top[i, c[0]] = (c, h, e)
-            if progress:
-                progress.advance(1)
+    for c in (c for i in by_layer if i >= run.n for c in cands[i]):  # lm_head: measured
+        result[c[0]][c[2]] = float(f"{run.head_kl(hn, c):.6g}")
     gains: dict[tuple[int, str], float] = {}
-    for (p, g), (c, h, e) in sorted(top.items(), key=lambda t: t[0]):
-        gains[p, kind(g)] = m.after(p, {c: h})[c] / e
+    for (p, g), (_c, h, e) in sorted(run.top.items(), key=lambda t: t[0]):
+        gains[p, kind(g)] = run.kl(hn, fw.final_norm(w, h)) / e
         if progress:
             progress.advance(1)
-    for (i, (g, _, b)), e in err.items():
+    for (i, (g, _, b)), e in run.err.items():
         result[g][b] = float(f"{gain_at(gains, i, kind(g)) * e:.6g}")
     return result, {f"{i} {k}": v for (i, k), v in sorted(gains.items())}
+
+
+def _keys(groups: dict[str, list[str]], bits, layer_groups: list[str]) -> list[tuple]:
+    """The candidates (group, its tensors, bits) of one layer's groups."""
+    return [(g, tuple(groups[g]), b) for g in layer_groups for b in bits[g]]
+
+
+class LocalPass:
+    """``local``'s pass: the source's layers one at a time, each layer's candidates from the
+    source's input to it, and the probed candidates' outputs carried along."""
+
+    def __init__(self, w: Weights, seqs: list[np.ndarray], blocks: Blocks, progress=None):
+        self.w, self.seqs, self.blocks, self.progress = w, seqs, blocks, progress
+        self.args = fw.text_args(w)
+        self.n = self.args.num_hidden_layers
+        self.err: dict[tuple, float] = {}  # (layer, candidate) -> its error in the layer's output
+        self.top: dict[tuple, list] = {}  # (probed layer, group) -> [candidate, output, error]
+        # positions with a next token, in ``forward.rows``' order: what the KL averages over
+        self.valid = np.concatenate([np.arange(len(s)) < len(s) - 1 for *_, s in fw.rows(seqs)])
+
+    def swapped(self, c: tuple) -> Weights:
+        _, names, b = c
+        return Swapped(self.w, {n: (lambda rows, n=n: self.blocks(n, b, rows)) for n in names})
+
+    def trunk(self, cands: dict[int, list], probes_at: set[int]) -> np.ndarray:
+        """The source's pass, every layer's candidates run beside it; its final normed
+        hidden states [N, H]."""
+        import mlx.core as mx
+
+        h = [mx.array(fw.embeddings(self.w, s)) for s in self.seqs]
+        for c in cands.get(-1, []):
+            out = [mx.array(fw.embeddings(self.swapped(c), s)) for s in self.seqs]
+            self.note(-1, c, out, h, -1 in probes_at)
+        for i in range(self.n):
+            prefix = f"language_model.model.layers.{i}."
+            carried = [t[1] for t in self.top.values()]
+            outs = self.through(fw.streamed_layer(self.w, prefix, self.args, i), [h, *carried])
+            for t, out in zip(self.top.values(), outs[1:], strict=True):
+                t[1] = out
+            for c in cands.get(i, []):
+                layer = fw.streamed_layer(self.swapped(c), prefix, self.args, i)
+                self.note(i, c, fw.run_streamed(layer, h), outs[0], i in probes_at)
+            h = outs[0]
+        return fw.final_norm(self.w, h)
+
+    def note(self, i: int, c: tuple, out: list, ref: list, probed: bool) -> None:
+        """A candidate's output of layer ``i`` against the source's: its error, and, at a
+        probed layer, kept to be carried on if it is its group's largest yet."""
+        e = self.err[i, c] = squared_error(out, ref)
+        if probed and e > self.top.get((i, c[0]), (None, None, 0.0))[2]:
+            self.top[i, c[0]] = [c, out, e]
+        if self.progress:
+            self.progress.advance(1)
+
+    @staticmethod
+    def through(layer, lists: list[list]) -> list[list]:
+        """Each list of batches through ``layer``, ``GROUP`` lists to a call (their experts
+        read once per call)."""
+        out = []
+        for a in range(0, len(lists), GROUP):
+            part = lists[a : a + GROUP]
+            flat = fw.run_streamed(layer, [h for hs in part for h in hs])
+            for hs in part:
+                out.append(flat[: len(hs)])
+                flat = flat[len(hs) :]
+        return out
+
+    def kl(self, hn: np.ndarray, hn_model: np.ndarray, head: Weights | None = None) -> float:
+        """Mean KL(source || model) over the positions with a next token, of final normed
+        hidden states through the source's output head and ``head`` (the source's if None)."""
+        scan = fw.HeadScan([self.w, head or self.w], [hn, hn_model])
+        return float(scan.kl()[self.valid].astype(np.float64).mean())
+
+    def head_kl(self, hn: np.ndarray, c: tuple) -> float:
+        """An lm_head candidate's KL: the source's last hidden states through it."""
+        got = self.kl(hn, hn, self.swapped(c))
+        if self.progress:
+            self.progress.advance(1)
+        return got
 
 
 def gain_at(gains: dict[tuple[int, str], float], i: int, what: str) -> float:

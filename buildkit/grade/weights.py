@@ -55,6 +55,32 @@ def nbytes(w: Weights, name: str) -> int:
     )
 
 
+class Swapped(Weights):
+    """``base`` with some tensors in float32 made a block of rows at a time
+    (``blocks[name](rows)`` yields them): a sensitivity candidate, read as the forward pass
+    reads any model, so a 2 GB lm_head or a layer's experts are never whole."""
+
+    def __init__(self, base: Weights, blocks: dict[str, Callable[[int], Iterator[np.ndarray]]]):
+        self.base, self.blocks = base, blocks
+        self.config, self.quantization = base.config, base.quantization
+        self.names = base.names | dict.fromkeys(blocks, "F32")
+        self.shapes = base.shapes
+
+    def read(self, name):
+        if name in self.blocks:
+            return np.concatenate(list(self.blocks[name](max(self.shapes[name][0], 1))))
+        return self.base.read(name)
+
+    def iter_rows(self, name, rows):
+        if name in self.blocks:
+            yield from self.blocks[name](rows)
+        else:
+            yield from self.base.iter_rows(name, rows)
+
+    def tokenizer_json(self):
+        return self.base.tokenizer_json()
+
+
 class StoreWeights(Weights):
     """Artifacts in the store (sanitize:model, graft, quantize, requantize)."""
 

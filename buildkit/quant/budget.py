@@ -20,6 +20,7 @@ them).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 from buildkit.core.errors import StepError
 from buildkit.core.lazy import lazy
@@ -131,6 +132,28 @@ def dequantized(store, model: Artifact, name: str, role: Role, calibration) -> n
     )
     deq = mx.dequantize(w, s, b, group_size=role.group_size, bits=role.bits, mode=role.mode)
     return np.array(deq.astype(mx.float32))
+
+
+def dequantized_rows(
+    store, model: Artifact, name: str, role: Role, calibration, rows: int
+) -> Iterator[np.ndarray]:
+    """``dequantized`` a block of ``rows`` rows (experts, of a routed-expert weight) at a time,
+    made in memory and never stored: the same codes, scales and biases (dequantized in numpy),
+    memory a block, not the tensor (the real lm_head is 2 GB in float32)."""
+    from buildkit.formats.tensors import dequantize, nbytes, to_float32
+    from buildkit.quant import affine, dataaware
+
+    entry = model.tensors[name]
+    shape, dtype = entry["shape"], entry["dtype"]
+    block = rows * max(nbytes(dtype, shape) // max(shape[0], 1), 1)
+    if not role.calibrated:
+        for raw in store.iter_rows(entry, block):
+            yield affine.dequantized_like_mx(raw, dtype, role.bits, role.group_size, role.mode)
+        return
+    stats = dataaware.expert_statistics(store, name, entry, role, calibration)
+    for _raw, made, *_ in dataaware.SearchedBlocks(store, name, entry, role, stats, block):
+        (w, _), (s, sdt), (b, _) = made.values()  # weight, scales, biases
+        yield dequantize(w, to_float32(s, sdt), to_float32(b, sdt), role.bits, role.group_size)
 
 
 def probed(layers: list[int], probes: int) -> list[int]:

@@ -136,19 +136,27 @@ def measure(
     candidates quantized as the build quantizes them (data-aware routed experts if
     ``calibration`` is given); with local, the gains by layer too."""
 
-    def candidate(name: str, b: int):
+    def role(name: str, b: int) -> Role:
         expert = SWITCH in name and calibration is not None
-        role = Role(bits=b, group_size=params.group_size, calibrated=expert)
-        return budget.dequantized(ctx.store, model, name, role, calibration)
+        return Role(bits=b, group_size=params.group_size, calibrated=expert)
 
     w = StoreWeights(ctx.store, [model], model.meta["config"], None)
     quantized = {g: [b for b in bs if b != BF16] for g, bs in bits.items()}
-    args = (w, groups, quantized, budget.layer_index, candidate, tokens, params.seq_len)
-    if method == "local":
+    if method == "local":  # at any size: candidates made a block of rows at a time
         layers = [budget.layer_index(ns[0]) for ns in groups.values()]
         n = ckpt.text_config(model.meta["config"])["num_hidden_layers"]
         probes = budget.probed([i for i in layers if i < n], params.probes)
+
+        def blocks(name: str, b: int, rows: int):
+            return budget.dequantized_rows(ctx.store, model, name, role(name, b), calibration, rows)
+
+        args = (w, groups, quantized, budget.layer_index, blocks, tokens, params.seq_len)
         return sens.local(*args, probes=probes, progress=ctx.progress)
+
+    def candidate(name: str, b: int):
+        return budget.dequantized(ctx.store, model, name, role(name, b), calibration)
+
+    args = (w, groups, quantized, budget.layer_index, candidate, tokens, params.seq_len)
     return sens.measure(*args, progress=ctx.progress), None
 
 

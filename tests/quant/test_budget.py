@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from conftest import Project, cached, ran
 
 from buildkit.core.errors import StepError
 from buildkit.engine import manifest
+from buildkit.formats.tensors import dequantize, to_float32
 from buildkit.quant import budget
 from buildkit.quant.quantize import assign_roles
 from buildkit.quant.roles import Role
@@ -336,3 +338,39 @@ def test_a_budgeted_plan_enters_quantize_key_per_tensor(measured):
     )
     with pytest.raises(StepError, match="needs measured sensitivities: add inputs.sensitivity"):
         params.key_params({"model": [model]})
+
+
+def test_a_candidate_in_blocks_of_rows_is_the_candidate_whole(measured):
+    """What the local sensitivity streams (``dequantized_rows``: a block of rows at a time,
+    never stored) is what the build quantizes whole: data-aware routed experts (the
+    calibration's search) and data-agnostic others, the same codes, scales and biases
+    (dequantized in float32 as the forward pass does), each block at most the rows asked for."""
+    from buildkit.quant import dataaware
+    from buildkit.quant.quantize import quantize_entry
+
+    project, _ = measured
+    store, model = artifact(project, VARIANT, "sanitize", "model")
+    _, calibration = artifact(project, VARIANT, "calibrate")
+    expert = next(n for n in sorted(model.tensors) if ".switch_mlp.down_proj" in n)
+    other = "language_model.lm_head.weight"
+    for name, calibrated in ((expert, True), (other, False)):
+        role = Role(bits=3, group_size=64, calibrated=calibrated)
+        entry = model.tensors[name]
+        if calibrated:
+            q = dataaware.quantize_entry(store, name, entry, role, calibration, dataaware.Tally())
+        else:
+            q = quantize_entry(store, name, entry, role)
+        module = name.removesuffix(".weight")
+        w, s, b = (q[f"{module}.{k}"] for k in ("weight", "scales", "biases"))
+        want = dequantize(
+            store.read_tensor(w),
+            to_float32(store.read_tensor(s), s["dtype"]),
+            to_float32(store.read_tensor(b), b["dtype"]),
+            3,
+            64,
+        )
+        parts = list(budget.dequantized_rows(store, model, name, role, calibration, 3))
+        assert len(parts) == -(-want.shape[0] // 3) and all(len(p) <= 3 for p in parts)
+        np.testing.assert_array_equal(np.concatenate(parts), want)
+        source = to_float32(store.read_tensor(entry), entry["dtype"])
+        assert np.abs(want - source).max() > 0  # 3-bit: not the source's figures

@@ -167,3 +167,55 @@ def test_the_local_sensitivity_plans_within_5pct_of_the_measured_one_at_equal_by
     assert node(project, "oq-local", "quantize").meta["bits_per_weight"] <= target
     assert abs(local["size_bytes"] / measured["size_bytes"] - 1) <= 0.005
     assert local["kld_mean"] <= 1.05 * measured["kld_mean"], (local, measured)
+
+
+def test_the_local_sensitivity_never_holds_an_expert_stack_or_the_vocabulary_whole(
+    built, monkeypatch
+):
+    """local streams (the 35B model's experts are 3.2 GB and its lm_head 2 GB in float32): with
+    blocks of 64 KB, no routed-expert, embedding or lm_head tensor is read whole, of the
+    source or of a candidate, and every group still gets a figure at each of its bits."""
+    from buildkit.grade import forward as fw
+    from buildkit.grade import sensitivity as sens
+    from buildkit.grade import texts
+    from buildkit.grade.weights import StoreWeights
+    from buildkit.steps.sensitivity import measured
+
+    project, _ = built
+    store = Store(project.store)
+    model, calibration = (
+        node(project, "oq-eq", "sanitize", "model"),
+        node(project, "oq-eq", "calibrate"),
+    )
+    params = manifest.load("oq-eq", project.manifests).nodes["sensitivity"].params
+    plan = measured(params, model.tensors)
+    groups = {g: p["tensors"] for g, p in plan.items()}
+    bits = {g: [b for b in p["bits"] if b != 16] for g, p in plan.items()}
+    big = [
+        n
+        for n in model.tensors
+        if ".switch_mlp." in n or n in (fw.EMBED + ".weight", fw.LM_HEAD + ".weight")
+    ]
+    asked = []
+
+    class Streamed(StoreWeights):
+        def read(self, name):
+            assert name not in big, f"{name} read whole"
+            return super().read(name)
+
+    def blocks(name, b, rows):
+        asked.append((name, rows))
+        role = Role(bits=b, group_size=64, calibrated=".switch_mlp." in name)
+        return budget.dequantized_rows(store, model, name, role, calibration, rows)
+
+    monkeypatch.setattr(fw, "BLOCK_BYTES", 64 << 10)
+    w = Streamed(store, [model], model.meta["config"], None)
+    calib, _ = texts.split_lines(texts.read(texts.text_path(params.text, project.root)), 5)
+    tokenizer = store.get_blob(model.files["tokenizer.json"])
+    tokens = texts.tokenize(tokenizer, calib, 256)
+    figures, gains = sens.local(w, groups, bits, budget.layer_index, blocks, tokens, 128, [0, 3])
+    assert {g: sorted(f) for g, f in figures.items()} == {g: sorted(b) for g, b in bits.items()}
+    assert all(v >= 0 for f in figures.values() for v in f.values()) and gains
+    whole = [(n, r) for n, r in asked if n in big and r >= model.tensors[n]["shape"][0]]
+    assert not whole, whole
+    assert {n for n, _ in asked} & set(big)  # expert and vocabulary candidates were streamed
