@@ -20,7 +20,9 @@ conditional rates r1..ri, reported only up to the last depth with enough tries
 (``stats.depth_figures``: rates, intervals, the best draft length).
 
 The trunk runs once (the eval step's kept states); each depth is one pass of the head over
-every position, its attention over (depth x positions) keys.
+every position, its attention over (depth x positions) keys, and one pass of the output head
+over the positions whose chain is still graded (accepted so far, the text going on with it):
+the output head is most of the cost, and at depth 3 few chains are left.
 """
 
 from __future__ import annotations
@@ -75,11 +77,38 @@ def head_pass(head, emb, hidden, cache, mask):
 def drafts_by_depth(w: Weights, t: Trunk, tokens: list[int], depth: int) -> list[list[int]]:
     """Per window, [[accepted, tried], ...] for depths 1..``depth`` of ``w``'s head on its own
     trunk ``t`` (``t.argmax`` filled) over ``tokens``, the text the trunk ran."""
-    return count(chains(w, t, depth), t, tokens, depth)
+    return count(chains(w, t, depth, tokens), t, tokens, depth)
 
 
-def chains(w: Weights, t: Trunk, depth: int) -> list[list]:
-    """Per batch, per depth, the head's drafts [B, L-1] (position t drafts token t+1+depth)."""
+def targets(t: Trunk, tokens: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per batch of ``t``, the trunk's argmax and the text's tokens, each [B, L]."""
+    out, ams, start = [], iter(t.argmax), 0
+    for h in t.h:
+        B, L = h.shape[0], h.shape[1]
+        a = np.stack([np.asarray(next(ams)) for _ in range(B)])
+        out.append((a, np.asarray(tokens[start : start + B * L]).reshape(B, L)))
+        start += B * L
+    return out
+
+
+def graded(alive: np.ndarray, draft: np.ndarray, a: np.ndarray, x: np.ndarray, d: int) -> tuple:
+    """Of a batch's depth-``d`` drafts [B, L-1] where ``alive``: (tried, accepted, alive at
+    depth d+1). Tried: its target, the trunk's argmax at t+d, lies in the text; accepted: it
+    equals that argmax; alive on: accepted and the text itself went on with it (x_{t+1+d} = d),
+    so the trunk's next state is the one a verify would compare the next draft with."""
+    L = a.shape[1]
+    pos = np.arange(L - 1)
+    tried = alive & (pos + d <= L - 2)
+    ok = tried & (draft == a[:, np.minimum(pos + d, L - 1)])
+    return tried, ok, ok & (draft == x[:, np.minimum(pos + d + 1, L - 1)])
+
+
+def chains(w: Weights, t: Trunk, depth: int, tokens: list[int] | None = None) -> list[list]:
+    """Per batch, per depth, the head's drafts [B, L-1] (position t drafts token t+1+depth).
+    Given the text's ``tokens``, read out only where ``count`` grades them (``graded``'s
+    alive; -1 elsewhere): the output head, 2 TFLOP per depth over 2k positions at the real
+    vocabulary, is most of the cost, and a chain is graded only while its drafts are
+    accepted. Without, every position's."""
     import mlx.core as mx
 
     head = ev.streamed_head(w)  # its experts read a block at a time, never whole
@@ -88,9 +117,12 @@ def chains(w: Weights, t: Trunk, depth: int) -> list[list]:
     emb = [x0[:, 1:] for x0 in t.x0]  # embed(x_{t+1})
     keys: list[_Keys | None] = [None] * n_batches
     drafts: list[list] = [[] for _ in range(n_batches)]  # per batch, per depth: [B, L-1]
+    truth = None if tokens is None else targets(t, tokens)
+    alive = [np.ones((h.shape[0], h.shape[1] - 1), bool) for h in t.h]
     for d in range(1, depth + 1):
         if d > 1:
-            emb = [mx.array(fw.embeddings(w, np.array(dr[-1]))) for dr in drafts]
+            emb = [mx.array(fw.embeddings(w, np.maximum(dr[-1], 0))) for dr in drafts]
+        outs = []
         for j in range(n_batches):
             n = hidden[j].shape[1]
             if d == 1:
@@ -100,10 +132,7 @@ def chains(w: Weights, t: Trunk, depth: int) -> list[list]:
                 cache = _Keys(d - 1, keys[j].keys, keys[j].values)
                 mask = _chain_mask(n, d)
             o = head_pass(head, emb[j], hidden[j], cache, mask)
-            # the trunk's final norm and lm_head, the vocabulary streamed (forward.HeadScan)
-            arg = fw.HeadScan([w], [fw.final_norm(w, [o])]).arg[0]
-            pred = mx.array(arg.reshape(o.shape[:2]).astype(np.int32))
-            mx.eval(o, pred)
+            mx.eval(o)
             k, v = cache.new
             if keys[j] is None:
                 keys[j] = _Keys(0, k, v)
@@ -111,34 +140,34 @@ def chains(w: Weights, t: Trunk, depth: int) -> list[list]:
                 keys[j].keys = mx.concatenate([keys[j].keys, k], axis=2)
                 keys[j].values = mx.concatenate([keys[j].values, v], axis=2)
             hidden[j] = o
+            outs.append(o)
+        # the trunk's final norm and lm_head over the graded positions of every batch at once,
+        # the vocabulary streamed (forward.HeadScan)
+        sel = np.concatenate([a.reshape(-1) for a in alive])
+        arg = np.full(len(sel), -1, np.int64)
+        if sel.any():
+            arg[sel] = fw.HeadScan([w], [fw.final_norm(w, outs)[sel]]).arg[0]
+        at = 0
+        for j in range(n_batches):
+            pred = arg[at : at + alive[j].size].reshape(alive[j].shape)
+            at += alive[j].size
             drafts[j].append(pred)
+            if truth is not None:
+                alive[j] = graded(alive[j], pred, *truth[j], d)[2]
     return drafts
 
 
 def count(drafts: list[list], t: Trunk, tokens: list[int], depth: int) -> list:
     """Per window, accepted and tried drafts per depth ([window][depth] = [accepted, tried]:
-    the bootstrap resamples windows). A depth-k draft at t is tried when the k-1 drafts
-    before it were accepted and the text itself went on with them (x_{t+1+i} = d_i): only then
-    is the trunk's state at t+k, teacher-forced on the text, the one a verify would compare
-    the draft with; and when its target, the trunk's argmax at t+k, lies inside the text."""
+    the bootstrap resamples windows), as ``graded`` decides them."""
     out = []
-    ams, start = iter(t.argmax), 0
-    for j in range(len(drafts)):
-        for r in range(t.h[j].shape[0]):
-            a = np.asarray(next(ams))
-            L = a.shape[0]
-            x = np.asarray(tokens[start : start + L])
-            start += L
-            pos = np.arange(L - 1)
-            alive = np.ones(L - 1, bool)
-            counts = np.zeros((depth, 2), np.int64)
-            for d in range(1, depth + 1):
-                draft = np.array(drafts[j][d - 1][r])
-                tried = alive & (pos + d <= L - 2)
-                ok = tried & (draft == a[np.minimum(pos + d, L - 1)])
-                counts[d - 1] += (int(ok.sum()), int(tried.sum()))
-                alive = ok & (draft == x[np.minimum(pos + d + 1, L - 1)])
-            out.append(counts.tolist())
+    for j, (a, x) in enumerate(targets(t, tokens)):
+        counts = np.zeros((a.shape[0], depth, 2), np.int64)
+        alive = np.ones((a.shape[0], a.shape[1] - 1), bool)
+        for d in range(1, depth + 1):
+            tried, ok, alive = graded(alive, np.asarray(drafts[j][d - 1]), a, x, d)
+            counts[:, d - 1] = np.stack([ok.sum(1), tried.sum(1)], axis=1)
+        out += counts.tolist()
     return out
 
 
