@@ -32,7 +32,7 @@ from buildkit.engine.plan import (
     why_changed,
 )
 from buildkit.engine.report import Reporter
-from buildkit.engine.step import BuildOptions, Context, Progress
+from buildkit.engine.step import BuildOptions, Context, Progress, resource
 from buildkit.store.fsio import atomic_write
 from buildkit.store.store import Store
 
@@ -94,14 +94,14 @@ class Scheduler(Planner):
         try:
             while remaining or running:
                 if not failures:
-                    held = {self.m.nodes[r].step.resource for r in running.values()}
+                    held = {resource(self.m.nodes[r].step) for r in running.values()}
                     for n in [n for n in names if n in remaining]:
                         if len(running) >= jobs:
                             break
-                        if self.m.nodes[n].step.resource in held - {None}:
+                        if resource(self.m.nodes[n].step) in held - {None}:
                             continue
                         if all(p in done for p in self.topo.preds[n] if p in states):
-                            held.add(self.m.nodes[n].step.resource)
+                            held.add(resource(self.m.nodes[n].step))
                             remaining.discard(n)
                             fut = pool.submit(
                                 self._run_node, n, states, prev, reporter, workers=jobs

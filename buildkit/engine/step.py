@@ -118,7 +118,8 @@ class Step:
     built-in kind is imported in ``buildkit/steps/__init__.py``; a kind of one's own package is
     found through its ``buildkit.steps`` entry point (docs/develop.md). What only some steps
     need is elsewhere: ``WorldStep`` for steps that watch the outside world (fetch, publish, eval),
-    and the hooks ``ChecksRequest``, ``ReleaseGate``, ``Estimates`` and ``Publishes``.
+    and the hooks ``ChecksRequest``, ``ReleaseGate``, ``Estimates``, ``SharesResource`` and
+    ``Publishes``.
     """
 
     kind: ClassVar[str]
@@ -126,10 +127,6 @@ class Step:
     Params: ClassVar[type[Params]] = Params
     inputs: ClassVar[dict[str, Slot]] = {}
     outputs: ClassVar[tuple[str, ...]] = ("out",)
-    # steps naming the same resource run one at a time in a build (``-j`` notwithstanding):
-    # "forward" for those running a model's forward pass, each of which fills every core and
-    # holds a layer and the hidden states; two at once took twice the memory, no less time
-    resource: ClassVar[str | None] = None
 
     def run(
         self, ctx: Context, params: Params, inputs: dict[str, list[Artifact]]
@@ -237,6 +234,21 @@ class Estimates(Protocol):
 
     def estimate(self, params: Params, inputs: dict[str, list[dict]]) -> dict[str, dict]:
         """Output name -> layout, from the input slots' layouts (those estimated)."""
+
+
+@runtime_checkable
+class SharesResource(Protocol):
+    """A step that runs one at a time with the others naming the same ``resource``, whatever
+    ``-j`` says: "forward" for those running a model's forward pass (calibrate, reference,
+    eval, sensitivity), each of which fills every core and holds a layer and the hidden
+    states; two at once took twice the memory and no less time."""
+
+    resource: str
+
+
+def resource(step: Step) -> str | None:
+    """The resource a step shares (``SharesResource``), or None."""
+    return step.resource if isinstance(step, SharesResource) else None
 
 
 @runtime_checkable

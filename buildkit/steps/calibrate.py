@@ -62,7 +62,7 @@ class CalibrateParams(Params):
 @register
 class Calibrate(Step):
     kind = "calibrate"
-    resource = "forward"  # one forward pass at a time (engine/step.py)
+    resource = "forward"  # one forward pass at a time (engine/step.py, SharesResource)
     version = 6  # bump when either output's bytes change (6: experts streamed, delta rule chunked)
     Params = CalibrateParams
     inputs = {"model": Slot()}

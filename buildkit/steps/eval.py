@@ -207,7 +207,7 @@ def _get_trunks(store, art: Artifact) -> tuple[Trunk, Trunk]:
 @register
 class Eval(WorldStep):
     kind = "eval"
-    resource = "forward"  # one forward pass at a time (engine/step.py)
+    resource = "forward"  # one forward pass at a time (engine/step.py, SharesResource)
     # 2: streamed forward, KL by running log-sum-exp; text name; domains
     # 3: 95% intervals (block bootstrap), llama.cpp's KLD report, rates only from 30 drafts
     # 4: the source's trunk from a reference node; the trunk output names its text

@@ -67,7 +67,7 @@ def tokens(params: ReferenceParams, root: Path, tokenizer_json: bytes) -> dict[s
 @register
 class Reference(Step):
     kind = "reference"
-    resource = "forward"  # one forward pass at a time (engine/step.py)
+    resource = "forward"  # one forward pass at a time (engine/step.py, SharesResource)
     version = 2  # 2: the gated delta rule in chunks (grade/deltanet.py)
     Params = ReferenceParams
     inputs = {"source": Slot()}  # sanitize:model: the bf16 trunk

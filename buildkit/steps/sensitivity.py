@@ -194,7 +194,7 @@ def _default(params: SensitivityParams, tensors: dict[str, dict], groups: dict) 
 @register
 class Sensitivity(Step):
     kind = "sensitivity"
-    resource = "forward"  # one forward pass at a time (engine/step.py)
+    resource = "forward"  # one forward pass at a time (engine/step.py, SharesResource)
     version = 3  # 2: the KL of the outputs, not a reconstruction proxy; 3: delta rule chunked
     Params = SensitivityParams
     # model: sanitize:model; calibration: a calibrate output (data-aware candidates)
