@@ -621,13 +621,20 @@ class HeadScan:
     def run(self) -> None:
         mods = [head_module(w) for w in self.ws]
         step = min(rows_per_block(w, m) for w, m in zip(self.ws, mods, strict=True))
-        streams = [raw_blocks(w, m, step) for w, m in zip(self.ws, mods, strict=True)]
+        # one head given twice (two hidden states through it) is read and widened once
+        first: dict[tuple, int] = {}
+        src = [
+            first.setdefault((id(w), m), i)
+            for i, (w, m) in enumerate(zip(self.ws, mods, strict=True))
+        ]
+        heads = sorted(set(src))
+        streams = [raw_blocks(self.ws[i], mods[i], step) for i in heads]
 
         def logits(item):
-            return item[0][0], [
-                hn @ widen(w, m, raw).T
-                for (_, raw), w, m, hn in zip(item, self.ws, mods, self.hns, strict=True)
-            ]
+            W = {
+                i: widen(self.ws[i], mods[i], raw) for i, (_, raw) in zip(heads, item, strict=True)
+            }
+            return item[0][0], [hn @ W[i].T for hn, i in zip(self.hns, src, strict=True)]
 
         for a, ls in workers.imap("eval", logits, zip(*streams, strict=True), window=3):
             self.add(a, ls)

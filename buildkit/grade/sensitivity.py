@@ -161,9 +161,8 @@ def _by_layer(groups: dict[str, list[str]], layer_of: Callable[[str], int]) -> d
 def _candidates(groups, bits, layer_groups, candidate: Candidate) -> dict[tuple, Callable]:
     """(group, its tensors, bits) -> how to make that candidate's tensors, for ``m.at``."""
     return {
-        (g, tuple(groups[g]), b): (lambda g=g, b=b: {n: candidate(n, b) for n in groups[g]})
-        for g in layer_groups
-        for b in bits[g]
+        c: (lambda names=c[1], b=c[2]: {n: candidate(n, b) for n in names})
+        for c in _keys(groups, bits, layer_groups)
     }
 
 
