@@ -51,6 +51,9 @@ class Topology:
     preds: dict[str, list[str]]
     ancestors: dict[str, list[str]]
     descendants: dict[str, list[str]]
+    # steps on the longest chain from a step to the end of the graph, itself included: among
+    # ready steps the scheduler starts the highest first (the critical path, with no costs known)
+    height: dict[str, int]
 
 
 def topology(m: Manifest) -> Topology:
@@ -62,7 +65,16 @@ def topology(m: Manifest) -> Topology:
         {n: sorted(set(g.predecessors(n))) for n in nodes},
         {n: sorted(nx.ancestors(g, n)) for n in nodes},
         {n: sorted(nx.descendants(g, n)) for n in nodes},
+        heights(g, nodes),
     )
+
+
+def heights(g: nx.MultiDiGraph, nodes: list[str]) -> dict[str, int]:
+    """Each node's ``Topology.height``, walking ``nodes`` (a topological order) backwards."""
+    h: dict[str, int] = {}
+    for n in reversed(nodes):
+        h[n] = 1 + max((h[s] for s in g.successors(n)), default=0)
+    return h
 
 
 def _edges(g: nx.MultiDiGraph) -> list[tuple[str, str, str]]:

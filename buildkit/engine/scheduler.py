@@ -85,6 +85,7 @@ class Scheduler(Planner):
         states = {n: NodeState(n, self.m.nodes[n].kind) for n in names}
         reporter = Reporter(len(names), quiet)
         remaining = set(names)
+        rank = {n: i for i, n in enumerate(names)}
         done: set[str] = set()
         failures: list[tuple[str, BaseException]] = []
         running = {}
@@ -95,7 +96,10 @@ class Scheduler(Planner):
             while remaining or running:
                 if not failures:
                     held = {resource(self.m.nodes[r].step) for r in running.values()}
-                    for n in [n for n in names if n in remaining]:
+                    # the longest chain first: a step that many wait on does not queue behind
+                    # one few do for the same resource (oq's sensitivity before its reference)
+                    ready = sorted(remaining, key=lambda n: (-self.topo.height[n], rank[n]))
+                    for n in ready:
                         if len(running) >= jobs:
                             break
                         if resource(self.m.nodes[n].step) in held - {None}:

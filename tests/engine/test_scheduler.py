@@ -326,3 +326,25 @@ def test_forward_passes_run_one_at_a_time(project):
     # the others still run beside a forward pass: something started while calibrate ran
     c0, c1, _ = next(s for s in spans if s[2] == "calibrate")
     assert any(line.startswith("[run]") for line in lines[c0 + 1 : c1])
+
+
+def test_the_longest_chain_starts_first(project):
+    """Of two ready steps, the one with more steps waiting behind it runs first, whatever their
+    names: ``stats`` (calibrate -> quantize -> eval -> publish) before ``reference`` (-> eval ->
+    publish), which a walk by name would start first. At 35B, oq's sensitivity so goes ahead
+    of its reference, and GPTQ (no forward pass) runs beside the reference."""
+    project.write_manifest(
+        "xl-stats",
+        'extends = "xl"\n'
+        "[recipe.roles]\n"
+        'routed_expert = { bits = 4, group_size = 64, calibrated = true, method = "search" }\n'
+        "[steps.stats]\n"
+        'kind = "calibrate"\n'
+        'inputs = { model = "sanitize:model" }\n'
+        "[steps.quantize]\n"
+        'inputs = { calibration = "stats" }\n',
+    )
+    top = topology(manifest.load("xl-stats", project.manifests))
+    assert (top.height["stats"], top.height["reference"], top.height["publish"]) == (4, 3, 1)
+    order = ran(project.build("xl-stats", "-j", "1"))
+    assert order.index("stats") < order.index("reference"), order
