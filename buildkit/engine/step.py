@@ -337,6 +337,12 @@ class Progress:
             self.total, self.done, self.unit = total, 0, unit
         self._emit()
 
+    def grow(self, n: int) -> None:
+        """``n`` more to do than ``start`` said (a pass found, once started, to need parts)."""
+        with self.lock:
+            self.total += n
+        self._emit()
+
     def advance(self, n: int = 1, nbytes: int = 0) -> None:
         with self.lock:
             self.done += n
