@@ -239,25 +239,37 @@ def _switch_class():
 
         def __call__(self, x, indices, **kw):
             a = np.asarray(x, dtype=np.float32)
-            k = np.asarray(indices).shape[-1]
-            return mx.array(self.run(x, indices).reshape(*a.shape[:-1], k, -1))
+            idx = np.asarray(indices)
+            out = np.empty((idx.size, a.shape[-1]), np.float32)
+
+            def put(rows, y):
+                out[rows] = y
+
+            self.run(x, indices, put)
+            return mx.array(out.reshape(*a.shape[:-1], idx.shape[-1], -1))
 
         def weighted(self, x, indices, scores, observe=None) -> np.ndarray:
-            """sum_j scores[:, j] * expert_j(x) [N, H], as SparseMoeBlock sums the k outputs
-            (in order of j), without an mlx copy of the [N, k, H] outputs."""
-            y = self.run(x, indices, observe)
-            s = np.asarray(scores, dtype=np.float32)
-            y = y.reshape(s.shape[0], s.shape[1], -1)
-            acc = y[:, 0] * s[:, :1]
-            for j in range(1, s.shape[1]):
-                acc += y[:, j] * s[:, j : j + 1]
+            """sum_j scores[:, j] * expert_j(x) [N, H], as SparseMoeBlock sums the k outputs,
+            added up expert by expert (in the order of their ids) as they are made: memory is
+            the [N, H] sum, not the [N, k, H] outputs (0.5 GB at 35B's 2048 wide over 8k
+            tokens)."""
+            s = np.asarray(scores, dtype=np.float32).reshape(-1)
+            k = np.asarray(indices).shape[-1]
+            acc = np.zeros((s.size // k, np.asarray(x).shape[-1]), np.float32)
+
+            def add(rows, y):  # an expert's rows are distinct tokens: no index repeats
+                acc[rows // k] += y * s[rows, None]
+
+            self.run(x, indices, add, observe)
             return acc
 
-        def run(self, x, indices, observe=None) -> np.ndarray:
-            """Each (row, choice)'s expert output, [N * k, H] float32. ``observe(e, rows, x,
-            mid)``, if given, sees each expert's rows (ids into x, ascending), their inputs and
-            intermediate activations ``silu(gate x) * up x`` (on either thread: an observer
-            writes only expert e's own state)."""
+        def run(self, x, indices, sink, observe=None) -> None:
+            """Each (row, choice)'s expert output, handed to ``sink(rows, y)`` ([len(rows), H]
+            float32, rows ids into the flattened [N * k] choices) in the calling thread,
+            expert by expert in the order of their ids. ``observe(e, rows, x, mid)``, if given,
+            sees each expert's rows (ids into x, ascending), their inputs and intermediate
+            activations ``silu(gate x) * up x`` (on either thread: an observer writes only
+            expert e's own state)."""
             w, p = self._w, self._prefix
             a = np.asarray(x, dtype=np.float32)
             xs = a.reshape(-1, a.shape[-1])
@@ -267,7 +279,6 @@ def _switch_class():
             n_experts = w.shapes[f"{p}.down_proj.weight"][0]
             counts = np.bincount(idx.reshape(-1), minlength=n_experts)
             starts = np.concatenate([[0], np.cumsum(counts)])
-            out = np.empty((idx.size, xs.shape[1]), np.float32)
             projs = [f"{p}.{q}" for q in ("gate_proj", "up_proj", "down_proj")]
             step = min(rows_per_block(w, m) for m in projs)
             active = np.flatnonzero(counts)
@@ -280,20 +291,27 @@ def _switch_class():
             def run(item):
                 a0, sel, raw = item
                 gate, up, down = (widen(w, m, r) for m, r in zip(projs, raw, strict=True))
+                made = []
                 for i, e in enumerate(sel + a0):
                     rows = order[starts[e] : starts[e + 1]]
                     xe = xs[rows // k]
                     g, u = (gate[i] @ xe.T).T, (up[i] @ xe.T).T
                     mid = (g / (1.0 + np.exp(-g))) * u
-                    out[rows] = mid @ down[i].T
+                    made.append((rows, mid @ down[i].T))
                     if observe is not None:
                         observe(e, rows // k, xe, mid)
+                return made
 
-            for _ in workers.imap("eval", run, blocks(), window=4):
-                pass
-            return out
+            for made in workers.imap("eval", run, blocks(), window=4):
+                for rows, y in made:
+                    sink(rows, y)
 
     return StreamedSwitchGLU
+
+
+def streamed_switch(w, prefix: str):
+    """A layer's routed experts under ``prefix`` (``…mlp.switch_mlp``), streamed from ``w``."""
+    return _switch_class()(w, prefix)
 
 
 def load_module(module, w, prefix: str, skip: str = "\0") -> None:
@@ -317,22 +335,28 @@ def streamed_layer(w, prefix: str, args, index: int):
 
     layer = DecoderLayer(args, index)
     switch = prefix + "mlp.switch_mlp"
-    layer.mlp.switch_mlp = _switch_class()(w, switch)
+    layer.mlp.switch_mlp = streamed_switch(w, switch)
     quantize_as_loaded(layer, w, prefix)
     load_module(layer, w, prefix, skip=switch + ".")
     linears_to_numpy(layer)
     return layer
 
 
-def run_streamed(layer, hs: list) -> list:
+def run_streamed(layer, hs: list, parts: dict | None = None) -> list:
     """The layer over each batch of hidden states [B, L, H] (whole sequences, no cache): the
     attention per batch, then the MoE once over every position (it is position-wise), so the
-    experts are read once."""
+    experts are read once. ``parts``, if given, gets what a variant of the layer that changes
+    only its MoE may reuse: ``mid`` (each batch after the attention), the MoE's input ``x``
+    [N, H], its routing ``inds`` and ``scores``, and the routed experts' sum ``routed``."""
     import mlx.core as mx
 
     mid = attend(layer, hs)
-    flat = mx.concatenate([m.reshape(-1, m.shape[-1]) for m in mid])
-    return residual(mid, moe(layer.mlp, layer.post_attention_layernorm(flat)))
+    x = layer.post_attention_layernorm(mx.concatenate([m.reshape(-1, m.shape[-1]) for m in mid]))
+    inds, scores = route(layer.mlp, x)
+    routed = routed_sum(layer.mlp, x, inds, scores)
+    if parts is not None:
+        parts.update(mid=mid, x=x, inds=inds, scores=scores, routed=routed)
+    return residual(mid, shared_added(layer.mlp, x, routed))
 
 
 def attend(layer, hs: list) -> list:
@@ -379,19 +403,24 @@ def route(mlp, x):
     return inds, scores
 
 
-def moe(mlp, x):
-    """mlx_lm's SparseMoeBlock on x [N, H] (router softmax, top-k, the shared expert, gated),
-    the routed experts' weighted sum made in numpy by the streamed switch."""
-    return mix(mlp, x, *route(mlp, x))
-
-
 def mix(mlp, x, inds, scores, observe=None):
     """The MoE's output for rows x routed to ``inds`` with ``scores``: the routed experts'
     weighted sum (``observe``: the switch's) plus the gated shared expert."""
+    return shared_added(mlp, x, routed_sum(mlp, x, inds, scores, observe))
+
+
+def routed_sum(mlp, x, inds, scores, observe=None):
+    """The routed experts' weighted sum [N, H], made in numpy by the streamed switch."""
     import mlx.core as mx
 
-    y = mx.array(mlp.switch_mlp.weighted(x, inds, scores, observe))
-    return y + mx.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x)
+    return mx.array(mlp.switch_mlp.weighted(x, inds, scores, observe))
+
+
+def shared_added(mlp, x, routed):
+    """SparseMoeBlock's output: the routed experts' sum plus the gated shared expert of x."""
+    import mlx.core as mx
+
+    return routed + mx.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x)
 
 
 def _whole_switch_class():
@@ -527,24 +556,65 @@ def run_layer(layer, hs: list) -> list:
     return out
 
 
+# positions through the decoder layers at once: the MoE's arrays are a few of this x H floats,
+# and each part reads the experts again (at 35B ~15 s a pass: a long text costs that per part)
+TRUNK_POSITIONS = 2048
+
+
 def run_trunk(w, seqs: list[np.ndarray], progress=None) -> Trunk:
     """Every layer over every batch of ``seqs`` ([B, L] token ids), one layer's small modules
-    in memory, its experts and the embedding streamed."""
+    in memory, its experts and the embedding streamed; the rows in parts of at most
+    ``TRUNK_POSITIONS`` positions (one window if longer), each through every layer, so that
+    memory does not grow with the text."""
     import mlx.core as mx
 
     from buildkit.core.allocator import tune_imported
 
     tune_imported()  # freed layers go back to malloc, not to a second reserve in mlx
     args = text_args(w)
-    x0 = [mx.array(embeddings(w, s)) for s in seqs]
-    h = list(x0)
-    for i in range(args.num_hidden_layers):
-        layer = streamed_layer(w, f"language_model.model.layers.{i}.", args, i)
-        h = run_streamed(layer, h)
-        del layer  # free this layer's weights before loading the next
-        if progress:
-            progress.advance(1)
-    return Trunk(x0, h)
+    parts = row_parts(seqs, TRUNK_POSITIONS)
+    if progress and len(parts) > 1:
+        progress.grow((len(parts) - 1) * args.num_hidden_layers)
+    x0, h = [[] for _ in seqs], [[] for _ in seqs]
+    for part in parts:
+        hp = [mx.array(embeddings(w, seqs[j][a:b])) for j, a, b in part]
+        for (j, _, _), x in zip(part, hp, strict=True):
+            x0[j].append(x)
+        for i in range(args.num_hidden_layers):
+            layer = streamed_layer(w, f"language_model.model.layers.{i}.", args, i)
+            hp = run_streamed(layer, hp)
+            del layer  # free this layer's weights before loading the next
+            if progress:
+                progress.advance(1)
+        for (j, _, _), x in zip(part, hp, strict=True):
+            h[j].append(x)
+    return Trunk([joined(x) for x in x0], [joined(x) for x in h])
+
+
+def joined(pieces: list):
+    """A batch from its consecutive row slices."""
+    import mlx.core as mx
+
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
+
+
+def row_parts(seqs: list[np.ndarray], limit: int) -> list[list[tuple[int, int, int]]]:
+    """The rows of ``seqs`` in order as parts of (batch, first row, end row) slices, each part
+    at most ``limit`` positions (a row longer than that alone)."""
+    parts: list[list[tuple[int, int, int]]] = [[]]
+    room = limit
+    for j, b in enumerate(seqs):
+        for r in range(b.shape[0]):
+            if b.shape[1] > room and parts[-1]:
+                parts.append([])
+                room = limit
+            last = parts[-1][-1] if parts[-1] else None
+            if last and last[0] == j and last[2] == r:
+                parts[-1][-1] = (j, last[1], r + 1)
+            else:
+                parts[-1].append((j, r, r + 1))
+            room -= b.shape[1]
+    return parts
 
 
 class Output:
@@ -621,6 +691,9 @@ class HeadScan:
     def run(self) -> None:
         mods = [head_module(w) for w in self.ws]
         step = min(rows_per_block(w, m) for w, m in zip(self.ws, mods, strict=True))
+        # a block's logits, positions x rows floats, at most a weight block's bytes: many
+        # positions (a long text) take narrower blocks, not more memory
+        step = max(64, min(step, BLOCK_BYTES // (4 * max(len(self.m[0]), 1))))
         # one head given twice (two hidden states through it) is read and widened once
         first: dict[tuple, int] = {}
         src = [

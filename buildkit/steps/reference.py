@@ -68,7 +68,7 @@ def tokens(params: ReferenceParams, root: Path, tokenizer_json: bytes) -> dict[s
 class Reference(Step):
     kind = "reference"
     resource = "forward"  # one forward pass at a time (engine/step.py, SharesResource)
-    version = 2  # 2: the gated delta rule in chunks (grade/deltanet.py)
+    version = 3  # 3: the routed experts' outputs summed expert by expert (forward.weighted)
     Params = ReferenceParams
     inputs = {"source": Slot()}  # sanitize:model: the bf16 trunk
 

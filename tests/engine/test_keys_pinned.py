@@ -22,13 +22,13 @@ PINNED = {  # kind: (variant, node, key)
     "sanitize": ("xl", "sanitize", "xxh3_128:59759e2ade764d5b266ed1224d520f53"),
     "quantize": ("xl", "quantize", "xxh3_128:8e109f37a863a7674d45adb505863fd7"),
     "verify": ("xl", "verify", "xxh3_128:0b91178842c53f01beddd24353718b4a"),
-    "reference": ("xl", "reference", "xxh3_128:11e04d3b1e7c238e253ab7d25faa0520"),
-    "eval": ("xl", "eval", "xxh3_128:949f7bc7f71218abd51032fecc09abb9"),
-    "publish": ("xl", "publish", "xxh3_128:0cb32218b23c350713e9a764b08bbdb6"),
+    "reference": ("xl", "reference", "xxh3_128:e806301ec2e4aa82efd6a7cc0bdd5c09"),
+    "eval": ("xl", "eval", "xxh3_128:4463c16ec80d26757add68f718621113"),
+    "publish": ("xl", "publish", "xxh3_128:8d23aeba9bf32378ac055592c5102a40"),
     "graft": ("xl-mtp", "graft", "xxh3_128:795eecd020d2de0742c584a6b1df5df9"),
     "requantize": ("xl-mtp", "requantize", "xxh3_128:07926dc069fe99b39ca90a44c052fa0d"),
-    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:ef8c3bacd5bc5fe948c7d333aee56b87"),
-    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:e0c31c5349f83189e155eaee77016db2"),
+    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:3beb7880841e1388b9f691808142a66f"),
+    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:ef233c549bc1cd1d1202654477e142c0"),
 }
 
 

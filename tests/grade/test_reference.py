@@ -108,3 +108,38 @@ def test_an_eval_without_a_reference_says_how_to_give_one(seed, project):
     p = project.run("build", "xl-noref", "--target", "eval", check=False)
     assert p.returncode == 1 and ran(p) == ["eval"], p.stderr
     assert 'give input reference = ["reference"]' in p.stderr and "Traceback" not in p.stderr
+
+
+def test_row_parts_cover_every_row_once_in_order_within_the_limit():
+    seqs = [np.zeros((5, 64), np.int32), np.zeros((1, 30), np.int32), np.zeros((2, 200), np.int32)]
+    parts = fw.row_parts(seqs, 128)
+    rows = [(j, r) for part in parts for j, a, b in part for r in range(a, b)]
+    assert rows == [(j, r) for j, s in enumerate(seqs) for r in range(s.shape[0])]
+    sizes = [sum((b - a) * seqs[j].shape[1] for j, a, b in part) for part in parts]
+    assert sizes == [128, 128, 94, 200, 200]  # a row longer than the limit: alone
+    assert fw.row_parts(seqs, 10_000) == [[(0, 0, 5), (1, 0, 1), (2, 0, 2)]]
+
+
+def test_the_trunk_in_parts_is_the_trunk_whole(trained_xl, monkeypatch):
+    """A long text goes through the layers in parts of TRUNK_POSITIONS (memory bounded, the
+    experts read once a part): the same hidden states as one pass, and, through mlx_lm's
+    SparseMoeBlock (the k outputs summed in mlx), the streamed switch's sum expert by expert."""
+    _, src_dir = trained_xl
+    src = DirWeights(src_dir)
+    windows, _ = rf.layout({"": [t % 200 for t in range(3, 300)], "b": list(range(7, 140))}, 64)
+    whole = fw.run_trunk(src, windows)
+    monkeypatch.setattr(fw, "TRUNK_POSITIONS", 100)
+    assert len(fw.row_parts(windows, 100)) > 3
+    parts = fw.run_trunk(src, windows)
+    for a, b in zip(whole.x0, parts.x0, strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    for a, b in zip(whole.h, parts.h, strict=True):  # matmuls over other row counts round
+        assert a.shape == b.shape  # otherwise: ~30 float32 ulps after the layers
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=2e-4)
+    layer = fw.streamed_layer(src, "language_model.model.layers.0.", fw.text_args(src), 0)
+    x = mx.array(np.random.default_rng(0).standard_normal((50, whole.h[0].shape[-1]), np.float32))
+    inds, scores = fw.route(layer.mlp, x)
+    summed = np.array(fw.routed_sum(layer.mlp, x, inds, scores))
+    per_choice = layer.mlp.switch_mlp(x, inds)  # [N, k, H], as mlx_lm's block sums them
+    want = np.array((per_choice * scores[..., None]).sum(axis=-2))
+    np.testing.assert_allclose(summed, want, rtol=1e-5, atol=1e-5)
