@@ -218,7 +218,8 @@ def kind(group: str) -> str:
 
 # a sensitivity candidate's tensor in float32 blocks: (name, bits, rows) -> blocks of ``rows``
 Blocks = Callable[[str, int, int], Iterator["np.ndarray"]]
-GROUP = 4  # hidden-state lists through one MoE call: its output is lists x tokens x k x H floats
+GROUP = 8  # hidden-state lists through one MoE call: ~100 MB a list at 2048 tokens and H 2048
+# (was 4 while the MoE kept every choice's output, lists x tokens x 8 x H floats)
 
 
 def local(
@@ -302,15 +303,37 @@ class LocalPass:
             self.note(-1, c, out, h, -1 in probes_at)
         for i in range(self.n):
             prefix = f"language_model.model.layers.{i}."
+            source = fw.streamed_layer(self.w, prefix, self.args, i)
+            parts: dict = {}
+            h_out = fw.run_streamed(source, h, parts)
             carried = [t[1] for t in self.top.values()]
-            outs = self.through(fw.streamed_layer(self.w, prefix, self.args, i), [h, *carried])
-            for t, out in zip(self.top.values(), outs[1:], strict=True):
+            for t, out in zip(self.top.values(), self.through(source, carried), strict=True):
                 t[1] = out
             for c in cands.get(i, []):
-                layer = fw.streamed_layer(self.swapped(c), prefix, self.args, i)
-                self.note(i, c, fw.run_streamed(layer, h), outs[0], i in probes_at)
-            h = outs[0]
+                self.note(i, c, self.output(i, c, source, h, parts), h_out, i in probes_at)
+            h = h_out
         return fw.final_norm(self.w, h)
+
+    def output(self, i: int, c: tuple, source, h: list, parts: dict) -> list:
+        """Layer ``i``'s output with candidate ``c``'s tensors. What the candidate does not
+        change is the source's (``parts``): the routed experts' candidates run only the
+        experts, on the source's routing; the shared expert's only the shared expert."""
+        prefix = f"language_model.model.layers.{i}."
+        what = kind(c[0])
+        if what.startswith("mlp.switch_mlp"):
+            switch = source.mlp.switch_mlp
+            source.mlp.switch_mlp = fw.streamed_switch(self.swapped(c), prefix + "mlp.switch_mlp")
+            try:
+                routed = fw.routed_sum(source.mlp, parts["x"], parts["inds"], parts["scores"])
+            finally:
+                source.mlp.switch_mlp = switch
+            return fw.residual(parts["mid"], fw.shared_added(source.mlp, parts["x"], routed))
+        layer = fw.streamed_layer(self.swapped(c), prefix, self.args, i)
+        if what.startswith("mlp.shared_expert"):  # the shared expert or its gate
+            return fw.residual(
+                parts["mid"], fw.shared_added(layer.mlp, parts["x"], parts["routed"])
+            )
+        return fw.run_streamed(layer, h)
 
     def note(self, i: int, c: tuple, out: list, ref: list, probed: bool) -> None:
         """A candidate's output of layer ``i`` against the source's: its error, and, at a

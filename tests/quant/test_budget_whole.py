@@ -219,3 +219,51 @@ def test_the_local_sensitivity_never_holds_an_expert_stack_or_the_vocabulary_who
     whole = [(n, r) for n, r in asked if n in big and r >= model.tensors[n]["shape"][0]]
     assert not whole, whole
     assert {n for n, _ in asked} & set(big)  # expert and vocabulary candidates were streamed
+
+
+def test_a_local_candidate_reuses_what_it_does_not_change_and_gets_the_whole_layers_output(built):
+    """local runs of a candidate's layer only what the candidate changes (the routed experts'
+    candidates the experts on the source's routing, the shared expert's the shared expert): for
+    a candidate of each kind, the output is the whole layer's run with the candidate in it."""
+    import mlx.core as mx
+    import numpy as np
+
+    from buildkit.grade import forward as fw
+    from buildkit.grade import sensitivity as sens
+    from buildkit.grade import texts
+    from buildkit.grade.weights import StoreWeights
+    from buildkit.steps.sensitivity import measured
+
+    project, _ = built
+    store = Store(project.store)
+    model, calibration = (
+        node(project, "oq-eq", "sanitize", "model"),
+        node(project, "oq-eq", "calibrate"),
+    )
+    params = manifest.load("oq-eq", project.manifests).nodes["sensitivity"].params
+    groups = {g: p["tensors"] for g, p in measured(params, model.tensors).items()}
+
+    def blocks(name, b, rows):
+        role = Role(bits=b, group_size=64, calibrated=".switch_mlp." in name)
+        return budget.dequantized_rows(store, model, name, role, calibration, rows)
+
+    w = StoreWeights(store, [model], model.meta["config"], None)
+    tokens = list(range(3, 200))
+    run = sens.LocalPass(w, texts.windows(tokens, 64), blocks)
+    prefix, i = "language_model.model.layers.1.", 1
+    h = [mx.array(fw.embeddings(w, s)) for s in run.seqs]
+    source = fw.streamed_layer(w, prefix, run.args, i)
+    parts: dict = {}
+    out = fw.run_streamed(source, h, parts)
+    kinds = set()
+    for g, names in groups.items():
+        if not g.startswith(prefix) or sens.kind(g) in kinds:
+            continue
+        kinds.add(sens.kind(g))
+        c = (g, tuple(names), 3 if ".switch_mlp" in g else 4)
+        got = run.output(i, c, source, h, parts)
+        want = fw.run_streamed(fw.streamed_layer(run.swapped(c), prefix, run.args, i), h)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5, err_msg=g)
+        assert sens.squared_error(got, out) > 0  # the candidate changed the layer's output
+    assert {"mlp.switch_mlp", "mlp.shared_expert", "attention"} <= kinds, kinds
