@@ -18,7 +18,8 @@ the steps running then: with ``-j 2`` an upper bound where two overlap):
 3. the variants as shipped (``--variants``; eval steps included): ``xl`` cold in its own store,
    ``xl-mtp`` after it in the same store, ``oq4e-mtp-xl`` cold in its own (its donor the same
    source) and ``oq`` cold in its own. Each shipped build's eval.json says whether mlx_vlm's
-   speculative run fitted in memory.
+   speculative run fitted in memory: the bytes it may take are ``--client-memory`` (2 GB by
+   default, the builds' target, so at 35B it does not run; ``machine`` as a user's build).
 
 Bytes read and written are ``rchar``/``wchar`` of ``/proc/<pid>/io`` of the exited
 ``/usr/bin/time`` process (a process's counters include its reaped children's), read before
@@ -46,6 +47,8 @@ import time
 from pathlib import Path
 
 from peer import convert_argv  # bench/ is the script's directory, first on sys.path
+
+from buildkit.clients.speculative import MEMORY_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -154,9 +157,15 @@ class StepPeaks(threading.Thread):
 
 
 def measure(
-    name: str, argv: list, logs: Path, limit: str | None = None, timeout: float | None = None
+    name: str,
+    argv: list,
+    logs: Path,
+    limit: str | None = None,
+    timeout: float | None = None,
+    env: dict | None = None,
 ) -> dict:
-    """Run argv under /usr/bin/time -v (and prlimit --as if ``limit``) and return its figures."""
+    """Run argv under /usr/bin/time -v (and prlimit --as if ``limit``; ``env`` added to the
+    environment) and return its figures."""
     logs.mkdir(parents=True, exist_ok=True)
     log, tfile = logs / f"{name}.log", logs / f"{name}.time"
     cmd = ["/usr/bin/time", "-v", "-o", str(tfile), *map(str, argv)]
@@ -172,7 +181,12 @@ def measure(
     with open(log, "w") as out:
         t0 = time.perf_counter()
         child = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
         peaks = StepPeaks(child.pid, log)
         peaks.start()
@@ -324,7 +338,9 @@ def shipped_rows(R: dict, args, work: Path, src: Path, manifests: Path) -> None:
     for v in args.variants:
         store, out = work / stores.get(v, f"store-{v}"), work / "out" / v
         name = "oq4e-mtp-xl-samesrc" if v == "oq4e-mtp-xl" else v
-        r = measure(v, build_argv(store, manifests, name, src, out), logs, timeout=args.timeout)
+        env = {} if args.client_memory == "machine" else {MEMORY_ENV: args.client_memory}
+        argv = build_argv(store, manifests, name, src, out)
+        r = measure(v, argv, logs, timeout=args.timeout, env=env)
         r |= {"published": tensor_bytes(out) if out.exists() else 0, "store_disk": du(store)}
         r["speculative"] = speculative_status(out)
         r["after_xl"] = v == "xl-mtp" and "xl" in R["shipped"]
@@ -341,6 +357,7 @@ def run(args) -> dict:
     logs, src = work / "logs", work / "src"
     preset = ["--preset", args.preset] if args.preset != "small" else []
     R: dict = {"machine": machine(), "mem_limit": args.mem_limit, "preset": args.preset}
+    R["client_memory"] = args.client_memory
     R["fixture"] = measure(
         "fixture", [PY, "-m", "buildkit.cli", "fixture", src, *preset, "--sparse"], logs
     )
@@ -423,7 +440,8 @@ def shipped_table(R: dict) -> list[str]:
     S = R["shipped"]
     L = [
         "The variants as shipped (eval steps included; each cold in its own store, xl-mtp "
-        "after xl in xl's):",
+        f"after xl in xl's; mlx_vlm's whole-model run given {R.get('client_memory', 'machine')}"
+        " bytes, `--client-memory`):",
         "",
         "| run | wall s | CPU s | peak RSS MB | read GB | written GB | published GB "
         "| mlx_vlm speculative run |",
@@ -547,6 +565,13 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--timeout", type=float, default=None, help="kill a shipped build after this many s"
+    )
+    p.add_argument(
+        "--client-memory",
+        default="2e9",
+        help=f"{MEMORY_ENV} for the shipped builds: the bytes mlx_vlm's whole-model run may "
+        "take (default 2e9, the builds' target: at 35B it is then not run; 'machine': what "
+        "the machine has, as a user's build decides; oq's 16.5 GB fits this one's 23.5 GiB)",
     )
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument(
