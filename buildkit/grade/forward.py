@@ -238,15 +238,14 @@ def _switch_class():
             self._w, self._prefix = w, prefix
 
         def __call__(self, x, indices, **kw):
-            a = np.asarray(x, dtype=np.float32)
             idx = np.asarray(indices)
-            out = np.empty((idx.size, a.shape[-1]), np.float32)
+            out = np.empty((idx.size, x.shape[-1]), np.float32)
 
             def put(rows, y):
                 out[rows] = y
 
             self.run(x, indices, put)
-            return mx.array(out.reshape(*a.shape[:-1], idx.shape[-1], -1))
+            return mx.array(out.reshape(*x.shape[:-1], idx.shape[-1], -1))
 
         def weighted(self, x, indices, scores, observe=None) -> np.ndarray:
             """sum_j scores[:, j] * expert_j(x) [N, H], as SparseMoeBlock sums the k outputs,
@@ -255,7 +254,7 @@ def _switch_class():
             tokens)."""
             s = np.asarray(scores, dtype=np.float32).reshape(-1)
             k = np.asarray(indices).shape[-1]
-            acc = np.zeros((s.size // k, np.asarray(x).shape[-1]), np.float32)
+            acc = np.zeros((s.size // k, x.shape[-1]), np.float32)
 
             def add(rows, y):  # an expert's rows are distinct tokens: no index repeats
                 acc[rows // k] += y * s[rows, None]
@@ -353,7 +352,7 @@ def run_streamed(layer, hs: list, parts: dict | None = None) -> list:
     mid = attend(layer, hs)
     x = layer.post_attention_layernorm(mx.concatenate([m.reshape(-1, m.shape[-1]) for m in mid]))
     inds, scores = route(layer.mlp, x)
-    routed = routed_sum(layer.mlp, x, inds, scores)
+    routed = routed_sum(layer.mlp.switch_mlp, x, inds, scores)
     if parts is not None:
         parts.update(mid=mid, x=x, inds=inds, scores=scores, routed=routed)
     return residual(mid, shared_added(layer.mlp, x, routed))
@@ -406,14 +405,14 @@ def route(mlp, x):
 def mix(mlp, x, inds, scores, observe=None):
     """The MoE's output for rows x routed to ``inds`` with ``scores``: the routed experts'
     weighted sum (``observe``: the switch's) plus the gated shared expert."""
-    return shared_added(mlp, x, routed_sum(mlp, x, inds, scores, observe))
+    return shared_added(mlp, x, routed_sum(mlp.switch_mlp, x, inds, scores, observe))
 
 
-def routed_sum(mlp, x, inds, scores, observe=None):
-    """The routed experts' weighted sum [N, H], made in numpy by the streamed switch."""
+def routed_sum(switch, x, inds, scores, observe=None):
+    """The routed experts' weighted sum [N, H], made in numpy by a streamed switch."""
     import mlx.core as mx
 
-    return mx.array(mlp.switch_mlp.weighted(x, inds, scores, observe))
+    return mx.array(switch.weighted(x, inds, scores, observe))
 
 
 def shared_added(mlp, x, routed):

@@ -321,12 +321,8 @@ class LocalPass:
         prefix = f"language_model.model.layers.{i}."
         what = kind(c[0])
         if what.startswith("mlp.switch_mlp"):
-            switch = source.mlp.switch_mlp
-            source.mlp.switch_mlp = fw.streamed_switch(self.swapped(c), prefix + "mlp.switch_mlp")
-            try:
-                routed = fw.routed_sum(source.mlp, parts["x"], parts["inds"], parts["scores"])
-            finally:
-                source.mlp.switch_mlp = switch
+            switch = fw.streamed_switch(self.swapped(c), prefix + "mlp.switch_mlp")
+            routed = fw.routed_sum(switch, parts["x"], parts["inds"], parts["scores"])
             return fw.residual(parts["mid"], fw.shared_added(source.mlp, parts["x"], routed))
         layer = fw.streamed_layer(self.swapped(c), prefix, self.args, i)
         if what.startswith("mlp.shared_expert"):  # the shared expert or its gate

@@ -139,7 +139,7 @@ def test_the_trunk_in_parts_is_the_trunk_whole(trained_xl, monkeypatch):
     layer = fw.streamed_layer(src, "language_model.model.layers.0.", fw.text_args(src), 0)
     x = mx.array(np.random.default_rng(0).standard_normal((50, whole.h[0].shape[-1]), np.float32))
     inds, scores = fw.route(layer.mlp, x)
-    summed = np.array(fw.routed_sum(layer.mlp, x, inds, scores))
+    summed = np.array(fw.routed_sum(layer.mlp.switch_mlp, x, inds, scores))
     per_choice = layer.mlp.switch_mlp(x, inds)  # [N, k, H], as mlx_lm's block sums them
     want = np.array((per_choice * scores[..., None]).sum(axis=-2))
     np.testing.assert_allclose(summed, want, rtol=1e-5, atol=1e-5)
