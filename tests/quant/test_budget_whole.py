@@ -109,6 +109,28 @@ def node(project: Project, variant: str, name: str, output: str = "out") -> Arti
     return store.get_artifact(store.get_ref(variant)["nodes"][name]["outputs"][output])
 
 
+def local_inputs(project: Project, asked: list | None = None):
+    """oq-eq's store, sanitized model, sensitivity params and plan, and ``blocks`` for
+    ``sensitivity.local``: a candidate's tensor a block of rows at a time, as the build makes
+    it (each (name, rows) asked noted in ``asked``)."""
+    from buildkit.steps.sensitivity import measured
+
+    store = Store(project.store)
+    model, calibration = (
+        node(project, "oq-eq", "sanitize", "model"),
+        node(project, "oq-eq", "calibrate"),
+    )
+    params = manifest.load("oq-eq", project.manifests).nodes["sensitivity"].params
+
+    def blocks(name, b, rows):
+        if asked is not None:
+            asked.append((name, rows))
+        role = Role(bits=b, group_size=64, calibrated=".switch_mlp." in name)
+        return budget.dequantized_rows(store, model, name, role, calibration, rows)
+
+    return store, model, params, measured(params, model.tensors), blocks
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """oq on the austen fixture at xl-4bit's bits per weight (its baseline's), up to eval."""
@@ -179,16 +201,10 @@ def test_the_local_sensitivity_never_holds_an_expert_stack_or_the_vocabulary_who
     from buildkit.grade import sensitivity as sens
     from buildkit.grade import texts
     from buildkit.grade.weights import StoreWeights
-    from buildkit.steps.sensitivity import measured
 
     project, _ = built
-    store = Store(project.store)
-    model, calibration = (
-        node(project, "oq-eq", "sanitize", "model"),
-        node(project, "oq-eq", "calibrate"),
-    )
-    params = manifest.load("oq-eq", project.manifests).nodes["sensitivity"].params
-    plan = measured(params, model.tensors)
+    asked = []
+    store, model, params, plan, blocks = local_inputs(project, asked)
     groups = {g: p["tensors"] for g, p in plan.items()}
     bits = {g: [b for b in p["bits"] if b != 16] for g, p in plan.items()}
     big = [
@@ -196,17 +212,11 @@ def test_the_local_sensitivity_never_holds_an_expert_stack_or_the_vocabulary_who
         for n in model.tensors
         if ".switch_mlp." in n or n in (fw.EMBED + ".weight", fw.LM_HEAD + ".weight")
     ]
-    asked = []
 
     class Streamed(StoreWeights):
         def read(self, name):
             assert name not in big, f"{name} read whole"
             return super().read(name)
-
-    def blocks(name, b, rows):
-        asked.append((name, rows))
-        role = Role(bits=b, group_size=64, calibrated=".switch_mlp." in name)
-        return budget.dequantized_rows(store, model, name, role, calibration, rows)
 
     monkeypatch.setattr(fw, "BLOCK_BYTES", 64 << 10)
     w = Streamed(store, [model], model.meta["config"], None)
@@ -232,21 +242,10 @@ def test_a_local_candidate_reuses_what_it_does_not_change_and_gets_the_whole_lay
     from buildkit.grade import sensitivity as sens
     from buildkit.grade import texts
     from buildkit.grade.weights import StoreWeights
-    from buildkit.steps.sensitivity import measured
 
     project, _ = built
-    store = Store(project.store)
-    model, calibration = (
-        node(project, "oq-eq", "sanitize", "model"),
-        node(project, "oq-eq", "calibrate"),
-    )
-    params = manifest.load("oq-eq", project.manifests).nodes["sensitivity"].params
-    groups = {g: p["tensors"] for g, p in measured(params, model.tensors).items()}
-
-    def blocks(name, b, rows):
-        role = Role(bits=b, group_size=64, calibrated=".switch_mlp." in name)
-        return budget.dequantized_rows(store, model, name, role, calibration, rows)
-
+    store, model, _, plan, blocks = local_inputs(project)
+    groups = {g: p["tensors"] for g, p in plan.items()}
     w = StoreWeights(store, [model], model.meta["config"], None)
     tokens = list(range(3, 200))
     run = sens.LocalPass(w, texts.windows(tokens, 64), blocks)
