@@ -265,6 +265,8 @@ def local(
         gains[p, kind(g)] = run.kl(hn, fw.final_norm(w, h)) / e
         if progress:
             progress.advance(1)
+    if progress:  # a probed group no candidate moved (all-zero weights) has nothing to carry
+        progress.advance(n_probes - len(run.top))
     for (i, (g, _, b)), e in run.err.items():
         result[g][b] = float(f"{gain_at(gains, i, kind(g)) * e:.6g}")
     return result, {f"{i} {k}": v for (i, k), v in sorted(gains.items())}

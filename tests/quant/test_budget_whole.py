@@ -266,3 +266,34 @@ def test_a_local_candidate_reuses_what_it_does_not_change_and_gets_the_whole_lay
             np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5, err_msg=g)
         assert sens.squared_error(got, out) > 0  # the candidate changed the layer's output
     assert {"mlp.switch_mlp", "mlp.shared_expert", "attention"} <= kinds, kinds
+
+
+def test_local_progress_reaches_its_total_when_a_probed_group_moves_nothing(built):
+    """A probed group whose candidates leave its layer's output as it was (all-zero weights, as
+    the sparse 35B source's are) has nothing to carry through the later layers; the progress
+    still ends at the total it announced, and that group's figures are 0."""
+    from buildkit.engine.step import Progress
+    from buildkit.grade import forward as fw
+    from buildkit.grade import sensitivity as sens
+    from buildkit.grade.weights import StoreWeights
+
+    project, _ = built
+    store, model, _, plan, blocks = local_inputs(project)
+    groups = {g: p["tensors"] for g, p in plan.items()}
+    bits = {g: [b for b in p["bits"] if b != 16] for g, p in plan.items()}
+    w = StoreWeights(store, [model], model.meta["config"], None)
+    router = next(g for g in groups if ".layers.0." in g and sens.kind(g) == "mlp.gate")
+
+    def unchanged(name, b, rows):  # the router's candidates: its own weights
+        if name not in groups[router]:
+            return blocks(name, b, rows)
+        module = name.removesuffix(".weight")
+        return (fw.widen(w, module, parts) for _, parts in fw.raw_blocks(w, module, rows))
+
+    progress = Progress("sensitivity")
+    figures, gains = sens.local(
+        w, groups, bits, budget.layer_index, unchanged, list(range(3, 200)), 64, [0, 3], progress
+    )
+    assert progress.total and progress.done == progress.total, (progress.done, progress.total)
+    assert bits[router] and set(figures[router].values()) == {0.0}
+    assert "0 mlp.gate" not in gains
