@@ -244,7 +244,7 @@ def _switch_class():
             def put(rows, y):
                 out[rows] = y
 
-            self.run(x, indices, put)
+            expert_outputs(self._w, self._prefix, x, indices, put)
             return mx.array(out.reshape(*x.shape[:-1], idx.shape[-1], -1))
 
         def weighted(self, x, indices, scores, observe=None) -> np.ndarray:
@@ -259,53 +259,53 @@ def _switch_class():
             def add(rows, y):  # an expert's rows are distinct tokens: no index repeats
                 acc[rows // k] += y * s[rows, None]
 
-            self.run(x, indices, add, observe)
+            expert_outputs(self._w, self._prefix, x, indices, add, observe)
             return acc
 
-        def run(self, x, indices, sink, observe=None) -> None:
-            """Each (row, choice)'s expert output, handed to ``sink(rows, y)`` ([len(rows), H]
-            float32, rows ids into the flattened [N * k] choices) in the calling thread,
-            expert by expert in the order of their ids. ``observe(e, rows, x, mid)``, if given,
-            sees each expert's rows (ids into x, ascending), their inputs and intermediate
-            activations ``silu(gate x) * up x`` (on either thread: an observer writes only
-            expert e's own state)."""
-            w, p = self._w, self._prefix
-            a = np.asarray(x, dtype=np.float32)
-            xs = a.reshape(-1, a.shape[-1])
-            idx = np.asarray(indices).reshape(xs.shape[0], -1)
-            k = idx.shape[1]
-            order = np.argsort(idx.reshape(-1), kind="stable")
-            n_experts = w.shapes[f"{p}.down_proj.weight"][0]
-            counts = np.bincount(idx.reshape(-1), minlength=n_experts)
-            starts = np.concatenate([[0], np.cumsum(counts)])
-            projs = [f"{p}.{q}" for q in ("gate_proj", "up_proj", "down_proj")]
-            step = min(rows_per_block(w, m) for m in projs)
-            active = np.flatnonzero(counts)
-
-            def blocks():
-                streams = [raw_blocks(w, m, step, active) for m in projs]
-                for got in zip(*streams, strict=True):
-                    yield got[0][0], got[0][2], [g[1] for g in got]
-
-            def run(item):
-                a0, sel, raw = item
-                gate, up, down = (widen(w, m, r) for m, r in zip(projs, raw, strict=True))
-                made = []
-                for i, e in enumerate(sel + a0):
-                    rows = order[starts[e] : starts[e + 1]]
-                    xe = xs[rows // k]
-                    g, u = (gate[i] @ xe.T).T, (up[i] @ xe.T).T
-                    mid = (g / (1.0 + np.exp(-g))) * u
-                    made.append((rows, mid @ down[i].T))
-                    if observe is not None:
-                        observe(e, rows // k, xe, mid)
-                return made
-
-            for made in workers.imap("eval", run, blocks(), window=4):
-                for rows, y in made:
-                    sink(rows, y)
-
     return StreamedSwitchGLU
+
+
+def expert_outputs(w, p: str, x, indices, sink, observe=None) -> None:
+    """The streamed switch's work (``p`` its prefix in ``w``): each (row, choice)'s expert
+    output, handed to ``sink(rows, y)`` ([len(rows), H] float32, rows ids into the flattened
+    [N * k] choices) in the calling thread, expert by expert in the order of their ids.
+    ``observe(e, rows, x, mid)``, if given, sees each expert's rows (ids into x, ascending),
+    their inputs and intermediate activations ``silu(gate x) * up x`` (on either thread: an
+    observer writes only expert e's own state)."""
+    a = np.asarray(x, dtype=np.float32)
+    xs = a.reshape(-1, a.shape[-1])
+    idx = np.asarray(indices).reshape(xs.shape[0], -1)
+    k = idx.shape[1]
+    order = np.argsort(idx.reshape(-1), kind="stable")
+    n_experts = w.shapes[f"{p}.down_proj.weight"][0]
+    counts = np.bincount(idx.reshape(-1), minlength=n_experts)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    projs = [f"{p}.{q}" for q in ("gate_proj", "up_proj", "down_proj")]
+    step = min(rows_per_block(w, m) for m in projs)
+    active = np.flatnonzero(counts)
+
+    def blocks():
+        streams = [raw_blocks(w, m, step, active) for m in projs]
+        for got in zip(*streams, strict=True):
+            yield got[0][0], got[0][2], [g[1] for g in got]
+
+    def run(item):
+        a0, sel, raw = item
+        gate, up, down = (widen(w, m, r) for m, r in zip(projs, raw, strict=True))
+        made = []
+        for i, e in enumerate(sel + a0):
+            rows = order[starts[e] : starts[e + 1]]
+            xe = xs[rows // k]
+            g, u = (gate[i] @ xe.T).T, (up[i] @ xe.T).T
+            mid = (g / (1.0 + np.exp(-g))) * u
+            made.append((rows, mid @ down[i].T))
+            if observe is not None:
+                observe(e, rows // k, xe, mid)
+        return made
+
+    for made in workers.imap("eval", run, blocks(), window=4):
+        for rows, y in made:
+            sink(rows, y)
 
 
 def streamed_switch(w, prefix: str):
