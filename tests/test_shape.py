@@ -15,7 +15,6 @@ ALLOWED = {
     "buildkit.fixtures.generated:generate": "a linear script: plan, shards, index, side files",
     "buildkit.fixtures.generated:FixtureSpec._check": "one check per field, each its own message",
     "buildkit.store.hub:explain": "one branch per Hub failure a user meets, each with its advice",
-    "buildkit.grade.forward:_switch_class": "a class built at run time over lazy-imported mlx",
 }
 
 
