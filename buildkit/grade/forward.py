@@ -37,6 +37,7 @@ from buildkit.grade import deltanet
 np = lazy("numpy", __name__)
 
 BLOCK_BYTES = 8 << 20  # float32 bytes of a block of rows once widened
+INFLIGHT_BYTES = 64 << 20  # a block's expert inputs and outputs, float32, in a window
 FLOATS = ("BF16", "F16", "F32")
 EMBED = "language_model.model.embed_tokens"
 LM_HEAD = "language_model.lm_head"
@@ -303,7 +304,11 @@ def expert_outputs(w, p: str, x, indices, sink, observe=None) -> None:
                 observe(e, rows // k, xe, mid)
         return made
 
-    for made in workers.imap("eval", run, blocks(), window=4):
+    # a block's outputs wait in the window until sunk: where routing crowds many rows onto a
+    # block's experts (all of them, on the sparse source), fewer blocks are let in flight
+    crowd = np.add.reduceat(counts, np.arange(0, n_experts, step)).max() * 8 * a.shape[-1]
+    window = int(np.clip(INFLIGHT_BYTES // max(crowd, 1), 2, 4))
+    for made in workers.imap("eval", run, blocks(), window=window):
         for rows, y in made:
             sink(rows, y)
 
