@@ -15,6 +15,7 @@ before the final norm, and the embedding of token t+1) against its own trunk's a
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from buildkit.core.errors import SourceError
@@ -124,18 +125,25 @@ def head_hits(w: Weights, t: Trunk) -> tuple[list[int], list[int]]:
     import mlx.core as mx
 
     head = streamed_head(w)
-    layer = head.layers[0]
-    xs = [
-        head.fc(
-            mx.concatenate(
-                [head.pre_fc_norm_embedding(x0[:, 1:]), head.pre_fc_norm_hidden(h[:, :-1])],
-                axis=-1,
+
+    def text(js: list[int]) -> list:  # one text's batches: what is held grows with one text
+        xs = [
+            head.fc(
+                mx.concatenate(
+                    [
+                        head.pre_fc_norm_embedding(t.x0[j][:, 1:]),
+                        head.pre_fc_norm_hidden(t.h[j][:, :-1]),
+                    ],
+                    axis=-1,
+                )
             )
-        )
-        for x0, h in zip(t.x0, t.h, strict=True)
-    ]
-    ys = [head.norm(y) for y in fw.run_streamed(layer, xs)]
-    del layer
+            for j in js
+        ]
+        return [head.norm(y) for y in fw.run_streamed(head.layers[0], xs)]
+
+    groups = t.groups or [""] * len(t.h)
+    runs = itertools.groupby(range(len(t.h)), key=groups.__getitem__)
+    ys = [y for _, js in runs for y in text(list(js))]
     # token t+2 for t = 0..L-2, through the trunk's final norm and lm_head, as Output does
     pred = fw.HeadScan([w], [fw.final_norm(w, ys)]).arg[0]
     hits, totals, at = [], [], 0

@@ -185,23 +185,49 @@ def _put_trunks(store, trunks, tokens: list[int], text: str) -> Artifact:
     return art
 
 
-def _get_trunks(store, art: Artifact) -> tuple[Trunk, Trunk]:
+def _batch_groups(art: Artifact) -> list[str]:
+    """Each kept batch's text ("" the main one)."""
+    n = sum(1 for k in art.tensors if k.startswith("model.h."))
+    return art.meta.get("groups") or [""] * n
+
+
+def _get_trunks(store, art: Artifact, group: str) -> tuple[Trunk, Trunk]:
+    """Both trunks an eval node kept, their batches of one text: what eval_head holds grows
+    with one text, not with all of them (oq4e-mtp-xl keeps four)."""
     import mlx.core as mx
 
+    groups = _batch_groups(art)
+    keep = [j for j, g in enumerate(groups) if g == group]
     out = []
     for who in ("source", "model"):
-        t = Trunk()
-        j = 0
-        while f"{who}.h.{j}" in art.tensors:
+        shapes = [art.tensors[f"{who}.h.{j}"]["shape"] for j in range(len(groups))]
+        L = [s[1] for s in shapes for _ in range(s[0])]  # each sequence's length
+        am = np.split(store.read_tensor(art.tensors[f"{who}.argmax"]), np.cumsum(L)[:-1])
+        first = np.cumsum([0] + [s[0] for s in shapes])  # each batch's first sequence
+        t = Trunk(groups=[group] * len(keep))
+        for j in keep:
             t.x0.append(mx.array(store.read_tensor(art.tensors[f"{who}.x0.{j}"])))
             t.h.append(mx.array(store.read_tensor(art.tensors[f"{who}.h.{j}"])))
-            j += 1
-        am = store.read_tensor(art.tensors[f"{who}.argmax"])
-        L = [b.shape[1] for b in t.h for _ in range(b.shape[0])]
-        t.argmax = np.split(am, np.cumsum(L)[:-1])
-        t.groups = art.meta.get("groups") or [""] * len(t.h)
+            t.argmax += am[first[j] : first[j + 1]]
         out.append(t)
     return out[0], out[1]
+
+
+def _head_hits(store, art: Artifact, src, mod) -> dict:
+    """Each head's hits and positions per window, in the kept windows' order, one text's
+    trunks loaded at a time."""
+    groups = _batch_groups(art)
+    windows = [
+        g for j, g in enumerate(groups) for _ in range(art.tensors[f"model.h.{j}"]["shape"][0])
+    ]
+    hits = {who: ([0] * len(windows), [0] * len(windows)) for who in ("model", "source")}
+    for g in dict.fromkeys(groups):
+        ts, tm = _get_trunks(store, art, g)
+        at = [i for i, y in enumerate(windows) if y == g]
+        for who, w, t in (("model", mod, tm), ("source", src, ts)):
+            for i, h, n in zip(at, *ev.head_hits(w, t), strict=True):
+                hits[who][0][i], hits[who][1][i] = h, n
+    return {"hits": hits, "windows": windows}
 
 
 @register
@@ -273,20 +299,20 @@ class Eval(WorldStep):
                 "scope 'head' grades heads on an eval node's trunks: "
                 'give input trunk = "eval:trunk"'
             )
-        ts, tm = _get_trunks(ctx.store, inputs["trunk"][0])
+        art = inputs["trunk"][0]
         for who, w in (("model", mod), ("source", src)):
             if not w.has_head():
                 raise StepError(
                     f"scope 'head': the {who} input has no MTP head (language_model.mtp.* tensors)"
                 )
-        hits = {"model": ev.head_hits(mod, tm), "source": ev.head_hits(src, ts)}
-        report = {"tokens": inputs["trunk"][0].meta["tokens"]}
-        stats.merge(report, ev.heads(hits, ev.window_groups(tm)))
-        tokens = ctx.store.read_tensor(inputs["trunk"][0].tensors["tokens"]).tolist()
-        main = ev.only(ts), ev.only(tm)  # the drafts run on the main text's batches
+        got = _head_hits(ctx.store, art, src, mod)
+        report = {"tokens": art.meta["tokens"]}
+        stats.merge(report, ev.heads(got["hits"], got["windows"]))
+        tokens = ctx.store.read_tensor(art.tensors["tokens"]).tolist()
+        main = _get_trunks(ctx.store, art, "")  # the drafts run on the main text's batches
         depth = drafting.figures(src, mod, *main, tokens, params.depth, params.verify_cost)
         stats.merge(report, depth)
-        report["text"] = inputs["trunk"][0].meta.get("text", "")
+        report["text"] = art.meta.get("text", "")
         if params.speculative is not None:
             report["speculative"] = self._speculative(ctx, params, inputs, src, tokens)
         trunk = Artifact(meta={"tokens": report["tokens"]})
