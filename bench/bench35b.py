@@ -356,6 +356,8 @@ def run(args) -> dict:
         shutil.rmtree(work)
     logs, src = work / "logs", work / "src"
     preset = ["--preset", args.preset] if args.preset != "small" else []
+    if args.layers:  # a shorter trunk of the same shapes, in minutes: the memory of every step
+        preset += ["--layers", str(args.layers), "--shards", "4"]  # (26 would leave some empty)
     R: dict = {"machine": machine(), "mem_limit": args.mem_limit, "preset": args.preset}
     R["client_memory"] = args.client_memory
     R["fixture"] = measure(
@@ -574,6 +576,12 @@ def main(argv=None) -> int:
         "the machine has, as a user's build decides; oq's 16.5 GB fits this one's 23.5 GiB)",
     )
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="the source's decoder layers (default the preset's)",
+    )
     p.add_argument(
         "--eval-tokens", default="128", help="`buildkit eval --max-tokens` (default 128)"
     )
