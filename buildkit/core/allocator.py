@@ -54,3 +54,15 @@ def tune_imported() -> None:
     # call (each step start, or that import's own) sets it
     if _tuned and getattr(mx, "set_cache_limit", None) is not None:
         mx.set_cache_limit(0)
+
+
+def release() -> None:
+    """Hand the free pages of malloc's heaps back to the OS (``malloc_trim``): between steps,
+    so a step is not charged for the buffers earlier steps freed (kept for reuse by ``tune``,
+    they add up over a long build)."""
+    if not _tuned:
+        return
+    try:
+        libc().malloc_trim(0)
+    except AttributeError:  # not glibc
+        pass

@@ -201,7 +201,10 @@ class Scheduler(Planner):
         ctx.fingerprint = st.ingredients["fingerprint"]
         ctx.key, ctx.libraries = st.key, st.ingredients["libraries"]
         allocator.tune_imported()  # an earlier step imported mlx: its buffer cache off
-        outputs = node.step.run(ctx, node.params, inputs)
+        try:
+            outputs = node.step.run(ctx, node.params, inputs)
+        finally:
+            allocator.release()  # what the step freed goes back, not to the next step's peak
         if set(outputs) != set(node.step.outputs):
             raise StepError(
                 f"returned outputs {sorted(outputs)}, expected {list(node.step.outputs)}"

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import Project
 
+from buildkit.core import allocator
 from buildkit.fixtures.generated import FixtureSpec, generate, tensor_plan
 
 MB = 1 << 20
@@ -376,3 +377,38 @@ def test_eval_peak_rss_does_not_hold_the_vocabulary(tmp_path):
         f"to {large.vocab} ({peaks[small.vocab] / MB:.0f} -> {peaks[large.vocab] / MB:.0f} MB): "
         "it holds a vocabulary-sized tensor"
     )
+
+
+CHURN = """
+import threading
+import numpy as np
+from buildkit.core import allocator
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) << 10
+assert allocator.tune()
+base = rss()
+def work(seed):  # a step's way: buffers of 1-30 MB made and freed on two threads
+    r, keep = np.random.default_rng(seed), []
+    for _ in range(300):
+        keep.append(np.ones(int(r.integers(1, 30)) << 18, np.float32))
+        if len(keep) > 8:
+            keep.pop(int(r.integers(0, len(keep))))
+threads = [threading.Thread(target=work, args=(s,)) for s in range(2)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+kept = rss()
+allocator.release()
+print(base, kept, rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim, /proc")
+def test_release_hands_back_what_a_step_freed():
+    """Between steps the scheduler calls ``allocator.release``: the buffers ``tune`` keeps for
+    reuse within a step do not stay in the process for the next step's peak."""
+    env = {k: v for k, v in os.environ.items() if k not in allocator.ENV}
+    p = subprocess.run([sys.executable, "-c", CHURN], capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    base, kept, after = map(int, p.stdout.split())
+    assert kept - base > 50 * MB  # tune kept freed buffers (the case release is for)
+    assert after - base < (kept - base) / 2, (base // MB, kept // MB, after // MB)
