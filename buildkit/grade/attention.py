@@ -1,12 +1,14 @@
-"""qwen3_5's full attention in numpy, for our forward pass on the CPU.
+"""qwen3_5's two attention modules in numpy, for our forward pass on the CPU.
 
 Our pass runs mlx_lm's modules with their linears as numpy matmuls (``forward``), but the
 arithmetic between the linears stayed mlx's, whose CPU path runs it at a few GFLOP/s against
 numpy's sgemm at ~320: at the 35B shapes (2,048 tokens in windows of 128) 1.4 s of a
-full-attention layer's 2.2 s went to its q/k norms, RoPE, scores, mixing and output gate
-(bench/RESULTS.md). Within ``in_numpy()`` (this thread only), qwen3_5's full attention runs
-here for the call our pass makes (whole sequences, no cache, float32); any other call, and
-anything else in the process (a real client included), keeps mlx_lm's own.
+full-attention layer's 2.2 s went to its q/k norms, RoPE, scores, mixing and output gate,
+and 0.57 s of a gated-delta layer's to its depthwise convolution and norms (bench/RESULTS.md).
+Within ``in_numpy()`` (this thread only), qwen3_5's full attention and gated delta net run
+here for the call our pass makes (whole sequences, no cache, float32), the delta rule as
+``deltanet.gated_delta``; any other call, and anything else in the process (a real client
+included), keeps mlx_lm's own.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def rms_norm(x: np.ndarray, weight, eps: float) -> np.ndarray:
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 + 0.5 * np.tanh(0.5 * x)  # no overflow where exp(-x) would
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
 
 
 def rope(r, x: np.ndarray) -> np.ndarray:
@@ -93,11 +99,43 @@ def full_attention(attn, x: np.ndarray, causal: bool) -> np.ndarray:
     return linear(attn.o_proj, o * sigmoid(qg[..., d:].reshape(B, L, H * d)))
 
 
+def causal_conv(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """mlx's depthwise Conv1d (weight [C, K, 1], no bias) over x [B, S, C] after K - 1 zeros."""
+    K, S = w.shape[1], x.shape[1]
+    xp = np.concatenate([np.zeros((x.shape[0], K - 1, x.shape[2]), x.dtype), x], axis=1)
+    out = xp[:, :S] * w[:, 0, 0]
+    for j in range(1, K):
+        out += xp[:, j : j + S] * w[:, j, 0]
+    return out
+
+
+def gated_delta_net(gdn, x: np.ndarray) -> np.ndarray:
+    """qwen3_5's GatedDeltaNet over x [B, S, hidden] from a zero state, no cache."""
+    B, S, _ = x.shape
+    Hk, Hv, Dk, Dv = gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim
+    conv = silu(causal_conv(linear(gdn.in_proj_qkv, x), np.asarray(gdn.conv1d.weight)))
+    q, k, v = np.split(conv, [gdn.key_dim, 2 * gdn.key_dim], axis=-1)
+    inv = Dk**-0.5  # mlx_lm's normalize_qk: l2 norms as rms norms, the readout scale in q
+    q = inv**2 * rms_norm(q.reshape(B, S, Hk, Dk), None, 1e-6 * inv**2)
+    k = inv * rms_norm(k.reshape(B, S, Hk, Dk), None, 1e-6 * inv**2)
+    a = linear(gdn.in_proj_a, x) + np.asarray(gdn.dt_bias, np.float32)
+    log_g = -np.exp(np.asarray(gdn.A_log, np.float32)) * np.logaddexp(a, np.float32(0))
+    beta = sigmoid(linear(gdn.in_proj_b, x))
+    y, _ = deltanet.gated_delta(q, k, v.reshape(B, S, Hv, Dv), log_g, beta)
+    z = linear(gdn.in_proj_z, x).reshape(B, S, Hv, Dv)
+    y = silu(z) * rms_norm(y, gdn.norm.weight, gdn.norm.eps)
+    return linear(gdn.out_proj, y.reshape(B, S, -1))
+
+
 def _full_ok(attn, x, mask) -> bool:
     import mlx.nn as nn
 
     causal = isinstance(mask, str) and mask == "causal"
     return (mask is None or causal) and type(attn.rope) is nn.RoPE
+
+
+def _delta_ok(gdn, x, mask) -> bool:
+    return mask is None and getattr(gdn, "sharding_group", None) is None
 
 
 def _wrap(cls, ok, fast) -> None:
@@ -116,8 +154,8 @@ def _wrap(cls, ok, fast) -> None:
 
 @contextmanager
 def in_numpy():
-    """Within this block (this thread only), qwen3_5's full attention runs in numpy, and its
-    gated delta rule as ``deltanet.chunked``'s."""
+    """Within this block (this thread only), qwen3_5's attention modules run in numpy (and
+    its delta rule as ``deltanet.chunked``'s wherever they defer to mlx_lm's own)."""
     global _installed
     from mlx_lm.models import qwen3_5
 
@@ -128,6 +166,7 @@ def in_numpy():
                 _full_ok,
                 lambda m, x, mask: full_attention(m, x, mask is not None),
             )
+            _wrap(qwen3_5.GatedDeltaNet, _delta_ok, lambda m, x, mask: gated_delta_net(m, x))
             _installed = True
     before = getattr(_local, "on", False)
     _local.on = True

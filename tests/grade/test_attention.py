@@ -1,4 +1,4 @@
-"""qwen3_5's full attention in numpy against mlx_lm's own, on a small generated config."""
+"""qwen3_5's attention modules in numpy against mlx_lm's own, on a small generated config."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def rel_diff(ours, ref) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("index", [3])
+@pytest.mark.parametrize("index", [3, 0])
 @pytest.mark.parametrize("B,L", [(1, 1), (1, 7), (2, 70), (1, 130)])
 def test_matches_mlx_lm(index, B, L):
     """Ours, with mlx's linears and with our numpy ones, against mlx_lm's module: equal to
@@ -104,7 +104,7 @@ def test_attend_runs_the_layers_in_numpy_and_matches_mlx_lm():
             assert rel_diff(g, r) < 1e-5
 
 
-@pytest.mark.parametrize("index", [3])
+@pytest.mark.parametrize("index", [3, 0])
 def test_a_real_clients_calls_keep_mlx_lms_own(index):
     """Outside the block, in another thread, with a cache or an array mask, mlx_lm's module
     runs its own arithmetic: the same bytes."""
