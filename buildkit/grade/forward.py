@@ -363,17 +363,23 @@ def run_streamed(layer, hs: list, parts: dict | None = None) -> list:
     return residual(mid, shared_added(layer.mlp, x, routed))
 
 
+# positions through a layer's attention at once: its numpy linears run faster over more rows
+# than a 128-token window's (bench/RESULTS.md), and its memory is a few times this x 8192 floats
+ATTEND_POSITIONS = 512
+
+
 def attend(layer, hs: list) -> list:
-    """The attention half of a decoder layer, its residual added, over each batch [B, L, H]."""
+    """The attention half of a decoder layer, its residual added, over each batch [B, L, H]
+    (a few sequences at a time, at most ``ATTEND_POSITIONS`` positions unless one is longer)."""
     import mlx.core as mx
 
     attn = layer.linear_attn if layer.is_linear else layer.self_attn
     mid = []
     with attention.in_numpy():
         for h in hs:
-            rows = []
-            for r in range(h.shape[0]):  # one sequence at a time: the gated delta net's
-                x = h[r : r + 1]  # memory grows with the batch
+            rows, step = [], max(1, ATTEND_POSITIONS // h.shape[1])
+            for r in range(0, h.shape[0], step):
+                x = h[r : r + step]
                 rows.append(x + attn(layer.input_layernorm(x), layer_mask(layer, x), None))
                 mx.eval(rows[-1])
             mid.append(mx.concatenate(rows) if len(rows) > 1 else rows[0])

@@ -92,16 +92,19 @@ def test_matches_mlx_lm(index, B, L):
     assert rel_diff(ours, ref) < 1e-5
 
 
-def test_attend_runs_the_layers_in_numpy_and_matches_mlx_lm():
-    """forward.attend (the residual added) over windows, each layer kind, against mlx_lm's."""
-    hs = [hidden(1, 128, seed=s) for s in (2, 3)]
+@pytest.mark.parametrize("positions", [512, 80])
+def test_attend_runs_the_layers_in_numpy_and_matches_mlx_lm(positions, monkeypatch):
+    """forward.attend (the residual added) over batches, a few sequences at a time (at 80
+    positions a batch of three 40-token rows goes as two and one), against mlx_lm's layer."""
+    monkeypatch.setattr(fw, "ATTEND_POSITIONS", positions)
+    hs = [hidden(1, 128, seed=2), hidden(3, 40, seed=3)]
     for index in (3, 1):
         m = layer(index, seed=index)
         ref = [np.array(h) + run(m, h) for h in hs]
         fw.linears_to_numpy(m)
         got = [np.array(x) for x in fw.attend(m, hs)]
         for g, r in zip(got, ref, strict=True):
-            assert rel_diff(g, r) < 1e-5
+            assert g.shape == r.shape and rel_diff(g, r) < 1e-5
 
 
 @pytest.mark.parametrize("index", [3, 0])
