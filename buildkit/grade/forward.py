@@ -11,9 +11,9 @@ lm_head are 248320 x 2048, each layer's experts 256 x 3 x 512 x 2048):
 - the embedding: only the rows of the tokens the text uses are kept as its blocks pass;
 - a decoder layer: its attention, router and shared expert loaded as mlx_lm's modules, their
   linears as float32 numpy matmuls (``calibration``: mlx's CPU matmul is 10-20x slower than
-  OpenBLAS); the MoE runs once over every position of every batch, its routed experts read a
-  block at a time (only those a position is routed to are widened or dequantized), on two
-  threads;
+  OpenBLAS), and the attention's arithmetic between them in numpy too (``attention``); the
+  MoE runs once over every position of every batch, its routed experts read a block at a
+  time (only those a position is routed to are widened or dequantized), on two threads;
 - the output head: both models' lm_head in the same blocks of vocabulary rows, their logits
   for every position reduced block by block (``HeadScan``): a running log-sum-exp of each, the
   KL divergence in its streaming form, argmax and the next token's logit.
@@ -32,7 +32,7 @@ from buildkit.core.errors import SourceError
 from buildkit.core.lazy import lazy
 from buildkit.formats.checkpoint import PROJS, SWITCH
 from buildkit.formats.tensors import dequantize, to_float32, to_mlx
-from buildkit.grade import deltanet
+from buildkit.grade import attention
 
 np = lazy("numpy", __name__)
 
@@ -363,17 +363,23 @@ def run_streamed(layer, hs: list, parts: dict | None = None) -> list:
     return residual(mid, shared_added(layer.mlp, x, routed))
 
 
+# positions through a layer's attention at once: its numpy linears run faster over more rows
+# than a 128-token window's (bench/RESULTS.md), and its memory is a few times this x 8192 floats
+ATTEND_POSITIONS = 512
+
+
 def attend(layer, hs: list) -> list:
-    """The attention half of a decoder layer, its residual added, over each batch [B, L, H]."""
+    """The attention half of a decoder layer, its residual added, over each batch [B, L, H]
+    (a few sequences at a time, at most ``ATTEND_POSITIONS`` positions unless one is longer)."""
     import mlx.core as mx
 
     attn = layer.linear_attn if layer.is_linear else layer.self_attn
     mid = []
-    with deltanet.chunked():
+    with attention.in_numpy():
         for h in hs:
-            rows = []
-            for r in range(h.shape[0]):  # one sequence at a time: the gated delta net's
-                x = h[r : r + 1]  # memory grows with the batch
+            rows, step = [], max(1, ATTEND_POSITIONS // h.shape[1])
+            for r in range(0, h.shape[0], step):
+                x = h[r : r + step]
                 rows.append(x + attn(layer.input_layernorm(x), layer_mask(layer, x), None))
                 mx.eval(rows[-1])
             mid.append(mx.concatenate(rows) if len(rows) > 1 else rows[0])
@@ -554,7 +560,7 @@ def run_layer(layer, hs: list) -> list:
     """One decoder layer over each batch of hidden states (no cache: whole sequences)."""
     import mlx.core as mx
 
-    with deltanet.chunked():
+    with attention.in_numpy():
         out = [layer(h, mask=layer_mask(layer, h), cache=None) for h in hs]
         mx.eval(out)
     return out

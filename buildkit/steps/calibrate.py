@@ -63,7 +63,7 @@ class CalibrateParams(Params):
 class Calibrate(Step):
     kind = "calibrate"
     resource = "forward"  # one forward pass at a time (engine/step.py, SharesResource)
-    version = 7  # bump when either output's bytes change (7: experts summed as made)
+    version = 8  # bump when either output's bytes change (7: experts summed; 8: numpy attention)
     Params = CalibrateParams
     inputs = {"model": Slot()}
     outputs = ("out", "heldout")

@@ -237,7 +237,7 @@ class Eval(WorldStep):
     # 2: streamed forward, KL by running log-sum-exp; text name; domains
     # 3: 95% intervals (block bootstrap), llama.cpp's KLD report, rates only from 30 drafts
     # 4: the source's trunk from a reference node; the trunk output names its text
-    version = 6  # 6: the routed experts' outputs summed expert by expert (forward.weighted)
+    version = 7  # 6: the routed experts' outputs summed expert by expert; 7: attention in numpy
     Params = EvalParams
     inputs = {
         "model": Slot(many=True),  # the quantized model's artifacts

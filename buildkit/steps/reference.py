@@ -68,7 +68,7 @@ def tokens(params: ReferenceParams, root: Path, tokenizer_json: bytes) -> dict[s
 class Reference(Step):
     kind = "reference"
     resource = "forward"  # one forward pass at a time (engine/step.py, SharesResource)
-    version = 3  # 3: the routed experts' outputs summed expert by expert (forward.weighted)
+    version = 4  # 3: the routed experts' outputs summed expert by expert; 4: attention in numpy
     Params = ReferenceParams
     inputs = {"source": Slot()}  # sanitize:model: the bf16 trunk
 

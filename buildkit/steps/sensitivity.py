@@ -195,7 +195,7 @@ def _default(params: SensitivityParams, tensors: dict[str, dict], groups: dict) 
 class Sensitivity(Step):
     kind = "sensitivity"
     resource = "forward"  # one forward pass at a time (engine/step.py, SharesResource)
-    version = 4  # 2: the KL of the outputs, not a proxy; 4: experts summed expert by expert
+    version = 5  # 2: the KL of the outputs, not a proxy; 4: experts summed; 5: numpy attention
     Params = SensitivityParams
     # model: sanitize:model; calibration: a calibrate output (data-aware candidates)
     inputs = {"model": Slot(), "calibration": Slot(required=False)}

@@ -22,13 +22,13 @@ PINNED = {  # kind: (variant, node, key)
     "sanitize": ("xl", "sanitize", "xxh3_128:59759e2ade764d5b266ed1224d520f53"),
     "quantize": ("xl", "quantize", "xxh3_128:8e109f37a863a7674d45adb505863fd7"),
     "verify": ("xl", "verify", "xxh3_128:0b91178842c53f01beddd24353718b4a"),
-    "reference": ("xl", "reference", "xxh3_128:e806301ec2e4aa82efd6a7cc0bdd5c09"),
-    "eval": ("xl", "eval", "xxh3_128:4463c16ec80d26757add68f718621113"),
-    "publish": ("xl", "publish", "xxh3_128:8d23aeba9bf32378ac055592c5102a40"),
+    "reference": ("xl", "reference", "xxh3_128:92319b5a7a39077fdc27b9e785a8893c"),
+    "eval": ("xl", "eval", "xxh3_128:532d9cf27f98ad3a9e6101ba041667e5"),
+    "publish": ("xl", "publish", "xxh3_128:d277ae26188bd7c516c1ef40c56d4a95"),
     "graft": ("xl-mtp", "graft", "xxh3_128:795eecd020d2de0742c584a6b1df5df9"),
     "requantize": ("xl-mtp", "requantize", "xxh3_128:07926dc069fe99b39ca90a44c052fa0d"),
-    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:3beb7880841e1388b9f691808142a66f"),
-    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:ef233c549bc1cd1d1202654477e142c0"),
+    "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:fee2c7ed135548e38ea1944fd39d6a7e"),
+    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:85a100c149c0d741f4aa1c1958ab0a37"),
 }
 
 
