@@ -172,9 +172,11 @@ def _np_linear():
             self.w = weight
 
         def __call__(self, x):
-            a = np.asarray(x, dtype=np.float32)
-            y = a.reshape(-1, a.shape[-1]) @ self.w.T
-            return mx.array(y.reshape(*a.shape[:-1], -1))
+            return mx.array(self.matmul(np.asarray(x, dtype=np.float32)))
+
+        def matmul(self, a: np.ndarray) -> np.ndarray:
+            """The linear over numpy rows a [..., in] (``attention`` calls it directly)."""
+            return (a.reshape(-1, a.shape[-1]) @ self.w.T).reshape(*a.shape[:-1], -1)
 
     return NpLinear
 
