@@ -30,18 +30,6 @@ from buildkit.grade.weights import HEAD, Weights
 np = lazy("numpy", __name__)
 
 
-def only(t: Trunk, group: str = "") -> Trunk:
-    """The batches of ``t`` from one text ("" the main one) and their sequences' argmax."""
-    groups = t.groups or [""] * len(t.h)
-    rows, at = [], 0
-    for h, g in zip(t.h, groups, strict=True):
-        if g == group:
-            rows += t.argmax[at : at + h.shape[0]]
-        at += h.shape[0]
-    keep = [j for j, g in enumerate(groups) if g == group]
-    return Trunk([t.x0[j] for j in keep], [t.h[j] for j in keep], rows, [group] * len(keep))
-
-
 def position_figures(
     src: Weights, mod: Weights, ref: rf.Reference, tm: Trunk
 ) -> dict[str, np.ndarray]:
@@ -262,12 +250,6 @@ def report(m: Measured, tokens: dict[str, int]) -> dict:
     if m.hits:
         stats.merge(fig, heads(m.hits, m.groups))
     return fig
-
-
-def window_groups(t: Trunk) -> list[str]:
-    """Each window's (sequence's) text, from a trunk's per-batch ``groups``."""
-    groups = t.groups or [""] * len(t.h)
-    return [g for h, g in zip(t.h, groups, strict=True) for _ in range(h.shape[0])]
 
 
 def heads(hits: dict, groups: list[str]) -> dict:
