@@ -404,7 +404,11 @@ def header(R: dict) -> list[str]:
         f"{R['source']['apparent'] / GB:.1f} GB apparent, "
         f"{R['source']['disk'] / 1e6:.0f} MB on disk "
         f"(written in {R['fixture']['wall']:.1f} s). "
-        f"mlx_lm.convert ran under `prlimit --as={R['mem_limit']}`.",
+        + (
+            f"mlx_lm.convert ran under `prlimit --as={R['mem_limit']}`."
+            if "convert" in R
+            else "mlx_lm.convert was not run (`--skip-convert`)."
+        ),
         "",
     ]
 
