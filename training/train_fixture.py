@@ -14,13 +14,17 @@ domain) as Debian's ``r-cran-janeaustenr`` ships them (MIT-licensed R package; t
 in the data directory's LICENSE), printed through ``Rscript``. One line per paragraph, chapter
 headings dropped. The committed run's steps and time are in its meta.json.
 
+``--fixture austen64`` (buildkit/data/trained-austen64): the same novels, 64 experts, top-4,
+hidden 64 (at austen's 128 the weights would be 17 MB), routed experts 91% of the text weights:
+the many-expert regime where a sensitivity estimate must hold (issue 41).
+
 Rerun (CI never runs it):
 
     apt-get install bible-kjv libopenblas0-pthread   # the corpus; a fast BLAS for mlx's matmuls
     apt-get install --no-install-recommends r-cran-janeaustenr   # austen's corpus
     OPENBLAS_NUM_THREADS=2 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
         PYTHONPATH=. .venv/bin/python training/train_fixture.py \
-        [--fixture kjv|austen] [--steps N] [--out DIR]
+        [--fixture kjv|austen|austen64] [--steps N] [--out DIR]
 
 The preload is only for speed: the ``mlx[cpu]`` wheel's bundled reference BLAS makes a step
 ~2.5x slower here (measured on one step: 6.0 s against 2.5 s). Seeds fix the initialisation and
@@ -156,6 +160,7 @@ CORPORA = {
         "packaging MIT",
     ),
 }
+CORPORA["austen64"] = CORPORA["austen"]  # the same novels, a model of 64 experts
 
 
 # ---- the model ---------------------------------------------------------------------------

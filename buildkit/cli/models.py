@@ -142,7 +142,8 @@ def add_fixture(sub, fixture_options: bool) -> None:
         metavar="NAME",
         help="write a small checkpoint trained on real text instead of random weights: kjv "
         "(the default; buildkit/data/trained) or austen (shaped like the real model: 48 experts, "
-        "top-4, experts 88%% of the weights; buildkit/data/trained-austen). "
+        "top-4, experts 88%% of the weights; buildkit/data/trained-austen) or austen64 (64 "
+        "experts, top-4, hidden 64; buildkit/data/trained-austen64). "
         "A build names it as --source fixture:trained or fixture:trained=NAME",
     )
     if fixture_options:
