@@ -1,17 +1,17 @@
 """oq's sensitivity, local against measured: the cost of each and the KLD of the model each plans.
 
-On each trained fixture (austen: 48 experts, top-4, experts 88% of the weights; kjv: 8 experts),
-in one store: ``oq`` with its source the fixture and its budget at xl-4bit's bits per weight
-(its ``quantize_baseline``'s; kjv's floor where that is below it), built to ``eval`` three
-times, its sensitivity by ``method = "measured"``, by ``"local"`` probed at every layer and by
-``"local"`` probed at 2 layers (the gains of the others interpolated). Each row: the
+On each trained fixture (austen64: 64 experts, top-4; austen: 48 experts, top-4, experts 88% of the
+weights; kjv: 8 experts), in one store: ``oq`` with its source the fixture and its budget at
+xl-4bit's bits per weight (its ``quantize_baseline``'s; kjv's floor where that is below it), built
+to ``eval`` three times, its sensitivity by ``method = "measured"``, by ``"local"`` probed at every
+layer and by ``"local"`` probed at 2 layers (the gains of the others interpolated). Each row: the
 sensitivity step's wall time (the build's ``[done]`` line), the planned bits per weight, the
 model's KLD mean on the held-out text with its 95% interval, and its ratio to measured's plan
-paired on the same windows (``grade.stats.paired_ratio``). Target (issue 41): local's KLD within
-5% of measured's at the same bytes. Prints a Markdown table; ``--results`` also writes it to
+paired on the same windows (``grade.stats.paired_ratio``). Target (issue 41): local's KLD within 5%
+of measured's at the same bytes. Prints a Markdown table; ``--results`` also writes it to
 bench/RESULTS.md between its markers.
 
-    python bench/sensitivity_bench.py [--fixtures austen,kjv] [--results]
+    python bench/sensitivity_bench.py [--fixtures austen64,austen,kjv] [--results]
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def table(rows: list[dict], when: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=str(REPO / "build" / "sensitivity-bench"))
-    ap.add_argument("--fixtures", default="austen,kjv")
+    ap.add_argument("--fixtures", default="austen64,austen,kjv")
     ap.add_argument("--results", action="store_true", help="write the table to RESULTS.md")
     args = ap.parse_args()
     root = Path(args.dir).absolute()
