@@ -110,20 +110,24 @@ def settle_disk(quiet: float = 2.0, limit: float = 180.0) -> float:
     return time.perf_counter() - t0
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (/proc)."""
-    total, todo = 0, [pid]
+def tree_memory(pid: int) -> dict[str, int]:
+    """A process and all its descendants (/proc): resident bytes (``VmRSS``), of them anonymous
+    (``RssAnon``), each summed, and the largest high-water mark (``VmHWM``, what ``time -v``
+    reports): a sampled peak above the recorded one then says what it was made of."""
+    got, todo = {"VmRSS": 0, "RssAnon": 0, "VmHWM": 0}, [pid]
     while todo:
         p = todo.pop()
         try:
             for ln in Path(f"/proc/{p}/status").read_text().splitlines():
-                if ln.startswith("VmRSS:"):
-                    total += int(ln.split()[1]) * 1024
+                key, _, value = ln.partition(":")
+                if key in got:
+                    n = int(value.split()[0]) * 1024
+                    got[key] = max(got[key], n) if key == "VmHWM" else got[key] + n
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, ValueError):
             continue
-    return total
+    return got
 
 
 class StepPeaks(threading.Thread):
@@ -136,6 +140,7 @@ class StepPeaks(threading.Thread):
         self.pid, self.log, self.at = pid, log, 0
         self.running: set[str] = set()
         self.peaks: dict[str, int] = {}
+        self.top = {"VmRSS": 0, "RssAnon": 0, "VmHWM": 0}  # the sample of the highest VmRSS
         self.done = threading.Event()
 
     def read_log(self) -> None:
@@ -151,7 +156,10 @@ class StepPeaks(threading.Thread):
     def run(self) -> None:
         while not self.done.wait(0.1):
             self.read_log()
-            rss = tree_rss(self.pid)
+            mem = tree_memory(self.pid)
+            rss = mem["VmRSS"]
+            if rss > self.top["VmRSS"]:
+                self.top = mem
             for step in self.running:
                 self.peaks[step] = max(self.peaks.get(step, 0), rss)
 
@@ -214,6 +222,7 @@ def measure(
             m[1]: float(m[2]) for m in re.finditer(r"^\[done\]\s+(\S+) .* in ([\d.]+)s", text, re.M)
         },
         "step_peak_rss": peaks.peaks,
+        "sampled_peak": peaks.top,
     }
     if timeout and outer_wall >= timeout:
         r["timeout"] = timeout
@@ -222,7 +231,8 @@ def measure(
         print(f"bench35b: {name} exited {code}; see {log}", flush=True)
     print(
         f"bench35b: {name}: {r['wall']:.1f} s wall, {r['cpu']:.1f} s CPU, "
-        f"peak RSS {r['peak_rss'] / 1e6:.0f} MB",
+        f"peak RSS {r['peak_rss'] / 1e6:.0f} MB (sampled: VmRSS {peaks.top['VmRSS'] / 1e6:.0f} MB, "
+        f"{peaks.top['RssAnon'] / 1e6:.0f} MB anonymous, VmHWM {peaks.top['VmHWM'] / 1e6:.0f} MB)",
         flush=True,
     )
     return r
@@ -499,10 +509,14 @@ def targets(R: dict) -> list[str]:
         f"({xl['wchar'] / GB:.2f} / {xl['published'] / GB:.2f} GB): {met(w <= 1.1)}."
     )
     runs = {f"{v}-noeval": R[v] for v in ("xl", "xl-mtp")} | S
-    worst = max(runs, key=lambda k: runs[k]["peak_rss"])
+    # a run's peak: time -v's, or the sampler's where it saw more (a step's tree, file pages)
+    peak = {
+        k: max(r["peak_rss"], r.get("sampled_peak", {}).get("VmRSS", 0)) for k, r in runs.items()
+    }
+    worst = max(runs, key=peak.get)
     L.append(
-        f"- Target every peak RSS < 2 GB: the highest {worst} "
-        f"{runs[worst]['peak_rss'] / 1e6:,.0f} MB: {met(runs[worst]['peak_rss'] < 2e9)}."
+        f"- Target every peak RSS < 2 GB (time -v's or the sampled VmRSS, the larger): the "
+        f"highest {worst} {peak[worst] / 1e6:,.0f} MB: {met(peak[worst] < 2e9)}."
     )
     ok = {v: r for v, r in S.items() if r["exit"] == 0}
     if "xl" in ok:
