@@ -11,7 +11,8 @@ paired on the same windows (``grade.stats.paired_ratio``). Target (issue 41): lo
 of measured's at the same bytes. Prints a Markdown table; ``--results`` also writes it to
 bench/RESULTS.md between its markers.
 
-    python bench/sensitivity_bench.py [--fixtures austen64,austen,kjv] [--results]
+    python bench/sensitivity_bench.py [--fixtures austen64,austen,kjv] [--offsets 0,-0.75]
+        [--results]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import datetime
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -48,7 +50,7 @@ def meta(store: Store, variant: str, node: str) -> dict:
     return store.get_artifact(store.get_ref(variant)["nodes"][node]["outputs"]["out"]).meta
 
 
-def fixture_rows(root: Path, name: str) -> list[dict]:
+def fixture_rows(root: Path, name: str, offsets: list[float]) -> list[dict]:
     bk = [sys.executable, "-m", "buildkit.cli", "--store", str(root / "cache"), "--manifests"]
     bk.append(str(root / "manifests"))
     store = Store(root / "cache")
@@ -56,10 +58,19 @@ def fixture_rows(root: Path, name: str) -> list[dict]:
     src = f'source = "fixture:trained={name}"\n'
     (root / "manifests" / f"{base}.toml").write_text(f'extends = "oq"\n{src}')
     build(bk, base, "quantize_baseline")
-    target = max(meta(store, base, "quantize_baseline")["bits_per_weight"], FLOOR.get(name, 0))
+    xl4 = meta(store, base, "quantize_baseline")["bits_per_weight"]
     rows = []
+    for offset in offsets:  # the sensitivities are measured once: a target re-plans only
+        rows += target_rows(root, bk, store, name, max(xl4 + offset, FLOOR.get(name, 0)))
+    return rows
+
+
+def target_rows(root: Path, bk: list[str], store: Store, name: str, target: float) -> list[dict]:
+    """One fixture's rows at one target: oq planned by each method, graded."""
+    base, src = f"oq-{name}", f'source = "fixture:trained={name}"\n'
+    rows: list[dict] = []
     for label, setting in METHODS.items():
-        v = f"{base}-{label.split(',')[0]}-{len(rows)}"
+        v = f"{base}-{label.split(',')[0]}-{len(rows)}-{round(target * 1e4)}"
         (root / "manifests" / f"{v}.toml").write_text(
             f'extends = "oq"\n{src}[recipe]\ntarget_bpw = {target}\n'
             f"[steps.sensitivity]\nparams.{setting}\n"
@@ -86,9 +97,9 @@ def fixture_rows(root: Path, name: str) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict], when: str) -> str:
+def table(rows: list[dict], when: str, command: str) -> str:
     out = [
-        f"Run of {when}; `python bench/sensitivity_bench.py`, each fixture in one store "
+        f"Run of {when}; `{command}`, each fixture in one store "
         "(calibrate, the reference and the baseline shared), oq built to `eval` per method.",
         "",
         "| fixture | method | sensitivity step | planned bpw (target) | KLD mean [95%] | "
@@ -101,8 +112,9 @@ def table(rows: list[dict], when: str) -> str:
         if r["ratio"]:
             est, ci = r["ratio"]
             ratio = f"{est:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+        wall = "cached" if r["sensitivity_s"] is None else f"{r['sensitivity_s']:.1f} s"
         out.append(
-            f"| {r['fixture']} | {r['method']} | {r['sensitivity_s']:.1f} s | {r['bpw']:.4f} "
+            f"| {r['fixture']} | {r['method']} | {wall} | {r['bpw']:.4f} "
             f"({r['target']:.4f}) | {r['kld_mean']:.5f} [{lo:.5f}, {hi:.5f}] | {ratio} | "
             f"{r['tokens']} |"
         )
@@ -113,14 +125,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=str(REPO / "build" / "sensitivity-bench"))
     ap.add_argument("--fixtures", default="austen64,austen,kjv")
+    ap.add_argument(
+        "--offsets",
+        default="0",
+        help="targets as xl-4bit's bits per weight plus each of these (comma-separated; "
+        "the sensitivities are measured once, each target re-plans)",
+    )
     ap.add_argument("--results", action="store_true", help="write the table to RESULTS.md")
     args = ap.parse_args()
     root = Path(args.dir).absolute()
     shutil.rmtree(root, ignore_errors=True)
     shutil.copytree(REPO / "manifests", root / "manifests", ignore=shutil.ignore_patterns("*.lock"))
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    rows = [r for name in args.fixtures.split(",") for r in fixture_rows(root, name)]
-    text = table(rows, when)
+    offsets = [float(x) for x in args.offsets.split(",")]
+    rows = [r for name in args.fixtures.split(",") for r in fixture_rows(root, name, offsets)]
+    text = table(rows, when, shlex.join(["python", "bench/sensitivity_bench.py", *sys.argv[1:]]))
     print(text)
     keep = [{k: v for k, v in r.items() if k != "per_window"} for r in rows]
     (REPO / "build" / "sensitivity_bench.json").write_text(json.dumps(keep, indent=2))

@@ -10,8 +10,8 @@ measured layer, not per candidate), and the output head. What a candidate's tens
 the caller's (``quant.budget.dequantized``: as the build quantizes them).
 
 ``local`` estimates the same figures for about one layer pass per candidate instead of a pass
-through every later layer: each candidate's error in its own layer's output, times a gain (KL
-per unit of that error) measured at a few layers. The 35B model's oq measures ~20x fewer layer
+through every later layer: each candidate's error in its own layer's output, as a power of it
+fitted where the KL was measured at a few layers. The 35B model's oq runs ~9x fewer layer
 passes so; the plans it gives are checked against ``measure``'s in tests/quant. It streams
 (``forward.streamed_layer``, candidates a block of rows at a time, KL by ``forward.HeadScan``),
 so its memory does not grow with the model; ``measure`` holds layers whole and the source's
@@ -20,6 +20,7 @@ log-probabilities (tokens x vocabulary floats), for small models.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 from buildkit.core.errors import StepError
@@ -238,38 +239,63 @@ def local(
     a block of rows at a time, ``blocks``): memory is a layer's small modules, a block of
     experts and some hidden states, at any model size.
 
-    Each candidate runs its own layer only: its error is the mean squared change of that
-    layer's output (the residual stream, what every later layer reads). A gain, KL per unit of
-    that error, is measured for each kind of group (``kind``: the routed experts, attention,
-    the shared expert, …) at the decoder layers ``probes`` (and at the embeddings) by carrying
-    that group's largest-error candidate's output through every later layer beside the
-    source's, and interpolated between probed layers in log space: how much the later layers
-    amplify an error varies smoothly with depth, and differs by what made it (one gain for
-    every kind planned worse plans: RESULTS). lm_head's candidates are measured (the output
-    head streamed over the vocabulary). Returns the figures and the gains, keyed
-    ``"<layer> <kind>"`` (layer -1 the embeddings)."""
+    Each candidate runs its own layer only: its error e is the mean squared change of that
+    layer's output (the residual stream, what every later layer reads). Its KL is estimated as
+    ``gain * e ** power``, fitted for each kind of group (``kind``: the routed experts,
+    attention, the shared expert, …) at the decoder layers ``probes`` (and at the embeddings)
+    by carrying that group's largest- and smallest-error candidates' outputs through every
+    later layer beside the source's (``fit``), and interpolated between probed layers (log
+    gain and power): how much the later layers amplify an error varies smoothly with depth,
+    and differs by what made it (one gain for every kind planned worse plans: RESULTS). The
+    power is not 1 where a small change flips some tokens' choice of experts downstream (64
+    experts, top 4: KL went as e ** 0.5 at high bits; a gain alone put 8-bit candidates at
+    1/13 to 1/57 of their KL: RESULTS). lm_head's candidates are measured (the output head
+    streamed over the vocabulary). Returns the figures and the fits, keyed ``"<layer>
+    <kind>"`` (layer -1 the embeddings) as ``{"gain", "power"}``."""
     by_layer = _by_layer(groups, layer_of)
     run = LocalPass(w, texts.windows(tokens, seq_len), blocks, progress)
     probes_at = {*probes, *([-1] if -1 in by_layer else [])}
+    # a probed group carries two candidates (its largest and smallest errors), or its only one
+    n_probes = sum(min(len(bits[g]), 2) for i, gs in by_layer.items() if i in probes_at for g in gs)
     if progress:
-        n_cands = sum(len(bits[g]) for g in groups)
-        n_probes = sum(len(gs) for i, gs in by_layer.items() if i in probes_at)
-        progress.start(n_cands + n_probes, "candidates and probes")
+        progress.start(sum(len(bits[g]) for g in groups) + n_probes, "candidates and probes")
     cands = {i: _keys(groups, bits, gs) for i, gs in by_layer.items()}
     hn = run.trunk(cands, probes_at)
     result: dict[str, dict[int, float]] = {g: {} for g in groups}
     for c in (c for i in by_layer if i >= run.n for c in cands[i]):  # lm_head: measured
         result[c[0]][c[2]] = float(f"{run.head_kl(hn, c):.6g}")
-    gains: dict[tuple[int, str], float] = {}
-    for (p, g), (_c, h, e) in sorted(run.top.items(), key=lambda t: t[0]):
-        gains[p, kind(g)] = run.kl(hn, fw.final_norm(w, h)) / e
+    fits: dict[tuple[int, str], tuple[float, float]] = {}
+    for p, g in sorted(run.carried):
+        points = [(e, run.kl(hn, fw.final_norm(w, h))) for _c, h, e in run.ends((p, g))]
+        fits[p, kind(g)] = fit(points)
         if progress:
-            progress.advance(1)
+            progress.advance(len(points))
     if progress:  # a probed group no candidate moved (all-zero weights) has nothing to carry
-        progress.advance(n_probes - len(run.top))
+        progress.advance(n_probes - sum(len(run.ends(key)) for key in run.carried))
     for (i, (g, _, b)), e in run.err.items():
-        result[g][b] = float(f"{gain_at(gains, i, kind(g)) * e:.6g}")
-    return result, {f"{i} {k}": v for (i, k), v in sorted(gains.items())}
+        gain, power = fit_at(fits, i, kind(g))
+        result[g][b] = float(f"{gain * e**power:.6g}")
+    return result, {
+        f"{i} {k}": {"gain": float(f"{g:.6g}"), "power": round(q, 4)}
+        for (i, k), (g, q) in sorted(fits.items())
+    }
+
+
+# the fitted power's bounds: KL is at most second order in a change (e is its square: 1) plus
+# slack for noise; a flat fit (0) would make every bits of a group cost the same
+POWER = (0.1, 1.5)
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(gain, power) with KL = gain * error ** power through a probed group's (error, KL) at
+    its largest- and smallest-error candidates (power 1 with one, or where the two do not
+    fix one: equal errors, a KL of 0); bounded by ``POWER``."""
+    (e1, k1), *rest = sorted(points, reverse=True)
+    power = 1.0
+    if rest and k1 > 0 and rest[0][1] > 0 and e1 > 1.01 * rest[0][0] > 0:
+        power = math.log(k1 / rest[0][1]) / math.log(e1 / rest[0][0])
+        power = min(max(power, POWER[0]), POWER[1])
+    return (k1 / e1**power if e1 > 0 else 0.0), power
 
 
 def _keys(groups: dict[str, list[str]], bits, layer_groups: list[str]) -> list[tuple]:
@@ -286,7 +312,9 @@ class LocalPass:
         self.args = fw.text_args(w)
         self.n = self.args.num_hidden_layers
         self.err: dict[tuple, float] = {}  # (layer, candidate) -> its error in the layer's output
-        self.top: dict[tuple, list] = {}  # (probed layer, group) -> [candidate, output, error]
+        # (probed layer, group) -> {"top"|"bottom": [candidate, output, error]}: the candidates of
+        # largest and smallest error, their outputs carried through the later layers
+        self.carried: dict[tuple, dict[str, list]] = {}
         # positions with a next token, in ``forward.rows``' order: what the KL averages over
         self.valid = np.concatenate([np.arange(len(s)) < len(s) - 1 for *_, s in fw.rows(seqs)])
 
@@ -308,8 +336,8 @@ class LocalPass:
             source = fw.streamed_layer(self.w, prefix, self.args, i)
             parts: dict = {}
             h_out = fw.run_streamed(source, h, parts)
-            carried = [t[1] for t in self.top.values()]
-            for t, out in zip(self.top.values(), self.through(source, carried), strict=True):
+            ends = [t for key in self.carried for t in self.ends(key)]
+            for t, out in zip(ends, self.through(source, [t[1] for t in ends]), strict=True):
                 t[1] = out
             for c in cands.get(i, []):
                 self.note(i, c, self.output(i, c, source, h, parts), h_out, i in probes_at)
@@ -335,12 +363,22 @@ class LocalPass:
 
     def note(self, i: int, c: tuple, out: list, ref: list, probed: bool) -> None:
         """A candidate's output of layer ``i`` against the source's: its error, and, at a
-        probed layer, kept to be carried on if it is its group's largest yet."""
+        probed layer, kept to be carried on if it is its group's largest or smallest yet (a
+        candidate that moved nothing is not: it has nothing to carry)."""
         e = self.err[i, c] = squared_error(out, ref)
-        if probed and e > self.top.get((i, c[0]), (None, None, 0.0))[2]:
-            self.top[i, c[0]] = [c, out, e]
+        if probed and e > 0:
+            ends = self.carried.setdefault((i, c[0]), {})
+            kept = [c, out, e]  # one list where it is both ends: carried once
+            if e > ends.get("top", (None, None, 0.0))[2]:
+                ends["top"] = kept
+            if e < ends.get("bottom", (None, None, math.inf))[2]:
+                ends["bottom"] = kept
         if self.progress:
             self.progress.advance(1)
+
+    def ends(self, key: tuple) -> list[list]:
+        """A probed group's carried candidates, [candidate, output, error] each, once each."""
+        return list({id(t): t for t in self.carried[key].values()}.values())
 
     @staticmethod
     def through(layer, lists: list[list]) -> list[list]:
@@ -369,20 +407,23 @@ class LocalPass:
         return got
 
 
-def gain_at(gains: dict[tuple[int, str], float], i: int, what: str) -> float:
-    """The gain of a group of kind ``what`` in layer ``i``: probed, or interpolated in log space
-    between the decoder layers where that kind was probed (the nearest one's beyond them; any
-    kind's where it never was); 0 where no probe had an error to measure."""
-    if (i, what) in gains:
-        return gains[i, what]
+def fit_at(fits: dict[tuple[int, str], tuple], i: int, what: str) -> tuple[float, float]:
+    """The (gain, power) of a group of kind ``what`` in layer ``i``: probed, or interpolated
+    between the decoder layers where that kind was probed (log gain and power linearly; the
+    nearest one's beyond them; any kind's where it never was); gain 0 where no probe had an
+    error to measure."""
+    if (i, what) in fits:
+        return fits[i, what]
     for match in (lambda k: k == what, lambda k: True):
-        known = sorted((j, v) for (j, k), v in gains.items() if j >= 0 and v > 0 and match(k))
+        known = sorted((j, f) for (j, k), f in fits.items() if j >= 0 and f[0] > 0 and match(k))
         if known:
             break
     else:
-        return 0.0
-    xs, ys = np.array([j for j, _ in known], float), np.log([v for _, v in known])
+        return 0.0, 1.0
+    xs = np.array([j for j, _ in known], float)
+    ys = np.array([(math.log(g), q) for _, (g, q) in known])
     if len(set(xs)) < len(xs):  # several kinds at one layer (the fallback): their mean
         u = np.unique(xs)
-        ys, xs = np.array([ys[xs == x].mean() for x in u]), u
-    return float(np.exp(np.interp(i, xs, ys)))
+        ys, xs = np.array([ys[xs == x].mean(axis=0) for x in u]), u
+    log_gain, power = (float(np.interp(i, xs, ys[:, k])) for k in (0, 1))
+    return math.exp(log_gain), power

@@ -38,8 +38,8 @@ MEASURE = (
 )
 LOCAL = (
     "mean KL divergence from bf16 of next-token distributions on the calibration text, "
-    "estimated: the group's error in its own layer's output times that layer's KL per unit "
-    "of error, probed at a few layers"
+    "estimated from the group's error in its own layer's output, as a power of it fitted "
+    "where the KL was measured at a few layers"
 )
 MAX_STATES = 1 << 18  # cells of the knapsack's table (a row per group, a byte per cell)
 
@@ -179,9 +179,9 @@ def cost(
     passes over the tokens, output-head passes (lm_head over every token, vocabulary wide) and
     their matmul flops (2 per weight a token meets: a layer's routed experts at top-k of E).
     ``measured``: a candidate of layer i runs layers i..L-1 (of the embeddings, all L) and the
-    head. ``local``: a decoder layer's candidate runs its layer once; each probe (a group of
-    one of ``probes`` layers, or the embeddings) runs the later layers and the head; lm_head's
-    candidates run the head."""
+    head. ``local``: a decoder layer's candidate runs its layer once; a group of one of ``probes``
+    layers (or the embeddings) carries two of its candidates through the later layers and the
+    head; lm_head's candidates run the head."""
     text = ckpt.text_config(config)
     n, share = text["num_hidden_layers"], text["num_experts_per_tok"] / text["num_experts"]
     active = [0] * n  # weights a token meets in each layer
@@ -198,7 +198,8 @@ def cost(
         head_passes += k * with_head
         flops += k * 2 * tokens * (sum(active[first:last]) + head * with_head)
 
-    per_layer: dict[int, int] = {}  # groups in each decoder layer
+    per_layer: dict[int, int] = {}  # candidates each decoder layer's probes carry
+    embeddings = 0
     for g, names in groups.items():
         k = len([b for b in bits[g] if b != BF16])
         i = layer_index(names[0])
@@ -206,12 +207,13 @@ def cost(
             runs(k, max(i, 0), n)
         elif i >= 0:
             runs(k, i, i + 1, with_head=False)
-            per_layer[i] = per_layer.get(i, 0) + 1
-    if method == "local":  # a probe per group of a probed layer, and one of the embeddings
+            per_layer[i] = per_layer.get(i, 0) + min(k, 2)
+        else:
+            embeddings += min(k, 2)
+    if method == "local":  # a probed group's two ends (largest, smallest error) carried on
         for p in probed(list(per_layer), probes):
             runs(per_layer[p], p + 1, n)
-        if any(layer_index(ns[0]) == -1 for ns in groups.values()):
-            runs(1, 0, n)
+        runs(embeddings, 0, n)
     return {
         "candidates": sum(len([b for b in bits[g] if b != BF16]) for g in groups),
         "layer_passes": layer_passes,

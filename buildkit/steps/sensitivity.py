@@ -195,7 +195,8 @@ def _default(params: SensitivityParams, tensors: dict[str, dict], groups: dict) 
 class Sensitivity(Step):
     kind = "sensitivity"
     resource = "forward"  # one forward pass at a time (engine/step.py, SharesResource)
-    version = 5  # 2: the KL of the outputs, not a proxy; 4: experts summed; 5: numpy attention
+    version = 6  # 2: the KL of the outputs, not a proxy; 4: experts summed; 5: numpy attention;
+    # 6: local fits KL as a power of the error (two candidates a probed group)
     Params = SensitivityParams
     # model: sanitize:model; calibration: a calibrate output (data-aware candidates)
     inputs = {"model": Slot(), "calibration": Slot(required=False)}

@@ -28,7 +28,7 @@ PINNED = {  # kind: (variant, node, key)
     "graft": ("xl-mtp", "graft", "xxh3_128:795eecd020d2de0742c584a6b1df5df9"),
     "requantize": ("xl-mtp", "requantize", "xxh3_128:07926dc069fe99b39ca90a44c052fa0d"),
     "calibrate": ("oq4e-mtp-xl", "calibrate", "xxh3_128:fee2c7ed135548e38ea1944fd39d6a7e"),
-    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:85a100c149c0d741f4aa1c1958ab0a37"),
+    "sensitivity": ("oq-budget", "sensitivity", "xxh3_128:6d5781dd31d697e075cb45f169b2cf10"),
 }
 
 

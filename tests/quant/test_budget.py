@@ -277,10 +277,10 @@ def test_auto_sensitivity_measures_small_models_and_estimates_the_real_depth():
             budget.cost(config, tensors, groups, bits, 64, x)["layer_passes"]
             for x in ("measured", "local")
         )
-        # measured: 4 bits x (L + ... + 1); local: one pass a candidate, probes the rest
+        # measured: 4 bits x (L + ... + 1); local: one pass a candidate, two carried at a probe
         assert m == 4 * layers * (layers + 1) // 2
         probes = budget.probed(list(range(layers)), 4)
-        assert loc == 4 * layers + sum(layers - 1 - p for p in probes)
+        assert loc == 4 * layers + 2 * sum(layers - 1 - p for p in probes)
     assert resolved(SensitivityParams(method="measured"), config, tensors, plan) == "measured"
 
 
@@ -294,7 +294,7 @@ def test_local_sensitivity_keys_its_method_and_probes_and_measured_keeps_its_old
 
 
 def test_probes_are_spread_over_the_layers_and_gains_interpolate_between_them():
-    from buildkit.grade.sensitivity import gain_at, kind
+    from buildkit.grade.sensitivity import fit_at, kind
 
     assert budget.probed([0, 1, 2], 4) == [0, 1, 2]
     assert budget.probed(list(range(40)), 4) == [0, 13, 26, 39]
@@ -305,13 +305,36 @@ def test_probes_are_spread_over_the_layers_and_gains_interpolate_between_them():
     assert kind(layer + "self_attn.q_proj") == "attention.q_proj"
     embed = "language_model.model.embed_tokens"
     assert kind(embed) == embed
-    gains = {(0, "e"): 1.0, (4, "e"): 16.0, (0, "a"): 2.0, (-1, embed): 0.5}
-    assert gain_at(gains, 2, "e") == pytest.approx(4.0)  # geometric between its neighbours
-    assert gain_at(gains, 9, "e") == pytest.approx(16.0) and gain_at(gains, -1, embed) == 0.5
-    assert gain_at(gains, 3, "a") == 2.0  # its own kind's, however near another kind's is
+    fits = {
+        (0, "e"): (1.0, 1.0),
+        (4, "e"): (16.0, 0.5),
+        (0, "a"): (2.0, 1.0),
+        (-1, embed): (0.5, 1),
+    }
+    # between its neighbours: the gain geometric, the power linear
+    assert fit_at(fits, 2, "e") == pytest.approx((4.0, 0.75))
+    assert fit_at(fits, 9, "e") == pytest.approx((16.0, 0.5)) and fit_at(fits, -1, embed) == (
+        0.5,
+        1,
+    )
+    assert fit_at(fits, 3, "a") == (2.0, 1.0)  # its own kind's, however near another kind's is
     # a kind never probed takes every kind's: at layer 0 the mean of log 1 and log 2
-    assert gain_at(gains, 0, "z") == pytest.approx(2**0.5)
-    assert gain_at({(3, "e"): 0.0}, 1, "e") == 0.0  # no probe saw an error: nothing to scale
+    assert fit_at(fits, 0, "z") == pytest.approx((2**0.5, 1.0))
+    assert fit_at({(3, "e"): (0.0, 1.0)}, 1, "e")[0] == 0.0  # no probe saw an error
+
+
+def test_a_probed_kind_fits_its_kl_as_a_power_of_the_error_through_both_ends():
+    """KL = gain * e ** power through the largest- and smallest-error candidates: e ** 0.5 where
+    that is how the KL fell (routing flips), power 1 from one candidate or a KL of 0, and a
+    non-monotone pair bounded rather than flat."""
+    from buildkit.grade.sensitivity import POWER, fit
+
+    gain, power = fit([(1e-2, 1e-3), (1e-4, 1e-4)])
+    assert power == pytest.approx(0.5) and gain * 1e-4**power == pytest.approx(1e-4)
+    assert fit([(4e-3, 2e-3)]) == pytest.approx((0.5, 1.0))
+    assert fit([(4e-3, 2e-3), (1e-5, 0.0)]) == pytest.approx((0.5, 1.0))
+    assert fit([(1e-2, 1e-3), (1e-4, 2e-3)])[1] == POWER[0]  # the smaller error's KL larger
+    assert fit([(0.0, 0.0)]) == (0.0, 1.0)
 
 
 def test_a_budgeted_plan_enters_quantize_key_per_tensor(measured):
