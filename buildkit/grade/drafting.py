@@ -196,11 +196,20 @@ def figures(
 ) -> dict:
     """The eval report's depth figures, with intervals (``stats.depth_figures``): this head on
     this trunk, and the bf16 head on the bf16 trunk (``*_source``)."""
+    model = drafts_by_depth(mod, tm, tokens, depth)
+    source = drafts_by_depth(src, ts, tokens, depth)
+    return report(model, source, len(tokens), depth, verify_cost)
+
+
+def report(
+    model: list, source: list, n_tokens: int, depth: int, verify_cost: float | list[float]
+) -> dict:
+    """``figures`` from the two heads' counts (``drafts_by_depth``'s, [window][depth])."""
     from buildkit.grade import stats
 
     costs = verify_costs(verify_cost, depth)
-    fm = stats.depth_figures(drafts_by_depth(mod, tm, tokens, depth), costs, len(tokens))
-    fs = stats.depth_figures(drafts_by_depth(src, ts, tokens, depth), costs, len(tokens))
+    fm = stats.depth_figures(model, costs, n_tokens)
+    fs = stats.depth_figures(source, costs, n_tokens)
     ci = fm.pop("ci95")
     ci["tokens_per_cycle_source"] = fs["ci95"]["tokens_per_cycle"]
     return {

@@ -213,17 +213,25 @@ def _get_trunks(store, art: Artifact, group: str) -> tuple[Trunk, Trunk]:
     return out[0], out[1]
 
 
-def _head_hits(store, art: Artifact, src, mod) -> dict:
-    """Each head's hits and positions per window, in the kept windows' order, one text's
-    trunks loaded at a time."""
+def _head_hits(store, art: Artifact, src, mod, main: dict) -> dict:
+    """Each head's hits and positions per window, in the kept windows' order: the main text's
+    from its drafts' depth 1 (``main``: "model"/"source" -> ``drafting.drafts_by_depth``'s
+    counts, the same draft ``evaluate.head_hits`` makes, so acceptance is d1's rate and the
+    output head runs once for both), the domains' by ``head_hits``, one text's trunks loaded
+    at a time."""
     groups = _batch_groups(art)
     windows = [
         g for j, g in enumerate(groups) for _ in range(art.tensors[f"model.h.{j}"]["shape"][0])
     ]
     hits = {who: ([0] * len(windows), [0] * len(windows)) for who in ("model", "source")}
     for g in dict.fromkeys(groups):
-        ts, tm = _get_trunks(store, art, g)
         at = [i for i, y in enumerate(windows) if y == g]
+        if g == "":
+            for who, counts in main.items():
+                for i, by_depth in zip(at, counts, strict=True):
+                    hits[who][0][i], hits[who][1][i] = by_depth[0]
+            continue
+        ts, tm = _get_trunks(store, art, g)
         for who, w, t in (("model", mod, tm), ("source", src, ts)):
             for i, h, n in zip(at, *ev.head_hits(w, t), strict=True):
                 hits[who][0][i], hits[who][1][i] = h, n
@@ -305,12 +313,19 @@ class Eval(WorldStep):
                 raise StepError(
                     f"scope 'head': the {who} input has no MTP head (language_model.mtp.* tensors)"
                 )
-        got = _head_hits(ctx.store, art, src, mod)
+        tokens = ctx.store.read_tensor(art.tensors["tokens"]).tolist()
+        ts, tm = _get_trunks(ctx.store, art, "")  # the drafts run on the main text's batches
+        main = {
+            "model": drafting.drafts_by_depth(mod, tm, tokens, params.depth),
+            "source": drafting.drafts_by_depth(src, ts, tokens, params.depth),
+        }
+        del ts, tm  # the domains' trunks are loaded one text at a time
+        got = _head_hits(ctx.store, art, src, mod, main)
         report = {"tokens": art.meta["tokens"]}
         stats.merge(report, ev.heads(got["hits"], got["windows"]))
-        tokens = ctx.store.read_tensor(art.tensors["tokens"]).tolist()
-        main = _get_trunks(ctx.store, art, "")  # the drafts run on the main text's batches
-        depth = drafting.figures(src, mod, *main, tokens, params.depth, params.verify_cost)
+        depth = drafting.report(
+            main["model"], main["source"], len(tokens), params.depth, params.verify_cost
+        )
         stats.merge(report, depth)
         report["text"] = art.meta.get("text", "")
         if params.speculative is not None:
