@@ -3,7 +3,10 @@ mlx_lm.convert, on a 35B-shaped source.
 
 The source is ``buildkit fixture --preset qwen3.6-35b-a3b --sparse``: the real checkpoint's
 names and shapes in 26 shards (~72 GB apparent), each large tensor's first 4 KiB real and the
-rest a hole, so it costs tens of MB of disk and reads at memory speed. One run measures, in this
+rest a hole, so it costs tens of MB of disk and reads at memory speed. Its hidden states are
+mostly zeros, so its routers send every token to the same 8 experts a layer; ``--dense
+--layers N`` writes N layers of the same shapes whole (random weights, ~2 GB a layer), where
+every expert is reached, for GPTQ's time a layer at real routing. One run measures, in this
 order, each as a child process under ``/usr/bin/time -v`` (wall, CPU, peak RSS), with each
 step's wall (its ``[done]`` line) and peak RSS (the build's RSS sampled every 0.1 s, charged to
 the steps running then: with ``-j 2`` an upper bound where two overlap):
@@ -369,9 +372,10 @@ def run(args) -> dict:
     if args.layers:  # a shorter trunk of the same shapes, in minutes: the memory of every step
         preset += ["--layers", str(args.layers), "--shards", "4"]  # (26 would leave some empty)
     R: dict = {"machine": machine(), "mem_limit": args.mem_limit, "preset": args.preset}
-    R["client_memory"] = args.client_memory
+    R["client_memory"], R["dense"] = args.client_memory, args.dense
+    sparse = [] if args.dense else ["--sparse"]
     R["fixture"] = measure(
-        "fixture", [PY, "-m", "buildkit.cli", "fixture", src, *preset, "--sparse"], logs
+        "fixture", [PY, "-m", "buildkit.cli", "fixture", src, *preset, *sparse], logs
     )
     R["source"] = {"apparent": du(src, True), "disk": du(src)}
     R["layers"] = json.loads((src / "config.json").read_text())["text_config"]["num_hidden_layers"]
@@ -404,13 +408,15 @@ def row(label: str, r: dict, published: int) -> str:
 def header(R: dict) -> list[str]:
     M = R["machine"]
     return [
-        f"## {R['preset']}-shaped sparse source (`make bench-35b`, `bench/bench35b.py`), "
-        f"{M['date']}",
+        f"## {R['preset']}-shaped {'dense' if R.get('dense') else 'sparse'} source "
+        f"(`make bench-35b`, `bench/bench35b.py`), {M['date']}",
         "",
         f"Machine: {M['cpu']}, {M['nproc']} cores, {M['ram_gb']} GiB; Linux {M['kernel']}; "
         f"Python {M['python']}; "
         f"mlx {M['mlx']}, mlx-lm {M['mlx-lm']}; buildkit {M['commit']}. "
-        f"Source: `buildkit fixture --preset {R['preset']} --sparse`, "
+        f"Source: `buildkit fixture --preset {R['preset']}"
+        + (f" --layers {R['layers']}`" if R.get("dense") else " --sparse`")
+        + ", "
         f"{R['source']['apparent'] / GB:.1f} GB apparent, "
         f"{R['source']['disk'] / 1e6:.0f} MB on disk "
         f"(written in {R['fixture']['wall']:.1f} s). "
@@ -606,7 +612,16 @@ def main(argv=None) -> int:
     p.add_argument(
         "--no-results", action="store_true", help="print the table instead of writing RESULTS.md"
     )
+    p.add_argument(
+        "--dense",
+        action="store_true",
+        help="write every weight (random, not a hole): every expert is reached, as by the "
+        "real model's routing, so GPTQ's time a layer is real; needs --layers (the whole "
+        "preset would be 72 GB; ~2 GB a layer)",
+    )
     args = p.parse_args(argv)
+    if args.dense and not args.layers:
+        p.error("--dense needs --layers N (each of the preset's layers is ~2 GB on disk)")
     if not args.variants:
         p.error(f"--variants: none of {', '.join(VARIANTS)}")
     R = run(args)
