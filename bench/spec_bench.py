@@ -57,8 +57,8 @@ def fixture(work: Path) -> list[tuple[str, float, float]]:
     rows = []
     (fig, (ts, tm)), w, c = clock(ev.evaluate, src, mod, tokens, 128, head=False)
     rows.append(("trunk figures, both models (eval's existing pass)", w, c))
-    _, w, c = clock(ev.heads, src, mod, ts, tm)
-    rows.append(("depth-1 acceptance, both heads (existing)", w, c))
+    _, w, c = clock(lambda: (ev.head_hits(src, ts), ev.head_hits(mod, tm)))
+    rows.append(("depth-1 acceptance by `evaluate.head_hits`, both heads", w, c))
     for depth in (1, 3):
         _, w, c = clock(drafting.figures, src, mod, ts, tm, tokens, depth, 1.66)
         rows.append((f"drafting.figures depth {depth}, both heads", w, c))
