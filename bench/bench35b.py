@@ -113,11 +113,14 @@ def settle_disk(quiet: float = 2.0, limit: float = 180.0) -> float:
     return time.perf_counter() - t0
 
 
+MEMORY = ("VmRSS", "RssAnon", "VmHWM")  # the /proc status fields the sampler reads
+
+
 def tree_memory(pid: int) -> dict[str, int]:
     """A process and all its descendants (/proc): resident bytes (``VmRSS``), of them anonymous
     (``RssAnon``), each summed, and the largest high-water mark (``VmHWM``, what ``time -v``
     reports): a sampled peak above the recorded one then says what it was made of."""
-    got, todo = {"VmRSS": 0, "RssAnon": 0, "VmHWM": 0}, [pid]
+    got, todo = dict.fromkeys(MEMORY, 0), [pid]
     while todo:
         p = todo.pop()
         try:
@@ -143,7 +146,7 @@ class StepPeaks(threading.Thread):
         self.pid, self.log, self.at = pid, log, 0
         self.running: set[str] = set()
         self.peaks: dict[str, int] = {}
-        self.top = {"VmRSS": 0, "RssAnon": 0, "VmHWM": 0}  # the sample of the highest VmRSS
+        self.top = dict.fromkeys(MEMORY, 0)  # the sample of the highest VmRSS
         self.done = threading.Event()
 
     def read_log(self) -> None:

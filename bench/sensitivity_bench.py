@@ -50,12 +50,16 @@ def meta(store: Store, variant: str, node: str) -> dict:
     return store.get_artifact(store.get_ref(variant)["nodes"][node]["outputs"]["out"]).meta
 
 
+def manifest_head(name: str) -> tuple[str, str]:
+    """The fixture's oq variant name and its manifests' source line."""
+    return f"oq-{name}", f'source = "fixture:trained={name}"\n'
+
+
 def fixture_rows(root: Path, name: str, offsets: list[float]) -> list[dict]:
     bk = [sys.executable, "-m", "buildkit.cli", "--store", str(root / "cache"), "--manifests"]
     bk.append(str(root / "manifests"))
     store = Store(root / "cache")
-    base = f"oq-{name}"
-    src = f'source = "fixture:trained={name}"\n'
+    base, src = manifest_head(name)
     (root / "manifests" / f"{base}.toml").write_text(f'extends = "oq"\n{src}')
     build(bk, base, "quantize_baseline")
     xl4 = meta(store, base, "quantize_baseline")["bits_per_weight"]
@@ -67,7 +71,7 @@ def fixture_rows(root: Path, name: str, offsets: list[float]) -> list[dict]:
 
 def target_rows(root: Path, bk: list[str], store: Store, name: str, target: float) -> list[dict]:
     """One fixture's rows at one target: oq planned by each method, graded."""
-    base, src = f"oq-{name}", f'source = "fixture:trained={name}"\n'
+    base, src = manifest_head(name)
     rows: list[dict] = []
     for label, setting in METHODS.items():
         v = f"{base}-{label.split(',')[0]}-{len(rows)}-{round(target * 1e4)}"
