@@ -1,11 +1,14 @@
-"""glibc malloc told to keep freed buffers of a build for reuse.
+"""glibc malloc told to keep freed buffers of a build for reuse, in one heap it can hand back.
 
 A build allocates and frees buffers of 0.1-30 MB at a high rate on several threads (blocks of
 rows, verify's temporaries, the load check's layers). glibc's defaults hand them back to the
 OS at once, so the next buffer faults its pages in again, and a page fault is dear on small
-VMs. ``tune`` serves buffers up to ``MMAP_THRESHOLD`` from the heap and trims a heap only once
-``TRIM_THRESHOLD`` of its top is free; ``tune_imported`` then turns mlx's own buffer cache off,
-a second reserve of the same buffers. Figures: bench/RESULTS.md, "Speed tricks re-measured".
+VMs. ``tune`` serves buffers up to ``MMAP_THRESHOLD`` from the heap, trims the heap's top only
+once ``TRIM_THRESHOLD`` of it is free, and keeps every thread in the main arena
+(``ARENA_MAX``): ``malloc_trim`` (``release``) never shrinks a thread arena's top, so with
+per-thread arenas up to 64 MB an arena stayed in the process between steps. ``tune_imported``
+then turns mlx's own buffer cache off, a second reserve of the same buffers. Figures:
+bench/RESULTS.md, "Speed tricks re-measured".
 """
 
 from __future__ import annotations
@@ -17,9 +20,17 @@ import sys
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit (half its heap size)
-TRIM_THRESHOLD = 64 << 20  # both must be set: setting one alone freezes the other at its default
-ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+TRIM_THRESHOLD = 256 << 20  # both must be set: setting one alone freezes the other at its default
+ARENA_MAX = 1  # threads created after ``tune`` share the main arena (earlier ones keep theirs)
+ENV = (
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_ARENA_MAX",
+    "GLIBC_TUNABLES",
+)
 _tuned = False
 
 
@@ -40,9 +51,8 @@ def tune(force: bool = False) -> bool:
         mallopt = libc().mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
-    _tuned = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    )
+    settings = (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    _tuned = all([mallopt(param, value) for param, value in (*settings, (M_ARENA_MAX, ARENA_MAX))])
     return _tuned
 
 

@@ -387,13 +387,11 @@ def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) << 10
 assert allocator.tune()
 base = rss()
-def work(seed):  # a step's way: buffers of 1-30 MB made and freed on two threads
-    r, keep = np.random.default_rng(seed), []
-    for _ in range(300):
-        keep.append(np.ones(int(r.integers(1, 30)) << 18, np.float32))
-        if len(keep) > 8:
-            keep.pop(int(r.integers(0, len(keep))))
-threads = [threading.Thread(target=work, args=(s,)) for s in range(2)]
+both = threading.Barrier(2)
+def work():  # a step's way: 12 MB buffers made on two threads at once, all freed at its end
+    keep = [np.ones(3 << 20, np.float32) for _ in range(allocator.TRIM_THRESHOLD // (32 << 20))]
+    both.wait()
+threads = [threading.Thread(target=work) for _ in range(2)]
 [t.start() for t in threads]
 [t.join() for t in threads]
 kept = rss()
@@ -405,10 +403,12 @@ print(base, kept, rss())
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim, /proc")
 def test_release_hands_back_what_a_step_freed():
     """Between steps the scheduler calls ``allocator.release``: the buffers ``tune`` keeps for
-    reuse within a step do not stay in the process for the next step's peak."""
+    reuse within a step do not stay in the process for the next step's peak. With glibc's
+    per-thread arenas they did, up to 64 MB an arena: ``malloc_trim`` does not shrink a thread
+    arena's top (base, kept, after: 31, 178, 147 MB in one CI run)."""
     env = {k: v for k, v in os.environ.items() if k not in allocator.ENV}
     p = subprocess.run([sys.executable, "-c", CHURN], capture_output=True, text=True, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     base, kept, after = map(int, p.stdout.split())
-    assert kept - base > 50 * MB  # tune kept freed buffers (the case release is for)
-    assert after - base < (kept - base) / 2, (base // MB, kept // MB, after // MB)
+    assert kept - base > allocator.TRIM_THRESHOLD // 2, (base // MB, kept // MB)  # tune kept them
+    assert after - base < 8 * MB, (base // MB, kept // MB, after // MB)
