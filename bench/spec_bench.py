@@ -2,9 +2,10 @@
 head and output-head shapes.
 
 Fixture part: builds xl-mtp from ``fixture:trained`` (untimed) and writes the trained source,
-then times, in this process, the trunk pass eval already makes (both models), today's depth-1
-acceptance (both heads), the depth figures (``drafting.figures``, both heads, depth 1..3) and
-mlx_vlm's speculative run (``speculative.run`` with its defaults, float32 and bf16).
+then times, in this process, the trunk pass eval already makes (both models), depth-1
+acceptance by ``evaluate.head_hits`` (both heads), the heads' figures (``drafting.figures``:
+acceptance and depths, both heads, depth 1..3) and mlx_vlm's speculative run
+(``speculative.run`` with its defaults, float32 and bf16).
 
 ``--real-shapes``: one MTP head layer with the real model's dimensions (2048 hidden, 256
 experts top-8, moe_intermediate 512; experts 6-bit, attention 8-bit, as xl-mtp quantizes it;

@@ -205,10 +205,11 @@ def cmd_eval(args) -> int:
 
     p, r = EvalParams(), ReferenceParams()
     tokens, graded = eval_tokens(args, source, r)
-    figures, (ts, tm) = ev.evaluate(source, model, tokens, r.seq_len)
+    # the heads are graded below, acceptance and depths from one drafting chain (eval_head's way)
+    figures, (ts, tm) = ev.evaluate(source, model, tokens, r.seq_len, head=False)
     figures |= graded
     figures["size_bytes"] = model.bytes()
-    if "acceptance" in figures:
+    if model.has_head() and source.has_head():
         from buildkit.grade import drafting, stats
 
         depth = args.depth or p.depth

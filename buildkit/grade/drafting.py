@@ -30,6 +30,7 @@ from __future__ import annotations
 from buildkit.core.lazy import lazy
 from buildkit.grade import evaluate as ev
 from buildkit.grade import forward as fw
+from buildkit.grade import stats
 from buildkit.grade.forward import Trunk
 from buildkit.grade.weights import Weights
 
@@ -194,19 +195,29 @@ def figures(
     depth: int,
     verify_cost: float | list[float],
 ) -> dict:
-    """The eval report's depth figures, with intervals (``stats.depth_figures``): this head on
-    this trunk, and the bf16 head on the bf16 trunk (``*_source``)."""
-    model = drafts_by_depth(mod, tm, tokens, depth)
-    source = drafts_by_depth(src, ts, tokens, depth)
-    return report(model, source, len(tokens), depth, verify_cost)
+    """Both heads' figures on one text, with intervals, from one drafting chain each: the
+    acceptance (depth 1's rate, ``evaluate.heads``) and the depth figures (``report``) of this
+    head on this trunk and of the bf16 head on the bf16 trunk (``*_source``)."""
+    counts = {
+        "model": drafts_by_depth(mod, tm, tokens, depth),
+        "source": drafts_by_depth(src, ts, tokens, depth),
+    }
+    windows = [""] * len(counts["model"])
+    fig = ev.heads({who: first_draft(c) for who, c in counts.items()}, windows)
+    stats.merge(fig, report(counts["model"], counts["source"], len(tokens), depth, verify_cost))
+    return fig
+
+
+def first_draft(counts: list) -> tuple[list[int], list[int]]:
+    """Per window, depth 1's accepted and tried drafts (``drafts_by_depth``'s counts): the
+    acceptance's hits and positions, the draft ``evaluate.head_hits`` makes."""
+    return [c[0][0] for c in counts], [c[0][1] for c in counts]
 
 
 def report(
     model: list, source: list, n_tokens: int, depth: int, verify_cost: float | list[float]
 ) -> dict:
     """``figures`` from the two heads' counts (``drafts_by_depth``'s, [window][depth])."""
-    from buildkit.grade import stats
-
     costs = verify_costs(verify_cost, depth)
     fm = stats.depth_figures(model, costs, n_tokens)
     fs = stats.depth_figures(source, costs, n_tokens)

@@ -227,13 +227,12 @@ def _head_hits(store, art: Artifact, src, mod, main: dict) -> dict:
     for g in dict.fromkeys(groups):
         at = [i for i, y in enumerate(windows) if y == g]
         if g == "":
-            for who, counts in main.items():
-                for i, by_depth in zip(at, counts, strict=True):
-                    hits[who][0][i], hits[who][1][i] = by_depth[0]
-            continue
-        ts, tm = _get_trunks(store, art, g)
-        for who, w, t in (("model", mod, tm), ("source", src, ts)):
-            for i, h, n in zip(at, *ev.head_hits(w, t), strict=True):
+            per = {who: drafting.first_draft(counts) for who, counts in main.items()}
+        else:
+            ts, tm = _get_trunks(store, art, g)
+            per = {"model": ev.head_hits(mod, tm), "source": ev.head_hits(src, ts)}
+        for who, (hs, ns) in per.items():
+            for i, h, n in zip(at, hs, ns, strict=True):
                 hits[who][0][i], hits[who][1][i] = h, n
     return {"hits": hits, "windows": windows}
 

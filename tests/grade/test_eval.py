@@ -124,6 +124,9 @@ def test_buildkit_eval_of_a_published_directory_matches_the_step(built, capsys):
     step = eval_json(p, "xl-mtp")
     for k in (*FIGURES, "tokens", "positions"):
         assert e[k] == step[k], k
+    for suffix in ("", "_source"):  # acceptance is depth 1's rate: the same drafts, one pass
+        a, n = e["drafts_by_depth" + suffix][0]
+        assert e["acceptance" + suffix] == a / n, suffix
 
 
 def test_buildkit_eval_grades_an_mlx_lm_convert_directory(built, capsys, tmp_path):
