@@ -20,10 +20,16 @@ gate/up inputs), so each Hessian is first shrunk toward a prior (``regularize``)
 toward the layer's pooled Hessian (every calibration row; itself shrunk toward its diagonal,
 as a layer's rows may be fewer than its inputs too), down's toward its own diagonal.
 
-Cost, per expert with C inputs and n rows: the Hessian (n C² multiply-adds), the factor of
-its inverse (2C³/3: LAPACK's float32 potrf and trtri, through scipy) and the feedback
-(out x C²/2, sgemm between groups, a compiled loop inside one). A layer's gate_proj and
-up_proj read the same rows, so one task quantizes both with one Hessian and one factor.
+GPTQ runs here on H's own factor, not on the factor of H⁻¹ the paper uses: with H = V Vᵀ
+(V upper), column k rounds w_k + Σ_{m<k} (w_m - ŵ_m) V_mk / V_kk, the same values as the
+paper's feedback (Babai's nearest plane), with no inverse to form. And H = P + XᵀX, P the
+prior, which gate/up's experts of a layer share: where an expert's n rows are fewer than C / 4
+(~128 rows for 2048 inputs on the real model) its V comes from the damped P's factor by one QR
+update with its rows (LAPACK's tpqrt, 2nC² flops), else from H's own Cholesky (C³/3).
+
+Cost, per expert with C inputs and n rows: the factor (above), and the feedback (out x C²/2,
+sgemm between groups, a compiled loop inside one). A layer's gate_proj and up_proj read the
+same rows, so one task quantizes both with one factor.
 """
 
 from __future__ import annotations
@@ -38,10 +44,13 @@ from buildkit.quant.dataaware import Tally, repack, stored_parts
 from buildkit.quant.roles import Role
 from buildkit.store.store import ROW_BLOCK_BYTES
 
-METHOD = "gptq-per-expert/4"  # bump when the output bytes (or meta) change
+METHOD = "gptq-per-expert/5"  # bump when the output bytes (or meta) change
 # 4: gate/up's prior, the layer's pooled Hessian, itself shrunk toward its diagonal
 #    (``pooled_prior``; bench/RESULTS.md, "Issue 37")
-DAMP = 0.01  # of the mean diagonal, added to H: GPTQ's (and mlx_lm's) damping
+# 5: feedback through H's factor, the prior's factor updated by an expert's rows, the damping
+#    from the prior's diagonal (bench/RESULTS.md, "GPTQ on H's factor")
+DAMP = 0.01  # of H's mean diagonal, added to it (the prior's, where rows QR-update its factor)
+QR_ROWS = 0.25  # rows per input under which an expert's factor is the prior's, QR-updated
 # The prior's weight in pseudo-rows per input channel: an expert's Hessian from n rows gets the
 # prior's second moment times PRIOR_ROWS * C, a share C / (n + C) of the sum at 1.0
 # (bench/RESULTS.md, "GPTQ with few rows an expert")
@@ -66,8 +75,12 @@ def regularize(h: np.ndarray, prior: np.ndarray, rows: float = PRIOR_ROWS) -> np
     pseudo-rows. An expert with few rows for its C inputs has a rank-deficient XᵀX, and error
     feedback then pushes rounding error into the directions its rows never reach but held-out
     rows do; the prior fills them. Its weight fades as the expert's own rows grow."""
-    c = h.shape[-1]
-    return np.asarray(h, dtype=np.float32) + np.float32(rows * c) * np.asarray(prior, np.float32)
+    return np.asarray(h, dtype=np.float32) + weighted(prior)
+
+
+def weighted(prior: np.ndarray, rows: float = PRIOR_ROWS) -> np.ndarray:
+    """The prior as ``regularize`` adds it: ``rows * C`` pseudo-rows of it."""
+    return np.float32(rows * prior.shape[-1]) * np.asarray(prior, np.float32)
 
 
 def pooled_prior(x: np.ndarray, rows: float = PRIOR_ROWS) -> np.ndarray:
@@ -81,64 +94,94 @@ def pooled_prior(x: np.ndarray, rows: float = PRIOR_ROWS) -> np.ndarray:
     return (1 - k) * m + k * np.diag(np.diag(m))
 
 
-def inverse_factor(h: np.ndarray) -> np.ndarray:
-    """Upper Cholesky factor U of H⁻¹ (H⁻¹ = UᵀU) for a batch of Hessians [e, C, C] float32,
-    after GPTQ's treatment: a channel no row ever used is given a unit diagonal (its weights
-    then round on their own) and every diagonal is raised by DAMP of the mean.
-
-    No inverse of H is formed: with J the reversal, JHJ = L Lᵀ gives H⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J),
-    and J L⁻¹ J is upper. One float32 Cholesky and one triangular inverse (LAPACK potrf and
-    trtri, 2C³/3 flops) in place of float64 inv and a second Cholesky (7C³/3)."""
-    from scipy.linalg import lapack  # potrf here is faster than numpy's cholesky
-
-    h = np.array(h[:, ::-1, ::-1], dtype=np.float32)
+def damped(h: np.ndarray) -> np.ndarray:
+    """A copy of Hessians [e, C, C] after GPTQ's treatment: a channel no row ever used gets a
+    unit diagonal (its weights then round on their own) and every diagonal is raised by DAMP
+    of the mean."""
+    h = np.array(h, dtype=np.float32)
     diag = np.einsum("ecc->ec", h)  # a view: writes go to h
     diag[diag <= 0] = 1.0
     diag += DAMP * diag.mean(-1, keepdims=True)
-    ut = np.empty_like(h)  # Uᵀ, row-major: U's columns are its rows
+    return h
+
+
+def factor(h: np.ndarray, treat: bool = True) -> np.ndarray:
+    """V upper with H = V Vᵀ for a batch of Hessians [e, C, C] (``damped`` first, unless
+    ``treat`` is False): JHJ = L Lᵀ (J the reversal; LAPACK's float32 potrf) gives V = J L J."""
+    from scipy.linalg import lapack  # potrf here is faster than numpy's cholesky
+
+    h = damped(h) if treat else np.asarray(h, np.float32)
+    v = np.empty(h.shape, np.float32)
     for x in range(len(h)):
-        low, info = lapack.spotrf(h[x].T, lower=1, clean=1, overwrite_a=1)  # Fortran order
-        if not info:
-            low, info = lapack.strtri(low, lower=1, overwrite_c=1)
+        low, info = lapack.spotrf(h[x, ::-1, ::-1].T, lower=1, clean=1)  # Fortran order
         if info:
             raise StepError(f"GPTQ: a Hessian is not positive definite (LAPACK: {info})")
-        ut[x] = low.T[::-1, ::-1]  # J L⁻ᵀ J = Uᵀ, from row-major memory: a streaming copy
-    return ut.transpose(0, 2, 1)
+        v[x] = low[::-1, ::-1]
+    return v
+
+
+def prior_factor(p: np.ndarray) -> np.ndarray:
+    """R upper, Fortran order, with Rᵀ R = J P J: what ``factor_rows`` updates (``p``: one
+    damped prior [C, C])."""
+    from scipy.linalg import lapack
+
+    r, info = lapack.spotrf(np.asfortranarray(p[::-1, ::-1]), lower=0, clean=1)
+    if info:
+        raise StepError(f"GPTQ: a prior is not positive definite (LAPACK: {info})")
+    return r
+
+
+def factor_rows(r: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """V upper with P + xᵀx = V Vᵀ, from P's ``prior_factor`` r and an expert's rows x [n, C]:
+    the QR of [r; x J] (LAPACK's tpqrt) has R with Rᵀ R = J (P + xᵀx) J, so V = J Rᵀ J. Its
+    rows' signs may flip; V's columns with them, which GPTQ's feedback and weights do not see
+    (each column enters divided by its own diagonal, or squared)."""
+    from scipy.linalg import lapack
+
+    nb = min(64, r.shape[0])  # tpqrt's block of columns
+    got, _, _, info = lapack.stpqrt(
+        0, nb, np.array(r, order="F"), np.asfortranarray(x[:, ::-1]), overwrite_a=1, overwrite_b=1
+    )
+    if info:
+        raise StepError(f"GPTQ: the QR update of a prior's factor failed (LAPACK: {info})")
+    return np.ascontiguousarray(got.T[::-1, ::-1])
 
 
 @numba.njit(cache=True, nogil=True)
-def _round_group(base, u, s, b, n_bins, codes, err):
-    # One expert's group: base [O, g], the columns as the earlier groups' feedback left them;
-    # u [g, g], the group's block of U transposed (u[k, m] = U[m, k]); s, b [O] as stored.
-    # Column k rounds base[:, k] - sum over m < k of err[:, m] u[k, m], and its error scaled
-    # by 1 / U[k, k] goes to err[:, k]. Column-major copies so that each step runs down a
-    # contiguous column of O rows (vectorised).
+def _round_group(base, w, vt, inv_d, s, b, n_bins, codes, dq):
+    # One expert's group: base [O, g], each column with its share of the earlier groups'
+    # feedback (z_k / V_kk, ``quantize``); w [O, g], the columns as given; vt [g, g], the
+    # group's block of V transposed (vt[k, m] = V[m, k]); inv_d [g], 1 / V_kk; s, b [O] as
+    # stored. Column k rounds base[:, k] + sum over m < k of dq[:, m] V[m, k] / V[k, k], and
+    # dq[:, k] = w[:, k] - its dequantized value.
+    # Column-major copies so that each step runs down a contiguous column of O rows.
     rows, g = base.shape
-    e_t = np.empty((g, rows), np.float32)
-    v = np.empty(rows, np.float32)
+    d_t = np.empty((g, rows), np.float32)
+    acc = np.empty(rows, np.float32)
     inv = np.empty(rows, np.float32)
     zero = np.float32(0.0)
     for r in range(rows):
         inv[r] = np.float32(1.0) / s[r] if s[r] != zero else zero
     for k in range(g):
         for r in range(rows):
-            v[r] = base[r, k]
+            acc[r] = zero
         for m in range(k):
-            c = u[k, m]
-            em = e_t[m]
+            c = vt[k, m]
+            dm = d_t[m]
             for r in range(rows):
-                v[r] -= em[r] * c
-        ek = e_t[k]
-        dk = u[k, k]
+                acc[r] += dm[r] * c
+        dk = d_t[k]
+        ik = inv_d[k]
         for r in range(rows):
-            q = np.rint((v[r] - b[r]) * inv[r])
+            v = base[r, k] + acc[r] * ik
+            q = np.rint((v - b[r]) * inv[r])
             q = zero if q < zero else q
             q = n_bins if q > n_bins else q
             codes[r, k] = np.uint8(q)
-            ek[r] = (v[r] - (s[r] * q + b[r])) / dk
+            dk[r] = w[r, k] - (s[r] * q + b[r])
     for r in range(rows):
         for k in range(g):
-            err[r, k] = e_t[k, r]
+            dq[r, k] = d_t[k, r]
 
 
 def _stored(v: np.ndarray, dtype: str) -> np.ndarray:
@@ -150,10 +193,11 @@ def _stored(v: np.ndarray, dtype: str) -> np.ndarray:
     return v
 
 
-def _searched(base, u, s, b, bits: int, dtype: str):
+def _searched(base, d, s, b, bits: int, dtype: str):
     """(scales, biases) [e, O] of a group's columns base [e, O, g] as feedback has left them, by
-    ``dataaware.search`` from mx.quantize's (s, b), each column weighted by 1 / [H⁻¹]_kk =
-    1 / U_kk², what an error left in that column costs once feedback has spread it (OBQ's)."""
+    ``dataaware.search`` from mx.quantize's (s, b), each column weighted by d [e, g] = V_kk² =
+    1 / [H⁻¹]_kk (of the columns from k on), what an error left in that column costs once
+    feedback has spread it (OBQ's)."""
     from buildkit.quant.dataaware import search
 
     s, b = s.copy(), b.copy()
@@ -161,22 +205,21 @@ def _searched(base, u, s, b, bits: int, dtype: str):
     for x in range(len(base)):
         inv = np.where(s[x] != 0, 1.0 / np.where(s[x] != 0, s[x], 1.0), 0.0)
         codes = np.clip(np.rint((base[x] - b[x][:, None]) * inv[:, None]), 0, n).astype(np.uint8)
-        d = 1.0 / np.square(np.diagonal(u[x]))
         start = (codes[:, None, :], s[x][:, None], b[x][:, None])
-        _, sx, bx, _ = search(base[x][:, None, :], d[None, None, :], bits, dtype, start)
+        _, sx, bx, _ = search(base[x][:, None, :], d[x][None, None, :], bits, dtype, start)
         s[x], b[x] = sx[:, 0], bx[:, 0]
     return s, b
 
 
 def quantize(
-    w: np.ndarray, u: np.ndarray, bits: int, group_size: int, dtype: str, search: bool = True
+    w: np.ndarray, v: np.ndarray, bits: int, group_size: int, dtype: str, search: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GPTQ of a batch of weights w [e, O, C] with inverse factors u [e, C, C]
-    (``inverse_factor``): codes uint8 [e, O, C], scales and biases float32 [e, O, C / g]. Each
-    group's (scale, bias) is chosen for its columns as error feedback has left them, rounded to
-    ``dtype`` before any code is chosen against it: by the data-aware search (``search``), or
-    mx.quantize's min-max as GPTQ's paper has it. The earlier groups' feedback into a group is
-    one product (sgemm); inside a group it is a compiled loop.
+    """GPTQ of a batch of weights w [e, O, C] with their Hessians' factors v [e, C, C]
+    (``factor``, ``factor_rows``): codes uint8 [e, O, C], scales and biases float32 [e, O, C /
+    g]. Each group's (scale, bias) is chosen for its columns as error feedback has left them,
+    rounded to ``dtype`` before any code is chosen against it: by the data-aware search
+    (``search``), or mx.quantize's min-max as GPTQ's paper has it. The earlier groups'
+    feedback into a group is one product (sgemm); inside a group it is a compiled loop.
 
     The search's scales matter where inputs are near isotropic (the bench fixture's deep
     layers): there error feedback has no correlation to use, and what wins is the better grid
@@ -186,27 +229,34 @@ def quantize(
     w = np.ascontiguousarray(w, dtype=np.float32)
     e, rows, cols = w.shape
     n = np.float32(2**bits - 1)
+    diag = np.einsum("ecc->ec", v)
+    inv_d = (1.0 / diag).astype(np.float32)
     codes = np.empty(w.shape, np.uint8)
-    err = np.empty(w.shape, np.float32)
+    dq = np.empty(w.shape, np.float32)  # each column less its dequantized value
     groups = cols // group_size
     scales = np.empty((e, rows, groups), np.float32)
     biases = np.empty_like(scales)
     s32, b32 = np.empty(e * rows, np.float32), np.empty(e * rows, np.float32)
     for gi in range(groups):
         i, j = gi * group_size, (gi + 1) * group_size
-        base = w[..., i:j].copy()
+        # the earlier groups' feedback: z = Σ_{m<i} dq_m V_m,group. The group as it leaves
+        # it (what its scales fit) is w + z V_GG⁻¹; column k's own share of it is z_k / V_kk
+        base, fit = w[..., i:j].copy(), w[..., i:j].copy()
         if i:
-            base -= err[..., :i] @ u[:, :i, i:j]
-        if not rows_params(base.reshape(-1, group_size), bits, s32, b32):
+            z = dq[..., :i] @ v[:, :i, i:j]
+            base += z * inv_d[:, None, i:j]
+            fit += z @ np.linalg.inv(v[:, i:j, i:j])
+        if not rows_params(fit.reshape(-1, group_size), bits, s32, b32):
             raise StepError("GPTQ met a weight or scale that is not finite")
         s = _stored(s32, dtype).reshape(e, rows)
         b = _stored(b32, dtype).reshape(e, rows)
         if search:  # each group's (scale, bias) by dataaware's search, not min-max
-            s, b = _searched(base, u[:, i:j, i:j], s, b, bits, dtype)
+            s, b = _searched(fit, np.square(diag[:, i:j]), s, b, bits, dtype)
         scales[..., gi], biases[..., gi] = s, b
         for x in range(e):
-            ut = u[x, i:j, i:j].T  # row-major when u is inverse_factor's
-            _round_group(base[x], ut, s[x], b[x], n, codes[x, :, i:j], err[x, :, i:j])
+            vt = np.ascontiguousarray(v[x, i:j, i:j].T)
+            args = (vt, inv_d[x, i:j], s[x], b[x], n, codes[x, :, i:j], dq[x, :, i:j])
+            _round_group(base[x], w[x, :, i:j], *args)
     return codes, scales, biases
 
 
@@ -284,34 +334,41 @@ class Experts:
             else None
         )
         # gate/up's prior: the layer's pooled Hessian per row, every calibration row (mlx_lm's
-        # one Hessian a layer); down's inputs differ by expert, and pooling them measured worse
-        x = self.x
-        self.pooled = None if proj == "down_proj" else pooled_prior(x)
+        # one Hessian a layer), damped and factored once for all its experts; down's inputs
+        # differ by expert, and pooling them measured worse
+        self.prior = self.prior_r = None
+        if proj != "down_proj":
+            self.prior = weighted(pooled_prior(self.x))
+            self.prior_r = prior_factor(damped(self.prior[None])[0])
 
-    def hessian(self, e: int, gate_up) -> np.ndarray:
+    def inputs(self, e: int, gate_up) -> np.ndarray:
+        """Expert ``e``'s input rows, float32 (``gate_up``: its gate and up weights, for
+        down's)."""
         xs = self.x[self.rows_of[e]]
         if gate_up is not None:  # down's input: silu(gate x) * up x, as mlx_lm's SwitchGLU
             gw, uw = (to_float32(a, self.dtype) for a in gate_up)
             gx = xs @ gw.T
             xs = gx / (1.0 + np.exp(-gx)) * (xs @ uw.T)
-        return xs.T @ xs  # float32: sgemm, and factor's Cholesky is float32 too
+        return xs
 
     def factors(self, e0: int, hit: list[int], gate_up) -> np.ndarray:
-        """The inverse Hessian's factor of each reached expert ``e0 + j``, ``j`` in ``hit``
-        (``gate_up``: those experts' gate and up weights, in ``hit``'s order)."""
-        h = np.stack(
-            [
-                self.hessian(e0 + j, None if gate_up is None else (gate_up[0][i], gate_up[1][i]))
-                for i, j in enumerate(hit)
-            ]
-        )
-        if self.pooled is None:  # down: each expert's own diagonal (its inputs are its own)
-            n_e = np.array([len(self.rows_of[e0 + j]) for j in hit], dtype=np.float32)
-            diag = np.einsum("ecc->ec", h) / n_e[:, None]
-            prior = diag[:, :, None] * np.eye(h.shape[-1], dtype=np.float32)
-        else:
-            prior = self.pooled[None]
-        return inverse_factor(regularize(h, prior))
+        """H's factor V (``factor``) of each reached expert ``e0 + j``, ``j`` in ``hit``
+        (``gate_up``: those experts' gate and up weights, in ``hit``'s order): its damped
+        prior's factor updated by its rows where they are few (the damping then the prior's,
+        within n / (C + n) < 20% of H's), else H's own Cholesky."""
+        c = self.parts[0][3]["shape"][-1]
+        v = np.empty((len(hit), c, c), np.float32)
+        for i, j in enumerate(hit):
+            xs = self.inputs(e0 + j, None if gate_up is None else (gate_up[0][i], gate_up[1][i]))
+            prior, r = self.prior, self.prior_r
+            if prior is None:  # down: each expert's own diagonal (its inputs are its own)
+                prior = weighted(np.diag(np.einsum("nc,nc->c", xs, xs) / np.float32(len(xs))))
+            if len(xs) < QR_ROWS * c:
+                r = prior_factor(damped(prior[None])[0]) if r is None else r
+                v[i] = factor_rows(r, xs)
+            else:
+                v[i] = factor((prior + xs.T @ xs)[None])[0]
+        return v
 
     def rounded(self, e0: int, hit: list[int], gate_up, raws: list, s_dtype: str) -> list:
         """Per tensor of the block, GPTQ's (codes, scales, biases) of the reached experts
@@ -323,11 +380,11 @@ class Experts:
         for a in range(0, len(hit), per):
             part = hit[a : a + per]
             sub = None if gate_up is None else (gate_up[0][part], gate_up[1][part])
-            u = self.factors(e0, part, sub)
+            v = self.factors(e0, part, sub)
             for t, raw in enumerate(raws):
                 w = to_float32(raw[part], self.dtype)
-                got[t].append(quantize(w, u, self.role.bits, self.role.group_size, s_dtype))
-            del u
+                got[t].append(quantize(w, v, self.role.bits, self.role.group_size, s_dtype))
+            del v
         return [tuple(np.concatenate(x) for x in zip(*chunks, strict=True)) for chunks in got]
 
     def quantized(self, raw: np.ndarray, module: str, hit: list[int], mxq, q_hit) -> tuple:

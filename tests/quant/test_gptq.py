@@ -38,7 +38,7 @@ def test_output_error_is_below_round_to_nearest():
     x = correlated(512, 128, 1)
     w = rng.normal(scale=0.05, size=(2, 32, 128)).astype(np.float32)
     h = np.stack([x.T.astype(np.float64) @ x] * 2)
-    codes, s, b = gptq.quantize(w, gptq.inverse_factor(h), 4, 64, "BF16")
+    codes, s, b = gptq.quantize(w, gptq.factor(h), 4, 64, "BF16")
     assert codes.dtype == np.uint8 and codes.max() <= 15
     # scales and biases are what bf16 storage will hold: codes were chosen against those
     assert np.array_equal(f32_to_bf16(s).astype(np.uint32) << 16, s.view(np.uint32))
@@ -67,7 +67,7 @@ def test_regularized_hessian_holds_up_with_fewer_rows_than_inputs():
         if hessian is None:
             v = rtn
         else:
-            v = dequant(*gptq.quantize(w, gptq.inverse_factor(hessian), 4, 64, "F32"), 64)
+            v = dequant(*gptq.quantize(w, gptq.factor(hessian), 4, 64, "F32"), 64)
         return float(np.square(np.einsum("nc,eoc->eno", held, v - w)).sum())
 
     reg = gptq.regularize(h, prior)
@@ -87,10 +87,10 @@ def test_searched_scales_win_where_inputs_have_no_structure():
     pool, own, held = x[:2048], x[2048:2560], x[2560:]
     w = rng.normal(scale=0.05, size=(2, 64, 256)).astype(np.float32)
     h = gptq.regularize(np.stack([own.T @ own] * 2), (pool.T @ pool / len(pool))[None])
-    u = gptq.inverse_factor(h)
+    f = gptq.factor(h)
 
     def held_err(search):
-        v = dequant(*gptq.quantize(w, u, 4, 64, "BF16", search=search), 64)
+        v = dequant(*gptq.quantize(w, f, 4, 64, "BF16", search=search), 64)
         return float(np.square(np.einsum("nc,eoc->eno", held, v - w)).sum())
 
     assert held_err(True) < 0.9 * held_err(False)
@@ -100,7 +100,7 @@ def test_packed_codes_load_in_mlx():
     rng = np.random.default_rng(2)
     x = correlated(256, 64, 3)
     w = rng.normal(scale=0.05, size=(1, 8, 64)).astype(np.float32)
-    codes, s, b = gptq.quantize(w, gptq.inverse_factor((x.T @ x)[None]), 4, 64, "F32")
+    codes, s, b = gptq.quantize(w, gptq.factor((x.T @ x)[None]), 4, 64, "F32")
     got = mx.dequantize(mx.array(pack(codes, 4)), mx.array(s), mx.array(b), group_size=64, bits=4)
     assert np.allclose(np.array(got), dequant(codes, s, b, 64), atol=1e-6)
 
@@ -114,13 +114,28 @@ def damped(h: np.ndarray) -> np.ndarray:
     return want
 
 
-def test_inverse_factor_is_the_damped_inverse():
+def test_factor_is_the_damped_hessians():
     x = correlated(64, 16, 4)
     h = x.T @ x
     h[:, 3] = h[3, :] = 0  # a channel no row used
-    u = gptq.inverse_factor(h[None])[0].astype(np.float64)
-    assert np.allclose(u.T @ u, np.linalg.inv(damped(h)), rtol=1e-3, atol=1e-6)
-    assert np.array_equal(u, np.triu(u))
+    v = gptq.factor(h[None])[0].astype(np.float64)
+    assert np.allclose(v @ v.T, damped(h), rtol=1e-4, atol=1e-3)
+    assert np.array_equal(v, np.triu(v))
+
+
+def test_an_experts_rows_update_the_priors_factor():
+    """factor_rows (the prior's factor, QR-updated by an expert's few rows) is the factor of
+    prior + XᵀX, as ``factor`` makes it from the sum: the same codes."""
+    pool, own = correlated(2048, 256, 7), correlated(40, 256, 8)
+    p = gptq.damped(gptq.weighted(gptq.pooled_prior(pool))[None])[0]
+    h = (p + own.T @ own).astype(np.float64)
+    v = gptq.factor_rows(gptq.prior_factor(p), own)
+    assert np.allclose(v.astype(np.float64) @ v.T, h, rtol=1e-4, atol=1e-4 * np.abs(h).max())
+    assert np.allclose(v, np.triu(v))
+    w = np.random.default_rng(9).normal(scale=0.05, size=(1, 32, 256)).astype(np.float32)
+    by_rows = gptq.quantize(w, v[None], 4, 64, "BF16")[0]
+    by_sum = gptq.quantize(w, gptq.factor(h[None], treat=False), 4, 64, "BF16")[0]
+    assert np.mean(by_rows == by_sum) > 0.999
 
 
 def textbook(w, h, bits, g):
@@ -145,7 +160,7 @@ def test_quantize_is_textbook_gptq():
     x = correlated(400, 256, 6)
     w = rng.normal(scale=0.05, size=(1, 48, 256)).astype(np.float32)
     h = x.T @ x
-    codes, _, _ = gptq.quantize(w, gptq.inverse_factor(h[None]), 4, 64, "BF16", search=False)
+    codes, _, _ = gptq.quantize(w, gptq.factor(h[None]), 4, 64, "BF16", search=False)
     assert np.mean(codes[0] == textbook(w[0], h, 4, 64)) > 0.99
 
 
