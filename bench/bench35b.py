@@ -380,6 +380,8 @@ def run(args) -> dict:
     R["fixture"] = measure(
         "fixture", [PY, "-m", "buildkit.cli", "fixture", src, *preset, *sparse], logs
     )
+    if R["fixture"]["exit"]:  # nothing to build from; its log says why
+        sys.exit(f"bench35b: the fixture failed:\n{R['fixture']['error']}")
     R["source"] = {"apparent": du(src, True), "disk": du(src)}
     R["layers"] = json.loads((src / "config.json").read_text())["text_config"]["num_hidden_layers"]
     if not args.skip_convert:
