@@ -198,14 +198,20 @@ def figures(
     """Both heads' figures on one text, with intervals, from one drafting chain each: the
     acceptance (depth 1's rate, ``evaluate.heads``) and the depth figures (``report``) of this
     head on this trunk and of the bf16 head on the bf16 trunk (``*_source``)."""
-    counts = {
-        "model": drafts_by_depth(mod, tm, tokens, depth),
-        "source": drafts_by_depth(src, ts, tokens, depth),
-    }
+    counts = both_counts(src, mod, ts, tm, tokens, depth)
     windows = [""] * len(counts["model"])
     fig = ev.heads({who: first_draft(c) for who, c in counts.items()}, windows)
     stats.merge(fig, report(counts["model"], counts["source"], len(tokens), depth, verify_cost))
     return fig
+
+
+def both_counts(src: Weights, mod: Weights, ts: Trunk, tm: Trunk, tokens: list[int], depth: int):
+    """Each head's ``drafts_by_depth`` counts on its own trunk: "model" (this head on this
+    trunk) and "source" (the bf16 head on the bf16 trunk)."""
+    return {
+        "model": drafts_by_depth(mod, tm, tokens, depth),
+        "source": drafts_by_depth(src, ts, tokens, depth),
+    }
 
 
 def first_draft(counts: list) -> tuple[list[int], list[int]]:

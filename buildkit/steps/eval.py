@@ -314,10 +314,7 @@ class Eval(WorldStep):
                 )
         tokens = ctx.store.read_tensor(art.tensors["tokens"]).tolist()
         ts, tm = _get_trunks(ctx.store, art, "")  # the drafts run on the main text's batches
-        main = {
-            "model": drafting.drafts_by_depth(mod, tm, tokens, params.depth),
-            "source": drafting.drafts_by_depth(src, ts, tokens, params.depth),
-        }
+        main = drafting.both_counts(src, mod, ts, tm, tokens, params.depth)
         del ts, tm  # the domains' trunks are loaded one text at a time
         got = _head_hits(ctx.store, art, src, mod, main)
         report = {"tokens": art.meta["tokens"]}
