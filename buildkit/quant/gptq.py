@@ -338,8 +338,8 @@ class Experts:
         # differ by expert, and pooling them measured worse
         self.prior = self.prior_r = None
         if proj != "down_proj":
-            self.prior = weighted(pooled_prior(self.x))
-            self.prior_r = prior_factor(damped(self.prior[None])[0])
+            self.prior = pooled_prior(self.x)
+            self.prior_r = prior_factor(damped(weighted(self.prior)[None])[0])
 
     def inputs(self, e: int, gate_up) -> np.ndarray:
         """Expert ``e``'s input rows, float32 (``gate_up``: its gate and up weights, for
@@ -362,12 +362,12 @@ class Experts:
             xs = self.inputs(e0 + j, None if gate_up is None else (gate_up[0][i], gate_up[1][i]))
             prior, r = self.prior, self.prior_r
             if prior is None:  # down: each expert's own diagonal (its inputs are its own)
-                prior = weighted(np.diag(np.einsum("nc,nc->c", xs, xs) / np.float32(len(xs))))
+                prior = np.diag(np.einsum("nc,nc->c", xs, xs) / np.float32(len(xs)))
             if len(xs) < QR_ROWS * c:
-                r = prior_factor(damped(prior[None])[0]) if r is None else r
+                r = prior_factor(damped(weighted(prior)[None])[0]) if r is None else r
                 v[i] = factor_rows(r, xs)
             else:
-                v[i] = factor((prior + xs.T @ xs)[None])[0]
+                v[i] = factor(regularize((xs.T @ xs)[None], prior[None]))[0]
         return v
 
     def rounded(self, e0: int, hit: list[int], gate_up, raws: list, s_dtype: str) -> list:
