@@ -126,6 +126,21 @@ def gated_delta_net(gdn, x: np.ndarray) -> np.ndarray:
     return linear(gdn.out_proj, y.reshape(B, S, -1))
 
 
+def numpy_call(attn):
+    """The numpy form of ``attn`` (a qwen3_5 full attention or gated delta net) for our pass's
+    call (whole sequences, no cache, the mask mlx_lm's layer would make): a function of x [B,
+    L, H] float32, pure numpy, so several may run at once on threads; None if this module
+    would defer to mlx_lm's own."""
+    from mlx_lm.models import qwen3_5
+
+    if isinstance(attn, qwen3_5.GatedDeltaNet) and _delta_ok(attn, None, None):
+        return lambda x: gated_delta_net(attn, x)
+    if isinstance(attn, qwen3_5.Attention) and _full_ok(attn, None, "causal"):
+        # mlx_lm's layer masks "causal" beyond one position; one position sees only itself
+        return lambda x: full_attention(attn, x, x.shape[1] > 1)
+    return None
+
+
 def _full_ok(attn, x, mask) -> bool:
     import mlx.nn as nn
 

@@ -372,20 +372,36 @@ ATTEND_POSITIONS = 512
 
 def attend(layer, hs: list) -> list:
     """The attention half of a decoder layer, its residual added, over each batch [B, L, H]
-    (a few sequences at a time, at most ``ATTEND_POSITIONS`` positions unless one is longer)."""
+    (a few sequences at a time, at most ``ATTEND_POSITIONS`` positions unless one is longer).
+    In numpy the parts run on two threads: one thread's matmuls left a core idle, and the
+    attention is most of a layer's time at the 35B shapes (bench/RESULTS.md)."""
     import mlx.core as mx
 
     attn = layer.linear_attn if layer.is_linear else layer.self_attn
+    fast = attention.numpy_call(attn)
+    mx.eval(attn.parameters())  # the threads read its weights as they are, computing nothing
     mid = []
     with attention.in_numpy():
         for h in hs:
-            rows, step = [], max(1, ATTEND_POSITIONS // h.shape[1])
-            for r in range(0, h.shape[0], step):
-                x = h[r : r + step]
-                rows.append(x + attn(layer.input_layernorm(x), layer_mask(layer, x), None))
-                mx.eval(rows[-1])
+            step = max(1, ATTEND_POSITIONS // h.shape[1])
+            if fast is None or h.dtype != mx.float32:
+                rows = []
+                for r in range(0, h.shape[0], step):
+                    x = h[r : r + step]
+                    rows.append(x + attn(layer.input_layernorm(x), layer_mask(layer, x), None))
+                    mx.eval(rows[-1])
+            else:  # the norm in mlx as before (the same bytes), the rest a part a thread
+                n = layer.input_layernorm(h)
+                mx.eval(n)
+                x, n = np.asarray(h), np.asarray(n)
+                parts = [(x[r : r + step], n[r : r + step]) for r in range(0, h.shape[0], step)]
+                rows = [mx.array(y) for y in workers.imap("attend", _add_attended(fast), parts)]
             mid.append(mx.concatenate(rows) if len(rows) > 1 else rows[0])
     return mid
+
+
+def _add_attended(fast):
+    return lambda part: part[0] + fast(part[1])
 
 
 def residual(mid: list, y) -> list:
