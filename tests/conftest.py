@@ -132,6 +132,14 @@ def cached(proc: subprocess.CompletedProcess) -> list[str]:
     return [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("[cached]")]
 
 
+def acceptance_is_depth_one(e: dict) -> None:
+    """Both heads' acceptance in an eval report is depth 1's rate: the same drafts (one pass
+    of the output head for both)."""
+    for suffix in ("", "_source"):
+        a, n = e["drafts_by_depth" + suffix][0]
+        assert e["acceptance" + suffix] == a / n, suffix
+
+
 def shard_parts(out: Path) -> dict[str, Path]:
     """The model part each shard of a published directory holds (one per shard) -> its path."""
     parts = {}

@@ -255,8 +255,9 @@ def local(
     by_layer = _by_layer(groups, layer_of)
     run = LocalPass(w, texts.windows(tokens, seq_len), blocks, progress)
     probes_at = {*probes, *([-1] if -1 in by_layer else [])}
-    # a probed group carries two candidates (its largest and smallest errors), or its only one
-    n_probes = sum(min(len(bits[g]), 2) for i, gs in by_layer.items() if i in probes_at for g in gs)
+    n_probes = sum(
+        min(len(bits[g]), CARRIED) for i, gs in by_layer.items() if i in probes_at for g in gs
+    )
     if progress:
         progress.start(sum(len(bits[g]) for g in groups) + n_probes, "candidates and probes")
     cands = {i: _keys(groups, bits, gs) for i, gs in by_layer.items()}
@@ -280,6 +281,10 @@ def local(
         for (i, k), (g, q) in sorted(fits.items())
     }
 
+
+# candidates a probed group carries through the later layers: its largest and smallest errors
+# ("top", "bottom"; one if it has one), the two points of its fit
+CARRIED = 2
 
 # the fitted power's bounds: KL is at most second order in a change (e is its square: 1) plus
 # slack for noise; a flat fit (0) would make every bits of a group cost the same

@@ -27,6 +27,7 @@ from buildkit.core.lazy import lazy
 from buildkit.formats import checkpoint as ckpt
 from buildkit.formats.checkpoint import SWITCH
 from buildkit.formats.tensors import ITEMSIZE
+from buildkit.grade.sensitivity import CARRIED
 from buildkit.quant.roles import BF16, Role
 from buildkit.store.artifact import Artifact
 
@@ -207,10 +208,10 @@ def cost(
             runs(k, max(i, 0), n)
         elif i >= 0:
             runs(k, i, i + 1, with_head=False)
-            per_layer[i] = per_layer.get(i, 0) + min(k, 2)
+            per_layer[i] = per_layer.get(i, 0) + min(k, CARRIED)
         else:
-            embeddings += min(k, 2)
-    if method == "local":  # a probed group's two ends (largest, smallest error) carried on
+            embeddings += min(k, CARRIED)
+    if method == "local":  # a probed group's ends (largest, smallest error) carried on
         for p in probed(list(per_layer), probes):
             runs(per_layer[p], p + 1, n)
         runs(embeddings, 0, n)

@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import Project, cached, ran
+from conftest import Project, acceptance_is_depth_one, cached, ran
 
 from buildkit.fixtures.generated import FixtureSpec, generate
 from buildkit.grade import evaluate as ev
@@ -124,9 +124,7 @@ def test_buildkit_eval_of_a_published_directory_matches_the_step(built, capsys):
     step = eval_json(p, "xl-mtp")
     for k in (*FIGURES, "tokens", "positions"):
         assert e[k] == step[k], k
-    for suffix in ("", "_source"):  # acceptance is depth 1's rate: the same drafts, one pass
-        a, n = e["drafts_by_depth" + suffix][0]
-        assert e["acceptance" + suffix] == a / n, suffix
+    acceptance_is_depth_one(e)
 
 
 def test_buildkit_eval_grades_an_mlx_lm_convert_directory(built, capsys, tmp_path):

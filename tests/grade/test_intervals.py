@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import Project
+from conftest import Project, acceptance_is_depth_one
 
 from buildkit.grade import stats, texts
 from buildkit.grade.texts import heldout_tokens
@@ -160,10 +160,7 @@ def test_acceptance_interval_holds_an_independent_head_forward(trained):
     # moves 1.5% of its trunk's argmaxes, docs/evaluation.md), so close, not equal
     assert acc == pytest.approx(e["acceptance_source"], abs=0.02)
     assert e["acceptance_positions"] == e["drafts_by_depth"][0][1]
-    # acceptance is depth 1's rate, the same drafts (one pass of the output head for both)
-    for suffix in ("", "_source"):
-        a, n = e["drafts_by_depth" + suffix][0]
-        assert e["acceptance" + suffix] == a / n, suffix
+    acceptance_is_depth_one(e)
 
 
 def test_no_rate_from_fewer_than_30_drafts_and_no_extrapolation(trained):
