@@ -11,9 +11,10 @@ lm_head are 248320 x 2048, each layer's experts 256 x 3 x 512 x 2048):
 - the embedding: only the rows of the tokens the text uses are kept as its blocks pass;
 - a decoder layer: its attention, router and shared expert loaded as mlx_lm's modules, their
   linears as float32 numpy matmuls (``calibration``: mlx's CPU matmul is 10-20x slower than
-  OpenBLAS), and the attention's arithmetic between them in numpy too (``attention``); the
-  MoE runs once over every position of every batch, its routed experts read a block at a
-  time (only those a position is routed to are widened or dequantized), on two threads;
+  OpenBLAS), and the attention's arithmetic between them in numpy too (``attention``), a few
+  sequences a part, two parts at once; the MoE runs once over every position of every batch,
+  its routed experts read a block at a time (only those a position is routed to are widened
+  or dequantized), on two threads;
 - the output head: both models' lm_head in the same blocks of vocabulary rows, their logits
   for every position reduced block by block (``HeadScan``): a running log-sum-exp of each, the
   KL divergence in its streaming form, argmax and the next token's logit.
