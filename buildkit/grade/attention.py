@@ -126,18 +126,27 @@ def gated_delta_net(gdn, x: np.ndarray) -> np.ndarray:
     return linear(gdn.out_proj, y.reshape(B, S, -1))
 
 
-def numpy_call(attn):
-    """The numpy form of ``attn`` (a qwen3_5 full attention or gated delta net) for our pass's
-    call (whole sequences, no cache, the mask mlx_lm's layer would make): a function of x [B,
-    L, H] float32, pure numpy, so several may run at once on threads; None if this module
-    would defer to mlx_lm's own."""
+def _forms() -> dict:
+    """qwen3_5's module class -> (whether our numpy form takes a call, that form)."""
     from mlx_lm.models import qwen3_5
 
-    if isinstance(attn, qwen3_5.GatedDeltaNet) and _delta_ok(attn, None, None):
-        return lambda x: gated_delta_net(attn, x)
-    if isinstance(attn, qwen3_5.Attention) and _full_ok(attn, None, "causal"):
-        # mlx_lm's layer masks "causal" beyond one position; one position sees only itself
-        return lambda x: full_attention(attn, x, x.shape[1] > 1)
+    return {
+        qwen3_5.Attention: (
+            _full_ok,
+            lambda m, x, mask: full_attention(m, x, mask is not None),
+        ),
+        qwen3_5.GatedDeltaNet: (_delta_ok, lambda m, x, mask: gated_delta_net(m, x)),
+    }
+
+
+def numpy_call(attn, mask):
+    """The numpy form of ``attn`` (a qwen3_5 full attention or gated delta net) for our pass's
+    call with ``mask`` (whole sequences, no cache): a function of x [B, L, H] float32, pure
+    numpy, so several may run at once on threads; None if this call would defer to mlx_lm's
+    own."""
+    for cls, (ok, fast) in _forms().items():
+        if isinstance(attn, cls) and ok(attn, None, mask):
+            return lambda x: fast(attn, x, mask)
     return None
 
 
@@ -171,16 +180,10 @@ def in_numpy():
     """Within this block (this thread only), qwen3_5's attention modules run in numpy (and
     its delta rule as ``deltanet.chunked``'s wherever they defer to mlx_lm's own)."""
     global _installed
-    from mlx_lm.models import qwen3_5
-
     with _lock:  # wrappers installed once, for the process's life: they defer outside a block
         if not _installed:
-            _wrap(
-                qwen3_5.Attention,
-                _full_ok,
-                lambda m, x, mask: full_attention(m, x, mask is not None),
-            )
-            _wrap(qwen3_5.GatedDeltaNet, _delta_ok, lambda m, x, mask: gated_delta_net(m, x))
+            for cls, (ok, fast) in _forms().items():
+                _wrap(cls, ok, fast)
             _installed = True
     before = getattr(_local, "on", False)
     _local.on = True

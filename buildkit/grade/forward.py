@@ -379,12 +379,12 @@ def attend(layer, hs: list) -> list:
     import mlx.core as mx
 
     attn = layer.linear_attn if layer.is_linear else layer.self_attn
-    fast = attention.numpy_call(attn)
     mx.eval(attn.parameters())  # the threads read its weights as they are, computing nothing
     mid = []
     with attention.in_numpy():
         for h in hs:
             step = max(1, ATTEND_POSITIONS // h.shape[1])
+            fast = attention.numpy_call(attn, layer_mask(layer, h))
             if fast is None or h.dtype != mx.float32:
                 rows = []
                 for r in range(0, h.shape[0], step):
@@ -396,13 +396,10 @@ def attend(layer, hs: list) -> list:
                 mx.eval(n)
                 x, n = np.asarray(h), np.asarray(n)
                 parts = [(x[r : r + step], n[r : r + step]) for r in range(0, h.shape[0], step)]
-                rows = [mx.array(y) for y in workers.imap("attend", _add_attended(fast), parts)]
+                added = workers.imap("attend", lambda p, f=fast: p[0] + f(p[1]), parts)
+                rows = [mx.array(y) for y in added]
             mid.append(mx.concatenate(rows) if len(rows) > 1 else rows[0])
     return mid
-
-
-def _add_attended(fast):
-    return lambda part: part[0] + fast(part[1])
 
 
 def residual(mid: list, y) -> list:

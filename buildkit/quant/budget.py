@@ -27,7 +27,6 @@ from buildkit.core.lazy import lazy
 from buildkit.formats import checkpoint as ckpt
 from buildkit.formats.checkpoint import SWITCH
 from buildkit.formats.tensors import ITEMSIZE
-from buildkit.grade.sensitivity import CARRIED
 from buildkit.quant.roles import BF16, Role
 from buildkit.store.artifact import Artifact
 
@@ -183,6 +182,9 @@ def cost(
     head. ``local``: a decoder layer's candidate runs its layer once; a group of one of ``probes``
     layers (or the embeddings) carries two of its candidates through the later layers and the
     head; lm_head's candidates run the head."""
+    # imported here: `buildkit estimate` loads this module, and needs no forward pass's modules
+    from buildkit.grade.sensitivity import CARRIED
+
     text = ckpt.text_config(config)
     n, share = text["num_hidden_layers"], text["num_experts_per_tok"] / text["num_experts"]
     active = [0] * n  # weights a token meets in each layer
