@@ -698,10 +698,12 @@ def head_module(w) -> str:
 
 
 class HeadScan:
-    """Per position, over the whole vocabulary, of one or two models' logits ``h @ W.T``:
-    log-sum-exp, argmax, the logit of a target token and (two models) KL(p_0 || p_1), in one
-    pass over the heads' blocks of rows. KL = E_p0[a - b] - lse(a) + lse(b) with a, b the
-    logits; E_p0[a - b] is summed block by block, rescaled as the running max of a moves."""
+    """Per position, over the whole vocabulary, of models' logits ``h @ W.T``: log-sum-exp,
+    argmax, the logit of a target token and, of each model j after the first, KL(p_0 || p_j),
+    in one pass over the heads' blocks of rows. KL = E_p0[a - b] - lse(a) + lse(b) with a, b
+    the logits; E_p0[a - b] is summed block by block, rescaled as the running max of a moves.
+    Each model's figures are the bytes a scan of model 0 and it alone gives (its own matmul and
+    reductions over the same blocks): several share model 0's logits, made once."""
 
     def __init__(self, ws: list, hns: list[np.ndarray], targets: np.ndarray | None = None):
         self.ws, self.hns, self.targets = ws, hns, targets
@@ -710,8 +712,8 @@ class HeadScan:
         self.s = [np.zeros(n) for _ in ws]  # sum exp(logit - m)
         self.arg = [np.zeros(n, np.int64) for _ in ws]
         self.tgt = [np.full(n, np.nan) for _ in ws]
-        self.t = np.zeros(n)  # sum exp(a - m_0) (a - b)
-        self.at_ref = np.full(n, -np.inf)  # model 1's logit at model 0's running argmax
+        self.t = [np.zeros(n) for _ in ws[1:]]  # model j's sum exp(a - m_0) (a - b_j)
+        self.at_ref = [np.full(n, -np.inf) for _ in ws[1:]]  # model j's at model 0's argmax
         self.run()
 
     def run(self) -> None:
@@ -747,12 +749,12 @@ class HeadScan:
             scale = np.exp(self.m[i] - new)
             e = np.exp(lg - new[:, None].astype(np.float32))
             self.s[i] = self.s[i] * scale + e.sum(axis=1, dtype=np.float64)
-            if i == 0 and len(ls) == 2:
-                diff = lg - ls[1]
-                self.t = self.t * scale + (e * diff).sum(axis=1, dtype=np.float64)
-            if i == 0 and len(ls) == 2:  # for delta p: model 1's logit where model 0 tops
+            if i == 0:
                 up = mx_ > self.m[0]
-                self.at_ref = np.where(up, ls[1][rows, top].astype(np.float64), self.at_ref)
+                for j, b in enumerate(ls[1:]):
+                    self.t[j] = self.t[j] * scale + (e * (lg - b)).sum(axis=1, dtype=np.float64)
+                    # for delta p: model j's logit where model 0 tops
+                    self.at_ref[j] = np.where(up, b[rows, top].astype(np.float64), self.at_ref[j])
             self.arg[i] = np.where(mx_ > self.m[i], top + a, self.arg[i])
             self.m[i] = new
             if self.targets is not None:
@@ -762,13 +764,13 @@ class HeadScan:
     def lse(self, i: int) -> np.ndarray:
         return self.m[i] + np.log(self.s[i])
 
-    def kl(self) -> np.ndarray:
-        """KL(p_0 || p_1) per position, float rounding below zero clipped."""
-        return np.maximum(self.t / self.s[0] - self.lse(0) + self.lse(1), 0.0)
+    def kl(self, j: int = 1) -> np.ndarray:
+        """KL(p_0 || p_j) per position, float rounding below zero clipped."""
+        return np.maximum(self.t[j - 1] / self.s[0] - self.lse(0) + self.lse(j), 0.0)
 
-    def delta_p(self) -> np.ndarray:
-        """p_1 - p_0 of the token model 0 ranks first (llama.cpp's delta p), per position."""
-        return np.exp(self.at_ref - self.lse(1)) - np.exp(self.m[0] - self.lse(0))
+    def delta_p(self, j: int = 1) -> np.ndarray:
+        """p_j - p_0 of the token model 0 ranks first (llama.cpp's delta p), per position."""
+        return np.exp(self.at_ref[j - 1] - self.lse(j)) - np.exp(self.m[0] - self.lse(0))
 
     def nll(self, i: int) -> np.ndarray:
         return self.lse(i) - self.tgt[i]

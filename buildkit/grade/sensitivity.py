@@ -20,6 +20,7 @@ log-probabilities (tokens x vocabulary floats), for small models.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 
@@ -219,6 +220,9 @@ def kind(group: str) -> str:
 
 # a sensitivity candidate's tensor in float32 blocks: (name, bits, rows) -> blocks of ``rows``
 Blocks = Callable[[str, int, int], Iterator["np.ndarray"]]
+# models beside the source in one head scan: each block's logits, 8 MB a model at 2048
+# positions, wait three blocks deep (~220 MB); the source's half of every KL made once
+KL_GROUP = 8
 GROUP = 8  # hidden-state lists through one MoE call: ~100 MB a list at 2048 tokens and H 2048
 # (was 4 while the MoE kept every choice's output, lists x tokens x 8 x H floats)
 
@@ -263,14 +267,10 @@ def local(
     cands = {i: _keys(groups, bits, gs) for i, gs in by_layer.items()}
     hn = run.trunk(cands, probes_at)
     result: dict[str, dict[int, float]] = {g: {} for g in groups}
-    for c in (c for i in by_layer if i >= run.n for c in cands[i]):  # lm_head: measured
-        result[c[0]][c[2]] = float(f"{run.head_kl(hn, c):.6g}")
-    fits: dict[tuple[int, str], tuple[float, float]] = {}
-    for p, g in sorted(run.carried):
-        points = [(e, run.kl(hn, fw.final_norm(w, h))) for _c, h, e in run.ends((p, g))]
-        fits[p, kind(g)] = fit(points)
-        if progress:
-            progress.advance(len(points))
+    heads = [c for i in by_layer if i >= run.n for c in cands[i]]  # lm_head's: measured
+    for c, kl in zip(heads, run.kls(hn, (hn for _ in heads), map(run.swapped, heads))):
+        result[c[0]][c[2]] = float(f"{kl:.6g}")
+    fits = run.fits(hn)
     if progress:  # a probed group no candidate moved (all-zero weights) has nothing to carry
         progress.advance(n_probes - sum(len(run.ends(key)) for key in run.carried))
     for (i, (g, _, b)), e in run.err.items():
@@ -341,9 +341,7 @@ class LocalPass:
             source = fw.streamed_layer(self.w, prefix, self.args, i)
             parts: dict = {}
             h_out = fw.run_streamed(source, h, parts)
-            ends = [t for key in self.carried for t in self.ends(key)]
-            for t, out in zip(ends, self.through(source, [t[1] for t in ends]), strict=True):
-                t[1] = out
+            self.through(source, [t for key in self.carried for t in self.ends(key)])
             for c in cands.get(i, []):
                 self.note(i, c, self.output(i, c, source, h, parts), h_out, i in probes_at)
             h = h_out
@@ -386,30 +384,46 @@ class LocalPass:
         return list({id(t): t for t in self.carried[key].values()}.values())
 
     @staticmethod
-    def through(layer, lists: list[list]) -> list[list]:
-        """Each list of batches through ``layer``, ``GROUP`` lists to a call (their experts
-        read once per call)."""
-        out = []
-        for a in range(0, len(lists), GROUP):
-            part = lists[a : a + GROUP]
-            flat = fw.run_streamed(layer, [h for hs in part for h in hs])
-            for hs in part:
-                out.append(flat[: len(hs)])
-                flat = flat[len(hs) :]
+    def through(layer, ends: list[list]) -> None:
+        """Each carried [candidate, output, error]'s output (a list of batches) through
+        ``layer``, in place, ``GROUP`` to a call (their experts read once per call). A group's
+        inputs go as its outputs come: the carried lists are held once, not twice (~0.5 GB
+        at 35B's 34 lists of 2048 positions)."""
+        for a in range(0, len(ends), GROUP):
+            part = ends[a : a + GROUP]
+            flat = fw.run_streamed(layer, [h for t in part for h in t[1]])
+            for t in part:
+                t[1], flat = flat[: len(t[1])], flat[len(t[1]) :]
+
+    def fits(self, hn: np.ndarray) -> dict[tuple[int, str], tuple[float, float]]:
+        """(probed layer, kind) -> (gain, power) through its carried candidates' (error, KL)."""
+        ends = [(key, t) for key in sorted(self.carried) for t in self.ends(key)]
+
+        def normed():  # each carried output normed as its scan takes it, then let go
+            for _, t in ends:
+                got, t[1] = fw.final_norm(self.w, t[1]), None
+                yield got
+
+        points: dict[tuple, list] = {}
+        for (key, (_c, _, e)), kl in zip(ends, self.kls(hn, normed())):
+            points.setdefault(key, []).append((e, kl))
+        return {(p, kind(g)): fit(got) for (p, g), got in points.items()}
+
+    def kls(self, hn: np.ndarray, hns: Iterator, heads: Iterator | None = None) -> list[float]:
+        """Mean KL(source || model) over the positions with a next token, of each model's
+        final normed hidden states (``hns``) through its output head (``heads``; the source's
+        if None) against ``hn`` through the source's: ``KL_GROUP`` models to a head scan,
+        which makes the source's logits once for all of them (each KL the bytes of a scan of
+        the source and it alone)."""
+        heads = heads if heads is not None else itertools.repeat(self.w)
+        pairs, out = zip(hns, heads), []
+        while part := list(itertools.islice(pairs, KL_GROUP)):
+            scan = fw.HeadScan([self.w, *(w for _, w in part)], [hn, *(h for h, _ in part)])
+            for j in range(1, len(part) + 1):
+                out.append(float(scan.kl(j)[self.valid].astype(np.float64).mean()))
+            if self.progress:
+                self.progress.advance(len(part))
         return out
-
-    def kl(self, hn: np.ndarray, hn_model: np.ndarray, head: Weights | None = None) -> float:
-        """Mean KL(source || model) over the positions with a next token, of final normed
-        hidden states through the source's output head and ``head`` (the source's if None)."""
-        scan = fw.HeadScan([self.w, head or self.w], [hn, hn_model])
-        return float(scan.kl()[self.valid].astype(np.float64).mean())
-
-    def head_kl(self, hn: np.ndarray, c: tuple) -> float:
-        """An lm_head candidate's KL: the source's last hidden states through it."""
-        got = self.kl(hn, hn, self.swapped(c))
-        if self.progress:
-            self.progress.advance(1)
-        return got
 
 
 def fit_at(fits: dict[tuple[int, str], tuple], i: int, what: str) -> tuple[float, float]:

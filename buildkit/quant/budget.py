@@ -179,11 +179,10 @@ def cost(
     passes over the tokens, output-head passes (lm_head over every token, vocabulary wide) and
     their matmul flops (2 per weight a token meets: a layer's routed experts at top-k of E).
     ``measured``: a candidate of layer i runs layers i..L-1 (of the embeddings, all L) and the
-    head. ``local``: a decoder layer's candidate runs its layer once; a group of one of ``probes``
-    layers (or the embeddings) carries two of its candidates through the later layers and the
-    head; lm_head's candidates run the head."""
+    head. ``local``: a decoder layer's candidate its layer; a group of a probed layer (or the
+    embeddings) carries two candidates on, then the head, the source's once a KL_GROUP of KLs."""
     # imported here: `buildkit estimate` loads this module, and needs no forward pass's modules
-    from buildkit.grade.sensitivity import CARRIED
+    from buildkit.grade.sensitivity import CARRIED, KL_GROUP
 
     text = ckpt.text_config(config)
     n, share = text["num_hidden_layers"], text["num_experts_per_tok"] / text["num_experts"]
@@ -202,21 +201,25 @@ def cost(
         flops += k * 2 * tokens * (sum(active[first:last]) + head * with_head)
 
     per_layer: dict[int, int] = {}  # candidates each decoder layer's probes carry
-    embeddings = 0
+    embeddings = heads = 0  # (local) candidates the embeddings' probe carries; lm_head's
     for g, names in groups.items():
         k = len([b for b in bits[g] if b != BF16])
         i = layer_index(names[0])
         if method == "measured" or i >= n:
             runs(k, max(i, 0), n)
+            heads += k * (i >= n)
         elif i >= 0:
             runs(k, i, i + 1, with_head=False)
             per_layer[i] = per_layer.get(i, 0) + min(k, CARRIED)
         else:
             embeddings += min(k, CARRIED)
     if method == "local":  # a probed group's ends (largest, smallest error) carried on
+        ends = embeddings
         for p in probed(list(per_layer), probes):
             runs(per_layer[p], p + 1, n)
+            ends += per_layer[p]
         runs(embeddings, 0, n)
+        runs(-(-ends // KL_GROUP) + -(-heads // KL_GROUP), n, n)  # the source's side of the KLs
     return {
         "candidates": sum(len([b for b in bits[g] if b != BF16]) for g in groups),
         "layer_passes": layer_passes,

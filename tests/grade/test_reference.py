@@ -78,6 +78,29 @@ def test_the_reference_is_the_sources_own_figures(trained_xl):
     np.testing.assert_allclose(f["nll_model"], f["nll_source"], rtol=1e-5)
 
 
+def test_a_head_scan_of_several_models_gives_each_its_own_pairs_bytes(trained_xl):
+    """Sensitivity grades many models against the source in one scan, the source's logits made
+    once: each model's figures are exactly those of a scan of the source and it alone."""
+    p, src_dir = trained_xl
+    src, mod = DirWeights(src_dir), DirWeights(p.out / "xl-128")
+    windows, _ = rf.layout({"": list(range(3, 200))}, 64)
+    hn, hm = (fw.final_norm(w, fw.run_trunk(w, windows).h) for w in (src, mod))
+    noisy = hn + 0.05 * np.random.default_rng(0).standard_normal(hn.shape).astype(np.float32)
+    targets = rf.next_tokens(windows)
+    many = fw.HeadScan([src, mod, src], [hn, hm, noisy], targets)
+    for j, (w, h) in enumerate([(mod, hm), (src, noisy)], start=1):
+        pair = fw.HeadScan([src, w], [hn, h], targets)
+        assert pair.kl().mean() > 1e-4  # a model apart from the source, not a trivial zero
+        for got, want in [
+            (many.kl(j), pair.kl()),
+            (many.delta_p(j), pair.delta_p()),
+            (many.arg[j], pair.arg[1]),
+            (many.nll(j), pair.nll(1)),
+            (many.nll(0), pair.nll(0)),
+        ]:
+            np.testing.assert_array_equal(got, want)
+
+
 def test_every_variant_from_one_source_shares_one_reference(seed, project, capsys):
     """xl and xl-mtp share it; oq4e-mtp-xl, planned in their store, finds it cached; a second
     variant's build runs its eval (one model's forward) and not the reference."""

@@ -268,6 +268,24 @@ def test_a_local_candidate_reuses_what_it_does_not_change_and_gets_the_whole_lay
     assert {"mlp.switch_mlp", "mlp.shared_expert", "attention"} <= kinds, kinds
 
 
+def test_local_figures_are_the_same_however_many_models_share_a_head_scan(built, monkeypatch):
+    """The carried candidates' and lm_head's KLs go KL_GROUP to a head scan (the source's
+    logits made once for them): the figures and fits are the bytes of one scan a model."""
+    from buildkit.grade import sensitivity as sens
+    from buildkit.grade.weights import StoreWeights
+
+    project, _ = built
+    store, model, _, plan, blocks = local_inputs(project)
+    groups = {g: p["tensors"] for g, p in plan.items()}
+    bits = {g: [b for b in p["bits"] if b != 16] for g, p in plan.items()}
+    w = StoreWeights(store, [model], model.meta["config"], None)
+    args = (w, groups, bits, budget.layer_index, blocks, list(range(3, 200)), 64, [0, 3])
+    shared = sens.local(*args)
+    monkeypatch.setattr(sens, "KL_GROUP", 1)
+    alone = sens.local(*args)
+    assert len(shared[1]) >= 4 and shared == alone  # fits at layers -1, 0 and 3, by kind
+
+
 def test_local_progress_reaches_its_total_when_a_probed_group_moves_nothing(built):
     """A probed group whose candidates leave its layer's output as it was (all-zero weights, as
     the sparse 35B source's are) has nothing to carry through the later layers; the progress
