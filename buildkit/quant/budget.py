@@ -228,6 +228,22 @@ def cost(
     }
 
 
+def measured_bytes(config: dict, tensors: dict[str, dict], tokens: int) -> int:
+    """About what the measured sensitivity holds at once, in bytes (float32): the source's
+    log-probabilities (tokens x vocabulary) and its output head, every layer's hidden states,
+    and its widest decoder layer three times over (the layer, a candidate, the swapped-in copy)."""
+    text = ckpt.text_config(config)
+    n = text["num_hidden_layers"]
+    vocab, hidden = (tensors.get(LM_HEAD) or tensors.get(EMBED) or {"shape": [0, 0]})["shape"]
+    layer = [0] * n
+    for name, e in tensors.items():
+        if name.startswith(LAYERS) and 0 <= layer_index(name) < n:
+            layer[layer_index(name)] += math.prod(e["shape"])
+    return 4 * (
+        tokens * vocab + vocab * hidden + (n + 1) * tokens * hidden + 3 * max(layer, default=0)
+    )
+
+
 def stored_bits(entry: dict, role: Role) -> int:
     """Bits a tensor takes stored under a role (mx.quantize: packed codes, plus a scale and a
     bias per group in the weight's dtype)."""

@@ -59,7 +59,8 @@ class SensitivityParams(Params):
     granularity: Literal["layer", "tensor"] = "layer"
     # measured: every candidate through every later layer (exact, ~L/2 layer passes each);
     # local: each candidate's own layer's output error times a gain probed at ``probes`` layers
-    # (~1 layer pass each); auto: measured where it costs at most AUTO_RATIO x local
+    # (~1 layer pass each); auto: measured where it costs at most AUTO_RATIO x local and holds
+    # at most AUTO_MEMORY
     method: Literal["auto", "measured", "local"] = "auto"
     probes: int = Field(default=4, ge=1)
 
@@ -114,12 +115,18 @@ def measured(params: SensitivityParams, tensors: dict[str, dict]) -> dict[str, d
 # auto measures every candidate where that costs at most this many times local's layer passes:
 # small models (4 layers: ~2x), never the real one (40 layers: ~17x)
 AUTO_RATIO = 4
+# ... and holds at most this: a build stays under 2 GB. By the model's shapes, not this
+# machine's memory, so every machine keys the step alike (a shallow 35B-wide model: ~14 GB)
+AUTO_MEMORY = 1_000_000_000
 
 
 def resolved(params: SensitivityParams, config: dict, tensors: dict, plan: dict) -> str:
-    """``params.method``, auto decided by the two methods' decoder-layer passes on this model."""
+    """``params.method``, auto decided on this model by the two methods' decoder-layer passes
+    and by what measured would hold (``budget.measured_bytes`` at ``max_tokens``)."""
     if params.method != "auto":
         return params.method
+    if budget.measured_bytes(config, tensors, params.max_tokens) > AUTO_MEMORY:
+        return "local"
     groups = {g: p["tensors"] for g, p in plan.items()}
     bits = {g: p["bits"] for g, p in plan.items()}
     passes = {

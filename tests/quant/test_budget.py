@@ -284,6 +284,36 @@ def test_auto_sensitivity_measures_small_models_and_estimates_the_real_depth():
     assert resolved(SensitivityParams(method="measured"), config, tensors, plan) == "measured"
 
 
+def test_auto_sensitivity_measures_locally_what_measured_could_not_hold():
+    """A shallow model as wide as the real one: few layer passes, but measured would hold the
+    source's log-probabilities and whole float32 layers, far over a build's 2 GB."""
+    from buildkit.steps.sensitivity import AUTO_MEMORY, SensitivityParams, measured, resolved
+
+    params = SensitivityParams()
+    config, tensors = _expert_model(4)
+    plan = measured(params, tensors)
+    small = budget.measured_bytes(config, tensors, params.max_tokens)
+    # 3 x a layer's 3 x 8 x 64 x 64 weights, and 5 hidden states of 2048 x 64 (the embedding's
+    # width), all float32
+    embed = {"language_model.model.embed_tokens.weight": {"dtype": "BF16", "shape": [512, 64]}}
+    with_embed = tensors | embed
+    assert budget.measured_bytes(config, with_embed, 2048) == 4 * (
+        2048 * 512 + 512 * 64 + 5 * 2048 * 64 + 3 * 3 * 8 * 64 * 64
+    )
+    assert small < AUTO_MEMORY and resolved(params, config, with_embed, plan) == "measured"
+    # the real vocabulary: 2048 tokens x 248,320 log-probabilities alone are 2 GB
+    head = {"language_model.lm_head.weight": {"dtype": "BF16", "shape": [248320, 64]}}
+    assert resolved(params, config, tensors | head, plan) == "local"
+    # fewer tokens hold less: the same head at 256 tokens is measured again
+    fewer = params.model_copy(update={"max_tokens": 256})
+    assert resolved(fewer, config, tensors | head, plan) == "measured"
+    # the real experts' width: one layer's 256 x 512 x 2048 x 3 in float32 is 3.2 GB
+    wide = {n: e | {"shape": [256, 512, 2048]} for n, e in tensors.items()}
+    assert resolved(params, config, wide, measured(params, wide)) == "local"
+    # asked for by name, measured stays measured
+    assert resolved(SensitivityParams(method="measured"), config, wide, plan) == "measured"
+
+
 def test_local_sensitivity_keys_its_method_and_probes_and_measured_keeps_its_old_key():
     from buildkit.steps.sensitivity import SensitivityParams
 
