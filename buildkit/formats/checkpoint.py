@@ -93,6 +93,39 @@ def layer_shapes(tc: dict, prefix: str, full_attention: bool) -> dict[str, tuple
     return s
 
 
+LAYERS = "language_model.model.layers."
+LM_HEAD = "language_model.lm_head.weight"
+
+
+def active_weights(config: dict, shapes: dict[str, tuple]) -> tuple[list[float], int]:
+    """(the weights a token meets in each decoder layer, in the output head) of the MLX-named
+    bf16 ``shapes``: every matrix of a layer, its routed experts at top-k of E. A forward
+    pass's matmuls are 2 flops per weight a token meets: what its floor is counted in."""
+    text = text_config(config)
+    n, share = text["num_hidden_layers"], text["num_experts_per_tok"] / text["num_experts"]
+    active = [0.0] * n
+    for name, shape in shapes.items():
+        if name.startswith(LAYERS) and name.endswith(".weight") and len(shape) >= 2:
+            i = int(name[len(LAYERS) :].split(".", 1)[0])
+            if i < n:
+                k = 1
+                for d in shape:
+                    k *= d
+                active[i] += k * share if SWITCH in name else k
+    head = shapes.get(LM_HEAD)
+    return active, (head[0] * head[1] if head else 0)
+
+
+def pass_tflop(config: dict, shapes: dict[str, tuple], tokens, heads: int = 0) -> float:
+    """Matmul TFLOP of the trunk over ``tokens`` (a count, or each layer's count) and
+    ``heads`` output heads over the last layer's: what a step logs as "~X TFLOP of matmuls"
+    (the floor bench/bench35b.py divides by the machine's sgemm rate)."""
+    active, head = active_weights(config, shapes)
+    per = tokens if isinstance(tokens, list) else [tokens] * len(active)
+    flops = sum(2 * t * a for t, a in zip(per, active, strict=False))  # a layer not run: 0
+    return round((flops + 2 * (per[-1] if per else 0) * heads * head) / 1e12, 3)
+
+
 def is_full_attention(tc: dict, layer: int) -> bool:
     return (layer + 1) % tc.get("full_attention_interval", 4) == 0
 

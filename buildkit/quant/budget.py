@@ -45,8 +45,8 @@ MAX_STATES = 1 << 18  # cells of the knapsack's table (a row per group, a byte p
 
 
 EMBED = "language_model.model.embed_tokens.weight"
-LM_HEAD = "language_model.lm_head.weight"
-LAYERS = "language_model.model.layers."
+LM_HEAD = ckpt.LM_HEAD
+LAYERS = ckpt.LAYERS
 
 
 def routed_weights(tensors: dict[str, dict]) -> list[str]:
@@ -184,14 +184,8 @@ def cost(
     # imported here: `buildkit estimate` loads this module, and needs no forward pass's modules
     from buildkit.grade.sensitivity import CARRIED, KL_GROUP
 
-    text = ckpt.text_config(config)
-    n, share = text["num_hidden_layers"], text["num_experts_per_tok"] / text["num_experts"]
-    active = [0] * n  # weights a token meets in each layer
-    for name, e in tensors.items():
-        if name.startswith(LAYERS) and name.endswith(".weight") and len(e["shape"]) >= 2:
-            k = math.prod(e["shape"])
-            active[layer_index(name)] += k * share if SWITCH in name else k
-    head = math.prod(tensors[LM_HEAD]["shape"]) if LM_HEAD in tensors else 0
+    n = ckpt.text_config(config)["num_hidden_layers"]
+    active, head = ckpt.active_weights(config, {k: e["shape"] for k, e in tensors.items()})
     layer_passes = head_passes = flops = 0
 
     def runs(k: int, first: int, last: int, with_head: bool = True) -> None:

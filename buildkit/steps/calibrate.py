@@ -32,6 +32,7 @@ from buildkit.engine.step import (
     register,
 )
 from buildkit.formats import calibstats
+from buildkit.formats import checkpoint as ckpt
 from buildkit.formats.checkpoint import PROJS, SWITCH
 from buildkit.formats.tensors import f32_to_bf16
 from buildkit.grade import calibration as cal
@@ -101,13 +102,16 @@ class Calibrate(Step):
             found.add(layer, seen)
         stats, heldout = found.artifacts(len(calib), len(held), streams)
         used, held_used = found.used, found.held_used
+        shapes = {k: e["shape"] for k, e in model.tensors.items()}
+        ran = [a + b for a, b in zip(used, held_used, strict=True)]  # each layer's tokens
+        tflop = ckpt.pass_tflop(model.meta["config"], shapes, ran)
         ctx.log(
             f"{stats.meta['tokens']} calibration tokens (the first layer ran "
             f"{used[0] if used else 0}, the last {used[-1] if used else 0}), "
             f"{heldout.meta['tokens']} held-out (the last layer ran "
             f"{held_used[-1] if held_used else 0}); "
             f"{stats.meta['unreached_experts']} of {stats.meta['experts']} "
-            "experts reached by no token"
+            f"experts reached by no token; ~{tflop} TFLOP of matmuls"
         )
         return {"out": stats, "heldout": heldout}
 

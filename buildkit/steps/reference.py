@@ -106,5 +106,9 @@ class Reference(Step):
             },
             "seq_len": params.seq_len,
         }
-        ctx.log(", ".join(f"{g or 'main'}: {len(t)} tokens" for g, t in ids.items()))
+        tflop = ckpt.pass_tflop(w.config, w.shapes, sum(map(len, ids.values())), heads=1)
+        ctx.log(
+            ", ".join(f"{g or 'main'}: {len(t)} tokens" for g, t in ids.items())
+            + f"; ~{tflop} TFLOP of matmuls"
+        )
         return {"out": rf.put(ctx.store, ref)}

@@ -232,10 +232,13 @@ class Sensitivity(Step):
         cost = budget.cost(
             model.meta["config"], model.tensors, groups, bits, len(tokens), method, params.probes
         )
+        shapes = {k: e["shape"] for k, e in model.tensors.items()}
+        # the source's own pass beside the candidates' (measured: its log-probabilities too)
+        own = ckpt.pass_tflop(model.meta["config"], shapes, len(tokens), method == "measured")
         ctx.log(
             f"{cost['candidates']} candidates ({method}): {cost['layer_passes']} decoder-layer "
             f"passes and {cost['head_passes']} output-head passes over {len(tokens)} tokens, "
-            f"~{cost['tflop']} TFLOP of matmuls"
+            f"~{round(cost['tflop'] + own, 3)} TFLOP of matmuls with the source's own pass"
         )
         figures, gains = measure(ctx, params, method, model, calibration, groups, bits, tokens)
         for g, bs in bits.items():

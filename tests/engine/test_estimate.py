@@ -14,7 +14,9 @@ from conftest import Project
 from buildkit.engine import manifest
 from buildkit.engine.estimate import layouts
 from buildkit.fixtures.generated import PRESETS, FixtureSpec, generate
+from buildkit.formats import checkpoint as ckpt
 from buildkit.formats.tensors import read_header
+from buildkit.grade.weights import DirWeights
 from buildkit.quant.estimate import summary
 from buildkit.store.store import Store
 
@@ -106,6 +108,15 @@ def test_the_35b_sparse_fixture_estimates_as_the_published_xl(tmp_path, project,
         three = run_json(project, capsys, "xl-3bit", "--source", str(src))
         assert 4.0 <= three["bits_per_weight"] <= 4.1 and 17.5e9 <= three["bytes"] <= 18.1e9
         assert math.isclose(apparent, 2 * (35_107_181_936 + 844_640_768), rel_tol=1e-3)
+        # what a forward pass's floor is counted in: the "A3B", ~3B weights a token meets
+        # (every layer's matrices, 8 of 256 routed experts, the output head; no embedding)
+        w = DirWeights(src)
+        active, head = ckpt.active_weights(w.config, w.shapes)
+        assert len(active) == 40 and 2.9e9 < sum(active) + head < 3.0e9, (sum(active), head)
+        assert head == 248_320 * 2048
+        assert ckpt.pass_tflop(w.config, w.shapes, 1000, heads=2) == round(
+            2 * 1000 * (sum(active) + 2 * head) / 1e12, 3
+        )
     finally:
         shutil.rmtree(src)
 
