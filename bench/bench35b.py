@@ -60,6 +60,23 @@ PY = sys.executable
 GB = 1e9
 VARIANTS = ("xl", "xl-mtp", "oq4e-mtp-xl", "oq")  # as shipped, in build order
 STEP_LINE = re.compile(r"^\[(run|done|failed)\]\s+(\S+)")
+# a forward-pass step's own count of its matmuls (``checkpoint.pass_tflop``), in its log line
+TFLOP_LINE = re.compile(r"^\s+(\S+): .*~([\d.]+) TFLOP of matmuls", re.M)
+# float32 matmuls on two threads, as the steps run them (numpy's BLAS on one thread each, as
+# the CLI sets it): the rate a forward pass's floor is counted at
+SGEMM = """
+import threading, time, numpy as np
+a, b = np.random.rand(2048, 2048).astype(np.float32), np.random.rand(2048, 1024).astype(np.float32)
+a @ b
+def work():
+    for _ in range(8):
+        a @ b
+t = time.perf_counter()
+ts = [threading.Thread(target=work) for _ in range(2)]
+[x.start() for x in ts]
+[x.join() for x in ts]
+print(2 * 8 * 2 * 2048 * 2048 * 1024 / (time.perf_counter() - t) / 1e9)
+"""
 
 
 def proc_io(pid: int) -> dict[str, int]:
@@ -228,6 +245,7 @@ def measure(
             m[1]: float(m[2]) for m in re.finditer(r"^\[done\]\s+(\S+) .* in ([\d.]+)s", text, re.M)
         },
         "step_peak_rss": peaks.peaks,
+        "tflop": {m[1]: float(m[2]) for m in TFLOP_LINE.finditer(text)},
         "sampled_peak": peaks.top,
     }
     if timeout and outer_wall >= timeout:
@@ -366,6 +384,15 @@ def shipped_rows(R: dict, args, work: Path, src: Path, manifests: Path) -> None:
             shutil.rmtree(store, ignore_errors=True)
 
 
+def sgemm_gflops() -> float:
+    """The machine's float32 matmul rate on two threads (``SGEMM``), best of three."""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    runs = [
+        subprocess.run([PY, "-c", SGEMM], env=env, capture_output=True, text=True) for _ in "123"
+    ]
+    return max(float(r.stdout) for r in runs)
+
+
 def run(args) -> dict:
     work = Path(args.work).absolute()
     if work.exists():
@@ -376,6 +403,7 @@ def run(args) -> dict:
         preset += ["--layers", str(args.layers), "--shards", "4"]  # (26 would leave some empty)
     R: dict = {"machine": machine(), "mem_limit": args.mem_limit, "preset": args.preset}
     R["client_memory"], R["dense"] = args.client_memory, args.dense
+    R["sgemm_gflops"] = sgemm_gflops()
     sparse = [] if args.dense else ["--sparse"]
     R["fixture"] = measure(
         "fixture", [PY, "-m", "buildkit.cli", "fixture", src, *preset, *sparse], logs
@@ -499,6 +527,36 @@ def shipped_table(R: dict) -> list[str]:
     return [*L, ""]
 
 
+def floors(R: dict) -> list[str]:
+    """Each shipped build against its forward passes' arithmetic: the TFLOP its steps count
+    (their logs) at the machine's sgemm rate. A lower bound: GPTQ's factorizations, the
+    quantizers' searches and every read are not in it."""
+    rate = R.get("sgemm_gflops")
+    S = {v: r for v, r in R.get("shipped", {}).items() if r.get("tflop")}
+    if not rate or not S:
+        return []
+    L = [
+        f"Floors: the forward passes' matmuls each step counts (its log's ~TFLOP) at this "
+        f"machine's float32 sgemm on two threads, {rate:.0f} GFLOP/s ([2048, 2048] x "
+        "[2048, 1024], measured at the start of the run); GPTQ, the searches and the reads are "
+        "not counted, so a floor is a lower bound, and steps that overlap share the cores:",
+        "",
+    ]
+    for v, r in S.items():
+        total = sum(r["tflop"].values())
+        floor = total * 1e3 / rate
+        parts = ", ".join(
+            f"{k} {t:.3g} TFLOP {r['steps'].get(k, 0) / (t * 1e3 / rate):.2f} x"
+            for k, t in r["tflop"].items()
+            if t > 0
+        )
+        L.append(
+            f"- {v}: {total:.3g} TFLOP, floor {floor:.3g} s; the build {r['wall'] / floor:.2f} x "
+            f"its floor ({parts})."
+        )
+    return [*L, ""]
+
+
 def met(ok: bool) -> str:
     return "met" if ok else "**MISSED**"
 
@@ -555,7 +613,9 @@ def targets(R: dict) -> list[str]:
 
 
 def report(R: dict) -> str:
-    L = header(R) + noeval_table(R) + (shipped_table(R) if R.get("shipped") else []) + targets(R)
+    L = header(R) + noeval_table(R)
+    L += (shipped_table(R) + floors(R)) if R.get("shipped") else []
+    L += targets(R)
     return "\n".join(L) + "\n"
 
 
