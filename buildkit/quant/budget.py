@@ -47,6 +47,7 @@ MAX_STATES = 1 << 18  # cells of the knapsack's table (a row per group, a byte p
 EMBED = "language_model.model.embed_tokens.weight"
 LM_HEAD = ckpt.LM_HEAD
 LAYERS = ckpt.LAYERS
+SHARED = ".mlp.shared_expert"  # the shared expert and its gate
 
 
 def routed_weights(tensors: dict[str, dict]) -> list[str]:
@@ -179,8 +180,10 @@ def cost(
     passes over the tokens, output-head passes (lm_head over every token, vocabulary wide) and
     their matmul flops (2 per weight a token meets: a layer's routed experts at top-k of E).
     ``measured``: a candidate of layer i runs layers i..L-1 (of the embeddings, all L) and the
-    head. ``local``: a decoder layer's candidate its layer; a group of a probed layer (or the
-    embeddings) carries two candidates on, then the head, the source's once a KL_GROUP of KLs."""
+    head. ``local``: a decoder layer's candidate its layer (a pass; its flops only what it
+    changes where that is the MoE: ``_local_weights``); a group of a probed layer (or the
+    embeddings) carries two candidates on, then the head, the source's once a KL_GROUP of KLs:
+    an upper bound, as a candidate that moves nothing is not carried."""
     # imported here: `buildkit estimate` loads this module, and needs no forward pass's modules
     from buildkit.grade.sensitivity import CARRIED, KL_GROUP
 
@@ -188,11 +191,12 @@ def cost(
     active, head = ckpt.active_weights(config, {k: e["shape"] for k, e in tensors.items()})
     layer_passes = head_passes = flops = 0
 
-    def runs(k: int, first: int, last: int, with_head: bool = True) -> None:
+    def runs(k: int, first: int, last: int, with_head: bool = True, only=None) -> None:
         nonlocal layer_passes, head_passes, flops
         layer_passes += k * max(last - first, 0)
         head_passes += k * with_head
-        flops += k * 2 * tokens * (sum(active[first:last]) + head * with_head)
+        layers = sum(active[first:last]) if only is None else only
+        flops += k * 2 * tokens * (layers + head * with_head)
 
     per_layer: dict[int, int] = {}  # candidates each decoder layer's probes carry
     embeddings = heads = 0  # (local) candidates the embeddings' probe carries; lm_head's
@@ -203,7 +207,7 @@ def cost(
             runs(k, max(i, 0), n)
             heads += k * (i >= n)
         elif i >= 0:
-            runs(k, i, i + 1, with_head=False)
+            runs(k, i, i + 1, with_head=False, only=_local_weights(config, tensors, i, names[0]))
             per_layer[i] = per_layer.get(i, 0) + min(k, CARRIED)
         else:
             embeddings += min(k, CARRIED)
@@ -236,6 +240,25 @@ def measured_bytes(config: dict, tensors: dict[str, dict], tokens: int) -> int:
     return 4 * (
         tokens * vocab + vocab * hidden + (n + 1) * tokens * hidden + 3 * max(layer, default=0)
     )
+
+
+def _local_weights(config: dict, tensors: dict[str, dict], i: int, name: str) -> float | None:
+    """The weights a token meets when local runs a candidate of ``name``'s group in layer
+    ``i`` (``LocalPass.output``): the routed experts' and the shared expert's on the source's
+    routing, or the shared expert's alone; None where it runs the whole layer."""
+    if SWITCH in name:
+        parts = (SWITCH, SHARED)
+    elif SHARED in name:
+        parts = (SHARED,)
+    else:
+        return None
+    prefix = f"{LAYERS}{i}."
+    shapes = {
+        k: e["shape"]
+        for k, e in tensors.items()
+        if k.startswith(prefix) and any(p in k for p in parts)
+    }
+    return ckpt.active_weights(config, shapes)[0][i]
 
 
 def stored_bits(entry: dict, role: Role) -> int:

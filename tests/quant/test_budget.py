@@ -314,6 +314,33 @@ def test_auto_sensitivity_measures_locally_what_measured_could_not_hold():
     assert resolved(SensitivityParams(method="measured"), config, wide, plan) == "measured"
 
 
+def test_local_cost_counts_only_the_moe_a_routed_expert_candidate_runs():
+    """A routed-expert candidate runs its experts and the shared expert on the source's
+    routing (``LocalPass.output``), not its layer's attention; a carried one, whole layers."""
+    from buildkit.steps.sensitivity import SensitivityParams, measured
+
+    config, tensors = _expert_model(4)
+    for i in range(4):
+        for m in ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "self_attn.q_proj"):
+            tensors[f"language_model.model.layers.{i}.{m}.weight"] = {
+                "dtype": "BF16",
+                "shape": [64, 64],
+            }
+    plan = measured(SensitivityParams(), tensors)  # the routed experts at 3, 4, 6, 8 bits
+    groups = {g: p["tensors"] for g, p in plan.items()}
+    bits = {g: p["bits"] for g, p in plan.items()}
+    got = budget.cost(config, tensors, groups, bits, 10**6, "local")
+    experts, shared, layer = (
+        3 * 8 * 64 * 64 * 2 / 8,
+        2 * 64 * 64,
+        3 * 8 * 64 * 64 * 2 / 8 + 3 * 64 * 64,
+    )
+    # 16 candidates a layer pass each (the MoE's flops), 2 carried from each of the 4 probed
+    # layers through the later ones (3 + 2 + 1 + 0 whole layers)
+    assert got["layer_passes"] == 16 + 2 * 6
+    assert got["tflop"] == round((16 * 2 * (experts + shared) + 2 * 6 * 2 * layer) * 1e-6, 3)
+
+
 def test_local_sensitivity_keys_its_method_and_probes_and_measured_keeps_its_old_key():
     from buildkit.steps.sensitivity import SensitivityParams
 
