@@ -62,7 +62,7 @@ PY = sys.executable
 GB = 1e9
 VARIANTS = ("xl", "xl-mtp", "oq4e-mtp-xl", "oq")  # as shipped, in build order
 STEP_LINE = re.compile(r"^\[(run|done|failed)\]\s+(\S+)")
-# a forward-pass step's own count of its matmuls (``checkpoint.pass_tflop``), in its log line
+# a forward-pass step's own count of its matmuls, as its log line says it (``checkpoint.matmuls``)
 TFLOP_LINE = re.compile(r"^\s+(\S+): .*~([\d.]+) TFLOP of matmuls", re.M)
 # float32 matmuls on two threads, as the steps run them (numpy's BLAS on one thread each, as
 # the CLI sets it): the rate a forward pass's floor is counted at

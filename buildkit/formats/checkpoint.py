@@ -11,6 +11,7 @@ used as ``1 + w``.
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from buildkit.core.errors import SourceError
@@ -108,9 +109,7 @@ def active_weights(config: dict, shapes: dict[str, tuple]) -> tuple[list[float],
         if name.startswith(LAYERS) and name.endswith(".weight") and len(shape) >= 2:
             i = int(name[len(LAYERS) :].split(".", 1)[0])
             if i < n:
-                k = 1
-                for d in shape:
-                    k *= d
+                k = math.prod(shape)
                 active[i] += k * share if SWITCH in name else k
     head = shapes.get(LM_HEAD)
     return active, (head[0] * head[1] if head else 0)
@@ -118,12 +117,17 @@ def active_weights(config: dict, shapes: dict[str, tuple]) -> tuple[list[float],
 
 def pass_tflop(config: dict, shapes: dict[str, tuple], tokens, heads: int = 0) -> float:
     """Matmul TFLOP of the trunk over ``tokens`` (a count, or each layer's count) and
-    ``heads`` output heads over the last layer's: what a step logs as "~X TFLOP of matmuls"
-    (the floor bench/bench35b.py divides by the machine's sgemm rate)."""
+    ``heads`` output heads over the last layer's: what a step logs (``matmuls``)."""
     active, head = active_weights(config, shapes)
     per = tokens if isinstance(tokens, list) else [tokens] * len(active)
     flops = sum(2 * t * a for t, a in zip(per, active, strict=False))  # a layer not run: 0
     return round((flops + 2 * (per[-1] if per else 0) * heads * head) / 1e12, 3)
+
+
+def matmuls(tflop: float) -> str:
+    """How a forward-pass step logs its count, the phrase bench/bench35b.py's TFLOP_LINE reads
+    (the floor it divides by the machine's sgemm rate)."""
+    return f"~{round(tflop, 3)} TFLOP of matmuls"
 
 
 def is_full_attention(tc: dict, layer: int) -> bool:

@@ -111,7 +111,7 @@ class Calibrate(Step):
             f"{heldout.meta['tokens']} held-out (the last layer ran "
             f"{held_used[-1] if held_used else 0}); "
             f"{stats.meta['unreached_experts']} of {stats.meta['experts']} "
-            f"experts reached by no token; ~{tflop} TFLOP of matmuls"
+            f"experts reached by no token; {ckpt.matmuls(tflop)}"
         )
         return {"out": stats, "heldout": heldout}
 

@@ -349,7 +349,7 @@ class Eval(WorldStep):
                 break
         graded = at + sum(doms.values())  # the model's trunk and both heads ran over these
         tflop = ckpt.pass_tflop(src.config, src.shapes, graded, heads=2)
-        ctx.log(f"{graded} tokens graded: ~{tflop} TFLOP of matmuls")
+        ctx.log(f"{graded} tokens graded: {ckpt.matmuls(tflop)}")
         report |= {"text": main["text"], "text_tokens": main["text_tokens"]}
         report["stopped_by"] = stopped_by(report, params, at, main["text_tokens"])
         report |= model_size(inputs["model"])

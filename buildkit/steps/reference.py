@@ -109,6 +109,6 @@ class Reference(Step):
         tflop = ckpt.pass_tflop(w.config, w.shapes, sum(map(len, ids.values())), heads=1)
         ctx.log(
             ", ".join(f"{g or 'main'}: {len(t)} tokens" for g, t in ids.items())
-            + f"; ~{tflop} TFLOP of matmuls"
+            + f"; {ckpt.matmuls(tflop)}"
         )
         return {"out": rf.put(ctx.store, ref)}

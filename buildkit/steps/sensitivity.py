@@ -238,7 +238,7 @@ class Sensitivity(Step):
         ctx.log(
             f"{cost['candidates']} candidates ({method}): {cost['layer_passes']} decoder-layer "
             f"passes and {cost['head_passes']} output-head passes over {len(tokens)} tokens, "
-            f"~{round(cost['tflop'] + own, 3)} TFLOP of matmuls with the source's own pass"
+            f"{ckpt.matmuls(cost['tflop'] + own)} with the source's own pass"
         )
         figures, gains = measure(ctx, params, method, model, calibration, groups, bits, tokens)
         for g, bs in bits.items():
