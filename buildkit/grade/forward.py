@@ -91,7 +91,9 @@ def raw_blocks(w, module: str, step: int, pick: np.ndarray | None = None) -> Ite
             yield a, parts
         else:
             sel = pick[(pick >= a) & (pick < b)] - a
-            if len(sel):
+            if len(sel) == b - a:  # every row kept: the block as read, not a copy of it
+                yield a, parts, sel
+            elif len(sel):
                 yield a, tuple(p[sel] for p in parts), sel
         a = b
 
@@ -261,18 +263,20 @@ def _switch_class():
             acc = np.zeros((s.size // k, x.shape[-1]), np.float32)
 
             def add(rows, y):  # an expert's rows are distinct tokens: no index repeats
-                acc[rows // k] += y * s[rows, None]
+                acc[rows // k] += y
 
-            expert_outputs(self._w, self._prefix, x, indices, add, observe)
+            expert_outputs(self._w, self._prefix, x, indices, add, observe, scale=s)
             return acc
 
     return StreamedSwitchGLU
 
 
-def expert_outputs(w, p: str, x, indices, sink, observe=None) -> None:
+def expert_outputs(w, p: str, x, indices, sink, observe=None, scale=None) -> None:
     """The streamed switch's work (``p`` its prefix in ``w``): each (row, choice)'s expert
     output, handed to ``sink(rows, y)`` ([len(rows), H] float32, rows ids into the flattened
-    [N * k] choices) in the calling thread, expert by expert in the order of their ids.
+    [N * k] choices) in the calling thread, expert by expert in the order of their ids; with
+    ``scale`` ([N * k]), each output times its choice's scale, multiplied on the worker (the
+    calling thread reads every block and sums: it is the one that keeps the others waiting).
     ``observe(e, rows, x, mid)``, if given, sees each expert's rows (ids into x, ascending),
     their inputs and intermediate activations ``silu(gate x) * up x`` (on either thread: an
     observer writes only expert e's own state)."""
@@ -302,7 +306,8 @@ def expert_outputs(w, p: str, x, indices, sink, observe=None) -> None:
             xe = xs[rows // k]
             g, u = (gate[i] @ xe.T).T, (up[i] @ xe.T).T
             mid = (g / (1.0 + np.exp(-g))) * u
-            made.append((rows, mid @ down[i].T))
+            y = mid @ down[i].T
+            made.append((rows, y if scale is None else y * scale[rows, None]))
             if observe is not None:
                 observe(e, rows // k, xe, mid)
         return made
