@@ -18,6 +18,7 @@ anything else in the process, a real client included, keeps mlx_lm's own.
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
 
@@ -26,6 +27,10 @@ from buildkit.core.lazy import lazy
 np = lazy("numpy", __name__)
 
 CHUNK = 64
+# a decay below 2^-60 is taken as 0: what it scales is below 2^-36 of any float32 sum it
+# enters, and left in, it and its products are subnormal floats, which the CPU multiplies tens
+# of times slower (strong gates make half a chunk's decays subnormal: bench/RESULTS.md)
+LOG_FLOOR = -60 * math.log(2)
 _local = threading.local()
 _lock = threading.Lock()
 _original = None
@@ -53,26 +58,31 @@ def gated_delta(q, k, v, log_g, beta, state=None, chunk: int = CHUNK):
     gc = np.cumsum(lg, axis=-1, dtype=np.float64)
     lower = np.tril(np.ones((chunk, chunk), bool))
     diff = np.where(lower, gc[..., :, None] - gc[..., None, :], -np.inf)
-    D = np.exp(diff).astype(np.float32)  # Γ_i / Γ_j for j <= i, else 0
+    D = decays(diff)  # Γ_i / Γ_j for j <= i, else 0
     kk = k @ np.swapaxes(k, -1, -2)
     L = beta[..., None] * kk * D * ~np.eye(chunk, dtype=bool)
     W = np.linalg.inv(np.eye(chunk, dtype=np.float32) + L)  # unit lower triangular
-    gamma = np.exp(gc).astype(np.float32)
+    gamma = decays(gc)
     vt = W @ (beta[..., None] * v)  # [B, H, n, C, Dv]
     kt = W @ ((beta * gamma)[..., None] * k)  # [B, H, n, C, Dk]
     qd = gamma[..., None] * q
     qk = (q @ np.swapaxes(k, -1, -2)) * D
-    last = np.exp(gc[..., -1:] - gc).astype(np.float32)[..., None] * k  # (Γ_C / Γ_j) k_j
+    last = decays(gc[..., -1:] - gc)[..., None] * k  # (Γ_C / Γ_j) k_j
     S = np.zeros((B, Hv, Dv, Dk), np.float32) if state is None else np.asarray(state, np.float32)
     out = np.empty((B, Hv, n, chunk, Dv), np.float32)
     for c in range(n):
         St = np.swapaxes(S, -1, -2)  # [B, H, Dk, Dv]
         u = vt[:, :, c] - kt[:, :, c] @ St
         out[:, :, c] = qd[:, :, c] @ St + qk[:, :, c] @ u
-        decay = np.exp(gc[:, :, c, -1]).astype(np.float32)[..., None, None]
+        decay = decays(gc[:, :, c, -1])[..., None, None]
         S = decay * S + np.swapaxes(u, -1, -2) @ last[:, :, c]
     y = np.moveaxis(out.reshape(B, Hv, n * chunk, Dv)[:, :, :T], 1, 2)
     return np.ascontiguousarray(y), S
+
+
+def decays(log: np.ndarray) -> np.ndarray:
+    """exp of log decays (float64) as float32, those below ``LOG_FLOOR`` as 0."""
+    return np.exp(np.where(log < LOG_FLOOR, -np.inf, log)).astype(np.float32)
 
 
 def _update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kw):

@@ -64,6 +64,26 @@ def test_from_a_state_and_with_decays_that_underflow():
     np.testing.assert_allclose(y1, y0, rtol=0, atol=2e-5 * np.abs(y0).max())
 
 
+def test_decays_too_small_for_float32_are_zero_not_subnormal(monkeypatch):
+    """Gates of ~-30 a token take a chunk's decays through float32's subnormal range, where
+    the CPU multiplies tens of times slower: below 2^-60 they are 0, and the outputs are
+    mlx_lm's, and within 2^-30 of the chunked form's own with every decay kept."""
+    x = inputs(130, a_scale=30.0, seed=4)
+    log_g = np.array(-mx.exp(x[5]) * nn.softplus(x[3] + x[6]), np.float64)
+    tiny = np.finfo(np.float32).tiny
+    kept = np.exp(np.cumsum(log_g, axis=1)).astype(np.float32)
+    assert ((kept > 0) & (kept < tiny)).any()  # the case at hand: subnormal decays
+    got = deltanet.decays(np.cumsum(log_g, axis=1))
+    assert not ((got > 0) & (got < 2.0**-60)).any()
+    y0, _ = mlx_lm_ops(*x)
+    y1, s1 = chunked(*x)
+    np.testing.assert_allclose(y1, y0, rtol=0, atol=2e-5 * np.abs(y0).max())
+    monkeypatch.setattr(deltanet, "LOG_FLOOR", -np.inf)
+    y2, s2 = chunked(*x)
+    np.testing.assert_allclose(y1, y2, rtol=0, atol=2.0**-30 * np.abs(y2).max())
+    np.testing.assert_allclose(s1, s2, rtol=0, atol=2.0**-30 * np.abs(s2).max())
+
+
 def test_only_inside_the_block_and_only_in_its_thread():
     """mlx_lm's function is ours only within ``chunked()`` and in that thread: a real client
     running beside our forward pass keeps mlx_lm's own arithmetic."""
