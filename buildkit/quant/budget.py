@@ -141,7 +141,7 @@ def dequantized_rows(
     """``dequantized`` a block of ``rows`` rows (experts, of a routed-expert weight) at a time,
     made in memory and never stored: the same codes, scales and biases (dequantized in numpy),
     memory a block, not the tensor (the real lm_head is 2 GB in float32)."""
-    from buildkit.formats.tensors import dequantize, nbytes, to_float32
+    from buildkit.formats.tensors import nbytes
     from buildkit.quant import affine, dataaware
 
     entry = model.tensors[name]
@@ -152,9 +152,7 @@ def dequantized_rows(
             yield affine.dequantized_like_mx(raw, dtype, role.bits, role.group_size, role.mode)
         return
     stats = dataaware.expert_statistics(store, name, entry, role, calibration)
-    for _raw, made, *_ in dataaware.SearchedBlocks(store, name, entry, role, stats, block):
-        (w, _), (s, sdt), (b, _) = made.values()  # weight, scales, biases
-        yield dequantize(w, to_float32(s, sdt), to_float32(b, sdt), role.bits, role.group_size)
+    yield from dataaware.SearchedBlocks(store, name, entry, role, stats, block).dequantized()
 
 
 def probed(layers: list[int], probes: int) -> list[int]:

@@ -33,6 +33,7 @@ Experts no calibration token reached keep mx.quantize's result and are counted.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 from buildkit.core.errors import StepError
 from buildkit.core.lazy import lazy
@@ -181,8 +182,12 @@ def stored_parts(module: str, packed, scales, biases, s_dtype: str) -> dict:
 def repack(codes, s32, b32, bits: int, s_dtype: str, s_np_dtype):
     """Codes and float32 scales and biases back to what is stored: packed uint32 codes, and
     scales and biases rounded to their storage dtype (bf16 as mlx rounds it)."""
-    s_np, b_np = (f32_to_bf16(x) if s_dtype == "BF16" else x.astype(s_np_dtype) for x in (s32, b32))
-    return pack(codes, bits), s_np, b_np
+    return pack(codes, bits), *stored_scales(s32, b32, s_dtype, s_np_dtype)
+
+
+def stored_scales(s32, b32, s_dtype: str, s_np_dtype) -> tuple:
+    """Float32 scales and biases as stored: rounded to their storage dtype (bf16 as mlx)."""
+    return tuple(f32_to_bf16(x) if s_dtype == "BF16" else x.astype(s_np_dtype) for x in (s32, b32))
 
 
 def expert_statistics(store, name: str, entry: dict, role: Role, calibration):
@@ -242,19 +247,60 @@ class SearchedBlocks:
     def searched(self, raw, e0: int, here, packed, s_np, b_np, s_dtype: str) -> tuple:
         """The block's (packed, scales, biases) with the experts ``e0 + j`` (``j`` in ``here``)
         searched."""
-        bits, g, dtype = self.role.bits, self.role.group_size, self.entry["dtype"]
-        _, O, C = self.entry["shape"]
-        codes = unpack(packed, bits).copy()
-        s32, b32 = to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
+        codes, s32, b32 = self.unpacked(packed, s_np, b_np, s_dtype)
         for j in here:
-            imp = self.importance[e0 + j]
-            d = imp + IMPORTANCE_FLOOR * max(float(imp.mean()), 1e-30)
-            base = (codes[j].reshape(O, C // g, g), s32[j], b32[j])
-            w = to_float32(raw[j], dtype).reshape(O, C // g, g)  # one expert in float32 at a time
-            q, s, b, better = search(w, d.reshape(1, C // g, g), bits, s_dtype, base)
-            codes[j], s32[j], b32[j] = q.reshape(O, C), s, b
-            self.won += int(better.sum())
-        return repack(codes, s32, b32, bits, s_dtype, s_np.dtype)
+            self.search_expert(e0 + j, raw[j], codes[j], s32[j], b32[j], s_dtype)
+        return repack(codes, s32, b32, self.role.bits, s_dtype, s_np.dtype)
+
+    def unpacked(self, packed, s_np, b_np, s_dtype: str) -> tuple:
+        """Stored (packed, scales, biases) as codes and float32 scales and biases to search in."""
+        codes = unpack(packed, self.role.bits).copy()
+        return codes, to_float32(s_np, s_dtype).copy(), to_float32(b_np, s_dtype).copy()
+
+    def search_expert(self, e: int, raw, codes, s32, b32, s_dtype: str) -> None:
+        """Expert e's codes [out, in] and float32 scales and biases [out, in / g], searched
+        in place from the data-agnostic ones they hold, under its own importance."""
+        bits, g = self.role.bits, self.role.group_size
+        _, O, C = self.entry["shape"]
+        imp = self.importance[e]
+        d = imp + IMPORTANCE_FLOOR * max(float(imp.mean()), 1e-30)
+        base = (codes.reshape(O, C // g, g), s32, b32)
+        w = to_float32(raw, self.entry["dtype"]).reshape(O, C // g, g)  # one expert at a time
+        q, s, b, better = search(w, d.reshape(1, C // g, g), bits, s_dtype, base)
+        codes[...], s32[...], b32[...] = q.reshape(O, C), s, b
+        self.won += int(better.sum())
+
+    def dequantized(self) -> Iterator[np.ndarray]:
+        """The blocks iterating makes, dequantized to float32 as ``tensors.dequantize`` does the
+        stored parts, but never packed: the experts calibration did not reach by the
+        data-agnostic quantizer's one pass (``affine.dequantized_like_mx``), the reached ones
+        searched and dequantized from their codes (sensitivity's candidates)."""
+        from buildkit.quant import affine
+
+        role, dtype, (_, O, C) = self.role, self.entry["dtype"], self.entry["shape"]
+        bits, g = role.bits, role.group_size
+        e0 = 0
+        for raw in self.store.iter_rows(self.entry, self.block_bytes):
+            reached = self.reached[e0 : e0 + len(raw)]  # none without statistics
+            out = np.empty(raw.shape, np.float32)
+            if not reached.all():
+                out[~reached] = affine.dequantized_like_mx(raw[~reached], dtype, bits, g, role.mode)
+            if reached.any():
+                sub = raw[reached]
+                ((packed, _), (s_np, s_dtype), (b_np, _)), _ = affine.like_mx(
+                    sub, dtype, bits, g, role.mode
+                )
+                codes, s32, b32 = self.unpacked(packed, s_np, b_np, s_dtype)
+                for j, e in enumerate(np.flatnonzero(reached) + e0):
+                    self.search_expert(e, sub[j], codes[j], s32[j], b32[j], s_dtype)
+                kept = stored_scales(s32, b32, s_dtype, s_np.dtype)
+                s, b = (to_float32(x, s_dtype) for x in kept)
+                q = codes.reshape(len(sub), O, C // g, g).astype(np.float32)
+                q *= s[..., None]  # tensors.dequantize's arithmetic, in its order
+                q += b[..., None]
+                out[reached] = q.reshape(len(sub), O, C)
+            e0 += len(raw)
+            yield out
 
 
 def quantize_entry(

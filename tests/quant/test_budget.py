@@ -424,7 +424,9 @@ def test_a_candidate_in_blocks_of_rows_is_the_candidate_whole(measured):
     """What the local sensitivity streams (``dequantized_rows``: a block of rows at a time,
     never stored) is what the build quantizes whole: data-aware routed experts (the
     calibration's search) and data-agnostic others, the same codes, scales and biases
-    (dequantized in float32 as the forward pass does), each block at most the rows asked for."""
+    (dequantized in float32 as the forward pass does), each block at most the rows asked for;
+    the calibrated one never packed (searched experts from their codes, the others by the
+    data-agnostic quantizer's one pass), and still the stored bytes' figures."""
     from buildkit.quant import dataaware
     from buildkit.quant.quantize import quantize_entry
 
@@ -450,6 +452,18 @@ def test_a_candidate_in_blocks_of_rows_is_the_candidate_whole(measured):
             64,
         )
         parts = list(budget.dequantized_rows(store, model, name, role, calibration, 3))
+        if calibrated:  # every other expert as if calibration never reached it: both kinds
+            imp, tokens = dataaware.expert_statistics(store, name, entry, role, calibration)
+            half = (imp, tokens * (np.arange(len(tokens)) % 2))
+            assert (half[1] > 0).any() and not (half[1] > 0).all()
+
+            args = (store, name, entry, role, half, 3 << 20)
+            stored = []
+            for _raw, made, *_ in dataaware.SearchedBlocks(*args):
+                (pw, _), (ps, st), (pb, _) = made.values()
+                stored.append(dequantize(pw, to_float32(ps, st), to_float32(pb, st), 3, 64))
+            got = list(dataaware.SearchedBlocks(*args).dequantized())
+            np.testing.assert_array_equal(np.concatenate(got), np.concatenate(stored))
         assert len(parts) == -(-want.shape[0] // 3) and all(len(p) <= 3 for p in parts)
         np.testing.assert_array_equal(np.concatenate(parts), want)
         source = to_float32(store.read_tensor(entry), entry["dtype"])
