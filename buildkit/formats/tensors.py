@@ -354,9 +354,15 @@ def dequantize(
     An implementation independent of mlx's kernels (and faster than ``mx.dequantize`` on
     CPU), so verify checks mlx's quantizer with arithmetic of its own.
     """
-    q = unpack(packed, bits)
-    lead, n = q.shape[:-1], q.shape[-1]
-    q = q.reshape(*lead, n // group_size, group_size).astype(np.float32)
+    return dequantize_codes(unpack(packed, bits), scales, biases, group_size)
+
+
+def dequantize_codes(
+    codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int
+) -> np.ndarray:
+    """``dequantize`` of codes already unpacked (uint8 [..., n]), in the same arithmetic."""
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    q = codes.reshape(*lead, n // group_size, group_size).astype(np.float32)
     q *= scales[..., None]
     q += biases[..., None]
     return q.reshape(*lead, n)

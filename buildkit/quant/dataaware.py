@@ -39,7 +39,7 @@ from buildkit.core.errors import StepError
 from buildkit.core.lazy import lazy
 from buildkit.formats import calibstats
 from buildkit.formats.checkpoint import SWITCH
-from buildkit.formats.tensors import f32_to_bf16, to_float32, unpack
+from buildkit.formats.tensors import dequantize_codes, f32_to_bf16, to_float32, unpack
 from buildkit.quant.roles import Role
 from buildkit.store.store import ROW_BLOCK_BYTES
 
@@ -277,7 +277,7 @@ class SearchedBlocks:
         searched and dequantized from their codes (sensitivity's candidates)."""
         from buildkit.quant import affine
 
-        role, dtype, (_, O, C) = self.role, self.entry["dtype"], self.entry["shape"]
+        role, dtype = self.role, self.entry["dtype"]
         bits, g = role.bits, role.group_size
         e0 = 0
         for raw in self.store.iter_rows(self.entry, self.block_bytes):
@@ -295,10 +295,7 @@ class SearchedBlocks:
                     self.search_expert(e, sub[j], codes[j], s32[j], b32[j], s_dtype)
                 kept = stored_scales(s32, b32, s_dtype, s_np.dtype)
                 s, b = (to_float32(x, s_dtype) for x in kept)
-                q = codes.reshape(len(sub), O, C // g, g).astype(np.float32)
-                q *= s[..., None]  # tensors.dequantize's arithmetic, in its order
-                q += b[..., None]
-                out[reached] = q.reshape(len(sub), O, C)
+                out[reached] = dequantize_codes(codes, s, b, g)
             e0 += len(raw)
             yield out
 
