@@ -190,6 +190,14 @@ def read_row_blocks(
         yield read_slice(part, path, *slc) if slc is not None else read_tensor(part, path)
 
 
+def picked_rows(pick: np.ndarray | None, a: int, n: int) -> np.ndarray:
+    """The rows of a block ``[a, a + n)`` among ``pick`` (sorted row ids; None: every row),
+    counted from the block's first."""
+    if pick is None:
+        return np.arange(n)
+    return pick[(pick >= a) & (pick < a + n)] - a
+
+
 def read_slice(info: TensorInfo, path: str | Path, axis: int, start: int, stop: int) -> np.ndarray:
     """Read ``tensor[..., start:stop, ...]`` along ``axis`` without reading the rest."""
     shape = list(info.shape)

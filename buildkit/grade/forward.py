@@ -32,7 +32,7 @@ from buildkit.core import workers
 from buildkit.core.errors import SourceError
 from buildkit.core.lazy import lazy
 from buildkit.formats.checkpoint import PROJS, SWITCH
-from buildkit.formats.tensors import dequantize, to_float32, to_mlx
+from buildkit.formats.tensors import dequantize, picked_rows, to_float32, to_mlx
 from buildkit.grade import attention
 
 np = lazy("numpy", __name__)
@@ -82,15 +82,16 @@ def rows_per_block(w, module: str) -> int:
 def raw_blocks(w, module: str, step: int, pick: np.ndarray | None = None) -> Iterator[tuple]:
     """(first row, stored arrays of rows ``[a, a + step)``) of a module's weight (and scales
     and biases), read as they lie; with ``pick`` (sorted row ids), only those rows are kept and
-    a block none of them falls in is read (and checked) but not handed out."""
+    a block none of them falls in is read (and checked) but not handed out (a candidate's made
+    rows are made only where picked: ``Weights.iter_rows``)."""
     names, _ = _parts(w, module)
     a = 0
-    for parts in zip(*(w.iter_rows(n, step) for n in names), strict=True):
+    for parts in zip(*(w.iter_rows(n, step, pick) for n in names), strict=True):
         b = a + parts[0].shape[0]
         if pick is None:
             yield a, parts
         else:
-            sel = pick[(pick >= a) & (pick < b)] - a
+            sel = picked_rows(pick, a, b - a)
             if len(sel) == b - a:  # every row kept: the block as read, not a copy of it
                 yield a, parts, sel
             elif len(sel):

@@ -218,8 +218,9 @@ def kind(group: str) -> str:
     return f"attention.{rest}" if rest else "attention"
 
 
-# a sensitivity candidate's tensor in float32 blocks: (name, bits, rows) -> blocks of ``rows``
-Blocks = Callable[[str, int, int], Iterator["np.ndarray"]]
+# a sensitivity candidate's tensor in float32 blocks: (name, bits, rows, pick=None) -> blocks
+# of ``rows``, only the rows in ``pick`` (sorted ids) made where it is given
+Blocks = Callable[..., Iterator["np.ndarray"]]
 # models beside the source in one head scan: each block's logits, 8 MB a model at 2048
 # positions, wait three blocks deep (~220 MB); the source's half of every KL made once
 KL_GROUP = 8
@@ -325,7 +326,8 @@ class LocalPass:
 
     def swapped(self, c: tuple) -> Weights:
         _, names, b = c
-        return Swapped(self.w, {n: (lambda rows, n=n: self.blocks(n, b, rows)) for n in names})
+        made = {n: (lambda rows, pick, n=n: self.blocks(n, b, rows, pick)) for n in names}
+        return Swapped(self.w, made)
 
     def trunk(self, cands: dict[int, list], probes_at: set[int]) -> np.ndarray:
         """The source's pass, every layer's candidates run beside it; its final normed

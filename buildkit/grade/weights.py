@@ -33,8 +33,10 @@ class Weights:
     def read(self, name: str) -> np.ndarray:
         raise NotImplementedError
 
-    def iter_rows(self, name: str, rows: int) -> Iterator[np.ndarray]:
-        """A tensor in blocks of ``rows`` along its first axis, read one block at a time."""
+    def iter_rows(self, name: str, rows: int, pick=None) -> Iterator[np.ndarray]:
+        """A tensor in blocks of ``rows`` along its first axis, read one block at a time;
+        ``pick`` (sorted row ids, or None) the rows the reader keeps: the others may hold
+        anything (stored tensors are read whole to be checked; a made one makes only those)."""
         whole = self.read(name)
         for a in range(0, max(whole.shape[0], 1), rows):
             yield whole[a : a + rows]
@@ -57,8 +59,9 @@ def nbytes(w: Weights, name: str) -> int:
 
 class Swapped(Weights):
     """``base`` with some tensors in float32 made a block of rows at a time
-    (``blocks[name](rows)`` yields them): a sensitivity candidate, read as the forward pass
-    reads any model, so a 2 GB lm_head or a layer's experts are never whole."""
+    (``blocks[name](rows, pick)`` yields them, only the rows picked made): a sensitivity
+    candidate, read as the forward pass reads any model, so a 2 GB lm_head or a layer's
+    experts are never whole."""
 
     def __init__(self, base: Weights, blocks: dict[str, Callable[[int], Iterator[np.ndarray]]]):
         self.base, self.blocks = base, blocks
@@ -68,14 +71,14 @@ class Swapped(Weights):
 
     def read(self, name):
         if name in self.blocks:
-            return np.concatenate(list(self.blocks[name](max(self.shapes[name][0], 1))))
+            return np.concatenate(list(self.blocks[name](max(self.shapes[name][0], 1), None)))
         return self.base.read(name)
 
-    def iter_rows(self, name, rows):
+    def iter_rows(self, name, rows, pick=None):
         if name in self.blocks:
-            yield from self.blocks[name](rows)
+            yield from self.blocks[name](rows, pick)
         else:
-            yield from self.base.iter_rows(name, rows)
+            yield from self.base.iter_rows(name, rows, pick)
 
     def tokenizer_json(self):
         return self.base.tokenizer_json()
@@ -100,7 +103,7 @@ class StoreWeights(Weights):
     def read(self, name):
         return self.store.read_tensor(self.entries[name])
 
-    def iter_rows(self, name, rows):
+    def iter_rows(self, name, rows, pick=None):
         e = self.entries[name]
         row = nbytes(self, name) // max(e["shape"][0], 1) if e["shape"] else 1
         yield from self.store.iter_rows(e, max_bytes=rows * max(row, 1))
@@ -152,13 +155,13 @@ class DirWeights(Weights):
         raw = read_tensor(info, path)
         return raw if hf is None else mlx_layout(hf, raw, info.dtype, slc, shape)
 
-    def iter_rows(self, name, rows):
+    def iter_rows(self, name, rows, pick=None):
         hf, path, info, slc, shape = self.where[name]
         moved = hf is not None and (
             ckpt.is_offset_norm(hf) or ckpt.is_conv1d(hf) or ckpt.is_patch_embed(hf)
         )
         if moved or not shape or (slc is not None and slc[0] == 0):
-            yield from super().iter_rows(name, rows)  # small tensors, converted whole
+            yield from super().iter_rows(name, rows, pick)  # small tensors, converted whole
             return
         for arr in read_row_blocks(info, path, shape[0], rows, slc):
             yield arr.reshape(arr.shape[0], *shape[1:])

@@ -136,23 +136,23 @@ def dequantized(store, model: Artifact, name: str, role: Role, calibration) -> n
 
 
 def dequantized_rows(
-    store, model: Artifact, name: str, role: Role, calibration, rows: int
+    store, model: Artifact, name: str, role: Role, calibration, rows: int, pick=None
 ) -> Iterator[np.ndarray]:
     """``dequantized`` a block of ``rows`` rows (experts, of a routed-expert weight) at a time,
     made in memory and never stored: the same codes, scales and biases (dequantized in numpy),
-    memory a block, not the tensor (the real lm_head is 2 GB in float32)."""
+    memory a block, not the tensor (the real lm_head is 2 GB in float32). With ``pick``
+    (sorted row ids), only those rows are made, the others zero: a candidate's experts no
+    token is routed to, or embedding rows of tokens not in the text, cost nothing."""
     from buildkit.formats.tensors import nbytes
-    from buildkit.quant import affine, dataaware
+    from buildkit.quant import dataaware
 
     entry = model.tensors[name]
-    shape, dtype = entry["shape"], entry["dtype"]
-    block = rows * max(nbytes(dtype, shape) // max(shape[0], 1), 1)
-    if not role.calibrated:
-        for raw in store.iter_rows(entry, block):
-            yield affine.dequantized_like_mx(raw, dtype, role.bits, role.group_size, role.mode)
-        return
-    stats = dataaware.expert_statistics(store, name, entry, role, calibration)
-    yield from dataaware.SearchedBlocks(store, name, entry, role, stats, block).dequantized()
+    shape = entry["shape"]
+    block = rows * max(nbytes(entry["dtype"], shape) // max(shape[0], 1), 1)
+    stats = None
+    if role.calibrated:
+        stats = dataaware.expert_statistics(store, name, entry, role, calibration)
+    yield from dataaware.SearchedBlocks(store, name, entry, role, stats, block).dequantized(pick)
 
 
 def probed(layers: list[int], probes: int) -> list[int]:

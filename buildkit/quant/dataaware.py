@@ -39,7 +39,13 @@ from buildkit.core.errors import StepError
 from buildkit.core.lazy import lazy
 from buildkit.formats import calibstats
 from buildkit.formats.checkpoint import SWITCH
-from buildkit.formats.tensors import dequantize_codes, f32_to_bf16, to_float32, unpack
+from buildkit.formats.tensors import (
+    dequantize_codes,
+    f32_to_bf16,
+    picked_rows,
+    to_float32,
+    unpack,
+)
 from buildkit.quant.roles import Role
 from buildkit.store.store import ROW_BLOCK_BYTES
 
@@ -270,21 +276,28 @@ class SearchedBlocks:
         codes[...], s32[...], b32[...] = q.reshape(O, C), s, b
         self.won += int(better.sum())
 
-    def dequantized(self) -> Iterator[np.ndarray]:
+    def dequantized(self, pick=None) -> Iterator[np.ndarray]:
         """The blocks iterating makes, dequantized to float32 as ``tensors.dequantize`` does the
         stored parts, but never packed: the experts calibration did not reach by the
         data-agnostic quantizer's one pass (``affine.dequantized_like_mx``), the reached ones
-        searched and dequantized from their codes (sensitivity's candidates)."""
+        searched and dequantized from their codes (sensitivity's candidates); with ``pick``
+        (sorted row ids), the rows not in it are zero and cost nothing."""
         from buildkit.quant import affine
 
         role, dtype = self.role, self.entry["dtype"]
         bits, g = role.bits, role.group_size
         e0 = 0
         for raw in self.store.iter_rows(self.entry, self.block_bytes):
-            reached = self.reached[e0 : e0 + len(raw)]  # none without statistics
-            out = np.empty(raw.shape, np.float32)
-            if not reached.all():
-                out[~reached] = affine.dequantized_like_mx(raw[~reached], dtype, bits, g, role.mode)
+            wanted = np.zeros(len(raw), bool)
+            wanted[picked_rows(pick, e0, len(raw))] = True
+            reached = self.reached[e0 : e0 + len(raw)] & wanted  # none without statistics
+            plain = wanted & ~reached
+            if plain.all():  # the whole block by the one pass, not a copy of it
+                out = affine.dequantized_like_mx(raw, dtype, bits, g, role.mode)
+            else:
+                out = np.zeros(raw.shape, np.float32)
+                if plain.any():
+                    out[plain] = affine.dequantized_like_mx(raw[plain], dtype, bits, g, role.mode)
             if reached.any():
                 sub = raw[reached]
                 ((packed, _), (s_np, s_dtype), (b_np, _)), _ = affine.like_mx(

@@ -154,8 +154,9 @@ def measure(
         n = ckpt.text_config(model.meta["config"])["num_hidden_layers"]
         probes = budget.probed([i for i in layers if i < n], params.probes)
 
-        def blocks(name: str, b: int, rows: int):
-            return budget.dequantized_rows(ctx.store, model, name, role(name, b), calibration, rows)
+        def blocks(name: str, b: int, rows: int, pick=None):
+            made = role(name, b)
+            return budget.dequantized_rows(ctx.store, model, name, made, calibration, rows, pick)
 
         args = (w, groups, quantized, budget.layer_index, blocks, tokens, params.seq_len)
         return sens.local(*args, probes=probes, progress=ctx.progress)

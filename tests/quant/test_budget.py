@@ -424,8 +424,8 @@ def test_a_candidate_in_blocks_of_rows_is_the_candidate_whole(measured):
     """What the local sensitivity streams (``dequantized_rows``: a block of rows at a time,
     never stored) is what the build quantizes whole: data-aware routed experts (the
     calibration's search) and data-agnostic others, the same codes, scales and biases
-    (dequantized in float32 as the forward pass does), each block at most the rows asked for;
-    the calibrated one never packed (searched experts from their codes, the others by the
+    (dequantized in float32 as the forward pass does), each block at most the rows asked for,
+    only the rows picked made; the calibrated one never packed (searched experts from their codes, the others by the
     data-agnostic quantizer's one pass), and still the stored bytes' figures."""
     from buildkit.quant import dataaware
     from buildkit.quant.quantize import quantize_entry
@@ -466,5 +466,12 @@ def test_a_candidate_in_blocks_of_rows_is_the_candidate_whole(measured):
             np.testing.assert_array_equal(np.concatenate(got), np.concatenate(stored))
         assert len(parts) == -(-want.shape[0] // 3) and all(len(p) <= 3 for p in parts)
         np.testing.assert_array_equal(np.concatenate(parts), want)
+        # only the rows a reader picks are made (a row of a block, a whole block, blocks of
+        # none): the same figures, the others zero, never quantized
+        pick = np.array([1, 3, 4, 5])
+        got = budget.dequantized_rows(store, model, name, role, calibration, 3, pick)
+        got = np.concatenate(list(got))
+        np.testing.assert_array_equal(got[pick], want[pick])
+        assert got.shape == want.shape and not np.delete(got, pick, axis=0).any()
         source = to_float32(store.read_tensor(entry), entry["dtype"])
         assert np.abs(want - source).max() > 0  # 3-bit: not the source's figures

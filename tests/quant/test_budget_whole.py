@@ -122,11 +122,11 @@ def local_inputs(project: Project, asked: list | None = None):
     )
     params = manifest.load("oq-eq", project.manifests).nodes["sensitivity"].params
 
-    def blocks(name, b, rows):
+    def blocks(name, b, rows, pick=None):
         if asked is not None:
             asked.append((name, rows))
         role = Role(bits=b, group_size=64, calibrated=".switch_mlp." in name)
-        return budget.dequantized_rows(store, model, name, role, calibration, rows)
+        return budget.dequantized_rows(store, model, name, role, calibration, rows, pick)
 
     return store, model, params, measured(params, model.tensors), blocks
 
@@ -302,9 +302,9 @@ def test_local_progress_reaches_its_total_when_a_probed_group_moves_nothing(buil
     w = StoreWeights(store, [model], model.meta["config"], None)
     router = next(g for g in groups if ".layers.0." in g and sens.kind(g) == "mlp.gate")
 
-    def unchanged(name, b, rows):  # the router's candidates: its own weights
+    def unchanged(name, b, rows, pick=None):  # the router's candidates: its own weights
         if name not in groups[router]:
-            return blocks(name, b, rows)
+            return blocks(name, b, rows, pick)
         module = name.removesuffix(".weight")
         return (fw.widen(w, module, parts) for _, parts in fw.raw_blocks(w, module, rows))
 
