@@ -436,8 +436,8 @@ class Broken(DirWeights):
             )
         return name
 
-    def iter_rows(self, name, rows):  # the experts are read in blocks of rows
-        yield from super().iter_rows(self.swapped(name), rows)
+    def iter_rows(self, name, rows, pick=None):  # the experts are read in blocks of rows
+        yield from super().iter_rows(self.swapped(name), rows, pick)
 
     def read(self, name):
         head = name.startswith(HEAD)
