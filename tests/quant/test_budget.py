@@ -425,8 +425,9 @@ def test_a_candidate_in_blocks_of_rows_is_the_candidate_whole(measured):
     never stored) is what the build quantizes whole: data-aware routed experts (the
     calibration's search) and data-agnostic others, the same codes, scales and biases
     (dequantized in float32 as the forward pass does), each block at most the rows asked for,
-    only the rows picked made; the calibrated one never packed (searched experts from their codes, the others by the
-    data-agnostic quantizer's one pass), and still the stored bytes' figures."""
+    only the rows picked made; the calibrated one never packed (searched experts from their
+    codes, the others by the data-agnostic quantizer's one pass), and still the stored bytes'
+    figures."""
     from buildkit.quant import dataaware
     from buildkit.quant.quantize import quantize_entry
 
