@@ -63,7 +63,7 @@ class Swapped(Weights):
     candidate, read as the forward pass reads any model, so a 2 GB lm_head or a layer's
     experts are never whole."""
 
-    def __init__(self, base: Weights, blocks: dict[str, Callable[[int], Iterator[np.ndarray]]]):
+    def __init__(self, base: Weights, blocks: dict[str, Callable[..., Iterator[np.ndarray]]]):
         self.base, self.blocks = base, blocks
         self.config, self.quantization = base.config, base.quantization
         self.names = base.names | dict.fromkeys(blocks, "F32")
