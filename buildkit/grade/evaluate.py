@@ -25,7 +25,7 @@ from buildkit.grade import forward as fw
 from buildkit.grade import reference as rf
 from buildkit.grade import stats
 from buildkit.grade.forward import Trunk
-from buildkit.grade.weights import HEAD, Weights
+from buildkit.grade.weights import HEAD, Weights, same_tensors
 
 np = lazy("numpy", __name__)
 
@@ -35,26 +35,41 @@ def position_figures(
 ) -> dict[str, np.ndarray]:
     """Per position with a next token (``forward.rows``' order): KL(p_source || p_model), top-1
     agreement, delta p (the change in the probability of the source's top token), each model's
-    negative log-likelihood of the next token, and the window (sequence) it is in. Both output
-    heads are streamed together over the vocabulary (``forward.HeadScan``), the source's on the
-    reference's hidden states; fills ``tm.argmax`` (every position)."""
+    negative log-likelihood of the next token, and the window (sequence) it is in. The model's
+    output head is streamed over the vocabulary (``forward.HeadScan``): alone against the
+    reference's summary where its head is the source's, byte for byte (``head_from_reference``),
+    else beside the source's on the reference's hidden states; fills ``tm.argmax`` (every
+    position)."""
     targets = ref.targets()
     hs = [fw.final_norm(src, ref.trunk.h), fw.final_norm(mod, tm.h)]
-    scan = fw.HeadScan([src, mod], hs, targets)
+    if head_from_reference(src, mod, ref):
+        scan = ref.head.scan(mod, hs[1], hs[0], targets)
+        kl, delta_p, nll_source = ref.head.kl(scan), ref.head.delta_p(scan), ref.head.nll()
+        args = ref.head.arg, scan.arg[0]
+    else:
+        scan = fw.HeadScan([src, mod], hs, targets)
+        kl, delta_p, nll_source = scan.kl(), scan.delta_p(), scan.nll(0)
+        args = scan.arg[0], scan.arg[1]
     lengths = [len(s) for _, _, s in fw.rows(ref.windows)]
-    tm.argmax = np.split(scan.arg[1], np.cumsum(lengths)[:-1])
+    tm.argmax = np.split(args[1], np.cumsum(lengths)[:-1])
     valid = targets >= 0
     window = np.concatenate(
         [np.full(len(s), i) for i, (_, _, s) in enumerate(fw.rows(ref.windows))]
     )
     return {
-        "kl": scan.kl()[valid],
-        "agree": (scan.arg[0] == scan.arg[1])[valid],
-        "delta_p": scan.delta_p()[valid],
-        "nll_source": scan.nll(0)[valid],
-        "nll_model": scan.nll(1)[valid],
+        "kl": kl[valid],
+        "agree": (args[0] == args[1])[valid],
+        "delta_p": delta_p[valid],
+        "nll_source": nll_source[valid],
+        "nll_model": scan.nll(len(scan.ws) - 1)[valid],
         "window": window[valid],
     }
+
+
+def head_from_reference(src: Weights, mod: Weights, ref: rf.Reference) -> bool:
+    """Whether the model's figures take the source's output head from the reference's summary
+    (its head is the source's, byte for byte) rather than the source's logits made again."""
+    return ref.head is not None and same_tensors(src, mod, fw.head_module(src) + ".")
 
 
 def summarize(f: dict[str, np.ndarray], where: np.ndarray | None = None) -> dict:
@@ -192,7 +207,10 @@ def evaluate(
     windows, groups = rf.layout({"": tokens, **(domains or {})}, seq_len)
     if progress:
         progress.start(2 * ckpt.text_config(src.config)["num_hidden_layers"], "layers")
-    m = measure(src, mod, rf.compute(src, windows, groups, progress), head, progress)
+    ref = rf.compute(
+        src, windows, groups, progress, head=same_tensors(src, mod, fw.head_module(src) + ".")
+    )
+    m = measure(src, mod, ref, head, progress)
     counts = {"": len(tokens), **{g: len(t) for g, t in (domains or {}).items()}}
     return report(m, counts), (m.ts, m.tm)
 

@@ -26,7 +26,7 @@ states; blocks are read (and checked against their digests) in the calling threa
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from buildkit.core import workers
 from buildkit.core.errors import SourceError
@@ -709,9 +709,23 @@ class HeadScan:
     in one pass over the heads' blocks of rows. KL = E_p0[a - b] - lse(a) + lse(b) with a, b
     the logits; E_p0[a - b] is summed block by block, rescaled as the running max of a moves.
     Each model's figures are the bytes a scan of model 0 and it alone gives (its own matmul and
-    reductions over the same blocks): several share model 0's logits, made once."""
+    reductions over the same blocks): several share model 0's logits, made once.
 
-    def __init__(self, ws: list, hns: list[np.ndarray], targets: np.ndarray | None = None):
+    For ``HeadSummary``, of model 0: ``top`` its highest logits and their ids, ``mean`` its
+    rows weighted by p_0; ``at`` [N, K] ids whose logits it gives too, with ``diff`` [N, H]
+    (float64) the product ``diff . W_v`` at each."""
+
+    def __init__(
+        self,
+        ws: list,
+        hns: list[np.ndarray],
+        targets: np.ndarray | None = None,
+        *,
+        top: int = 0,
+        mean: bool = False,
+        at: np.ndarray | None = None,
+        diff: np.ndarray | None = None,
+    ):
         self.ws, self.hns, self.targets = ws, hns, targets
         n = hns[0].shape[0]
         self.m = [np.full(n, -np.inf) for _ in ws]  # running max (float64)
@@ -720,6 +734,14 @@ class HeadScan:
         self.tgt = [np.full(n, np.nan) for _ in ws]
         self.t = [np.zeros(n) for _ in ws[1:]]  # model j's sum exp(a - m_0) (a - b_j)
         self.at_ref = [np.full(n, -np.inf) for _ in ws[1:]]  # model j's at model 0's argmax
+        top = min(top, ws[0].shapes[f"{head_module(ws[0])}.weight"][0])  # not past the vocabulary
+        self.top_v = np.full((n, top), -np.inf, np.float32)
+        self.top_i = np.zeros((n, top), np.int64)
+        # model 0's sum exp(a - m_0) W_v over the rows v, rescaled as s is
+        self.mean = np.zeros(hns[0].shape, np.float64) if mean else None
+        self.at, self.diff = at, diff
+        self.at_logit = None if at is None else np.full(at.shape, np.nan, np.float32)
+        self.at_diff = None if at is None else np.zeros(at.shape)
         self.run()
 
     def run(self) -> None:
@@ -741,12 +763,19 @@ class HeadScan:
             W = {
                 i: widen(self.ws[i], mods[i], raw) for i, (_, raw) in zip(heads, item, strict=True)
             }
-            return item[0][0], [hn @ W[i].T for hn, i in zip(self.hns, src, strict=True)]
+            ls = [hn @ W[i].T for hn, i in zip(self.hns, src, strict=True)]
+            mean = None
+            if self.mean is not None:  # the block's rows weighted by exp(a - its own max)
+                top = ls[0].max(axis=1)
+                mean = np.exp(ls[0] - top[:, None]) @ W[0], top.astype(np.float64)
+            return item[0][0], ls, W[0] if self.at is not None else None, mean
 
-        for a, ls in workers.imap("eval", logits, zip(*streams, strict=True), window=3):
-            self.add(a, ls)
+        for got in workers.imap("eval", logits, zip(*streams, strict=True), window=3):
+            self.add(*got)
 
-    def add(self, a: int, ls: list[np.ndarray]) -> None:
+    def add(self, a: int, ls: list[np.ndarray], w0=None, mean: tuple | None = None) -> None:
+        """One block of rows from ``a``: each model's logits ``ls`` (``w0``: model 0's rows,
+        for ``at``; ``mean``: its rows weighted within the block, and the block's max)."""
         rows = np.arange(len(self.m[0]))
         for i, lg in enumerate(ls):
             top = lg.argmax(axis=1)
@@ -761,11 +790,48 @@ class HeadScan:
                     self.t[j] = self.t[j] * scale + (e * (lg - b)).sum(axis=1, dtype=np.float64)
                     # for delta p: model j's logit where model 0 tops
                     self.at_ref[j] = np.where(up, b[rows, top].astype(np.float64), self.at_ref[j])
+                if mean is not None:
+                    moved = scale < 1  # most blocks move no position's running max
+                    self.mean[moved] *= scale[moved, None]
+                    self.mean += mean[0] * np.exp(mean[1] - new)[:, None]
+                self._keep_top(a, lg)
+                self._at(a, lg, w0)
             self.arg[i] = np.where(mx_ > self.m[i], top + a, self.arg[i])
             self.m[i] = new
             if self.targets is not None:
                 inside = (self.targets >= a) & (self.targets < a + lg.shape[1])
                 self.tgt[i][inside] = lg[rows[inside], self.targets[inside] - a]
+
+    def _keep_top(self, a: int, lg: np.ndarray) -> None:
+        """Model 0's ``top`` highest logits so far and their ids, in no order: the positions
+        with a logit in this block above their lowest kept one take the block's best."""
+        k = self.top_v.shape[1]
+        if not k:
+            return
+        hit = np.flatnonzero((lg > self.top_v.min(axis=1)[:, None]).any(axis=1))
+        if not hit.size:
+            return
+        v = np.concatenate([self.top_v[hit], lg[hit]], axis=1)
+        ids = np.concatenate(
+            [self.top_i[hit], np.broadcast_to(a + np.arange(lg.shape[1]), lg[hit].shape)], axis=1
+        )
+        keep = np.argpartition(-v, min(k, v.shape[1]) - 1, axis=1)[:, :k]
+        self.top_v[hit] = np.take_along_axis(v, keep, axis=1)
+        self.top_i[hit] = np.take_along_axis(ids, keep, axis=1)
+
+    def _at(self, a: int, lg: np.ndarray, w: np.ndarray | None) -> None:
+        """Model 0's logits at the ``at`` ids in this block, and ``diff . W_v`` there."""
+        if self.at is None:
+            return
+        r, c = np.nonzero((self.at >= a) & (self.at < a + lg.shape[1]))
+        v = self.at[r, c] - a
+        self.at_logit[r, c] = lg[r, v]
+        if self.diff is not None:
+            for x in range(0, len(r), 4096):  # [pairs, H] float64 at a time: a few MB
+                p = slice(x, x + 4096)
+                self.at_diff[r[p], c[p]] = np.einsum(
+                    "ij,ij->i", self.diff[r[p]], w[v[p]].astype(np.float64)
+                )
 
     def lse(self, i: int) -> np.ndarray:
         return self.m[i] + np.log(self.s[i])
@@ -780,3 +846,75 @@ class HeadScan:
 
     def nll(self, i: int) -> np.ndarray:
         return self.lse(i) - self.tgt[i]
+
+    def summary(self) -> HeadSummary:
+        """Model 0's side of the scan (``top`` and ``mean`` given): what a model with the same
+        head is graded against without model 0's logits. Its ids highest logit first, ties by
+        id, so the first is the argmax."""
+        order = np.lexsort((self.top_i, -self.top_v), axis=-1)
+        return HeadSummary(
+            lse=self.lse(0),
+            tgt=self.tgt[0],
+            ids=np.take_along_axis(self.top_i, order, axis=1).astype(np.int32),
+            logits=np.take_along_axis(self.top_v, order, axis=1),
+            mean=(self.mean / self.s[0][:, None]).astype(np.float32),
+        )
+
+
+SUMMARY_TOP = 32  # a summary's top logits: their share of KL is summed as a two-head scan does
+
+
+@dataclass
+class HeadSummary:
+    """A model's output head over positions, kept so that a model whose head is byte for byte
+    the same is graded without these logits [N]: log-sum-exp, the next token's logit, the
+    ``SUMMARY_TOP`` highest logits and their ids [N, K] (the first the argmax), and ``mean`` =
+    E_p[W], the head's rows weighted by the model's next-token distribution [N, H].
+
+    With the same W, E_p0[a - b] = (h_0 - h_j) . E_p0[W], so KL(p_0 || p_j) takes model j's
+    scan alone: its log-sum-exp and its logits at the top ids. Those correct the top ids' share
+    to the float32 logits' own (a - b), as a scan of both heads sums it, so that the float32
+    rounding of the log-sum-exps cancels there as it does in that scan; the tail's share is
+    (h_0 - h_j) . W exactly."""
+
+    lse: np.ndarray
+    tgt: np.ndarray
+    ids: np.ndarray
+    logits: np.ndarray
+    mean: np.ndarray
+
+    def take(self, idx: np.ndarray) -> HeadSummary:
+        return HeadSummary(*(getattr(self, f.name)[idx] for f in fields(self)))
+
+    @staticmethod
+    def join(parts: list[HeadSummary]) -> HeadSummary:
+        return HeadSummary(
+            *(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(HeadSummary))
+        )
+
+    @property
+    def arg(self) -> np.ndarray:
+        return self.ids[:, 0].astype(np.int64)
+
+    def scan(self, w, hn: np.ndarray, h0: np.ndarray, targets=None) -> HeadScan:
+        """Model ``w``'s scan on its final-normed states ``hn`` (``h0``: the summarized
+        model's), with its logits and (h0 - hn) . W_v at the top ids."""
+        diff = h0.astype(np.float64) - hn
+        return HeadScan([w], [hn], targets, at=self.ids, diff=diff)
+
+    def kl(self, scan: HeadScan) -> np.ndarray:
+        """KL(p_0 || p_j) per position (``scan``: model j's, ``scan``), float rounding below
+        zero clipped."""
+        p = np.exp(self.logits - self.lse[:, None])
+        a_b = self.logits.astype(np.float64) - scan.at_logit
+        fix = (p * (a_b - scan.at_diff)).sum(axis=1)  # the top ids' float32 (a - b)
+        d = np.einsum("nh,nh->n", scan.diff, self.mean.astype(np.float64))
+        return np.maximum(d + fix - self.lse + scan.lse(0), 0.0)
+
+    def delta_p(self, scan: HeadScan) -> np.ndarray:
+        """p_j - p_0 of the token model 0 ranks first, per position (``scan``: model j's)."""
+        top = self.logits[:, 0].astype(np.float64)
+        return np.exp(scan.at_logit[:, 0] - scan.lse(0)) - np.exp(top - self.lse)
+
+    def nll(self) -> np.ndarray:
+        return self.lse - self.tgt

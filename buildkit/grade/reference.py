@@ -38,6 +38,9 @@ class Reference:
     groups: list[str]
     trunk: fw.Trunk
     meta: dict = field(default_factory=dict)
+    # the source's output head per position (rows' order): eval's figures of a model with the
+    # same head bytes take its own logits alone (``forward.HeadSummary``)
+    head: fw.HeadSummary | None = None
 
     def tokens(self, group: str) -> int:
         """The tokens graded of one text ("" the main one)."""
@@ -53,7 +56,7 @@ class Reference:
     def part(self, a: int, b: int, domains: bool) -> Reference:
         """The main text's windows that start at tokens [a, b) and (``domains``) every domain's,
         in order: a round of eval's grading."""
-        windows, groups, x0, h, am, row, seen = [], [], [], [], [], 0, 0
+        windows, groups, x0, h, am, pos, row, seen, first = [], [], [], [], [], [], 0, 0, 0
         for w, g, x, y in zip(self.windows, self.groups, self.trunk.x0, self.trunk.h, strict=True):
             starts = seen + w.shape[1] * np.arange(w.shape[0])
             keep = (a <= starts) & (starts < b) if g == "" else np.full(w.shape[0], domains)
@@ -65,8 +68,10 @@ class Reference:
                 h.append(y[r0:r1])
                 groups.append(g)
                 am += self.trunk.argmax[row + r0 : row + r1]
-            row += w.shape[0]
-        return Reference(windows, groups, fw.Trunk(x0, h, am, groups), self.meta)
+                pos.append(np.arange(first + r0 * w.shape[1], first + r1 * w.shape[1]))
+            row, first = row + w.shape[0], first + w.size  # first: the batch's first position
+        head = self.head.take(np.concatenate(pos)) if self.head is not None and pos else None
+        return Reference(windows, groups, fw.Trunk(x0, h, am, groups), self.meta, head)
 
     def targets(self) -> np.ndarray:
         """The next token at every position [N] (-1 at a window's last)."""
@@ -87,17 +92,25 @@ def next_tokens(windows: list) -> np.ndarray:
     return np.concatenate([np.append(s[1:], -1) for _, _, s in fw.rows(windows)])
 
 
-def compute(src: Weights, windows: list, groups: list[str], progress=None) -> Reference:
-    """The source's reference on ``windows`` (batches [B, L] of token ids)."""
+def compute(
+    src: Weights, windows: list, groups: list[str], progress=None, head: bool = True
+) -> Reference:
+    """The source's reference on ``windows`` (batches [B, L] of token ids), with (``head``) its
+    output head's summary: one more matmul the size of the head's logits, which every eval of
+    a model with the same head saves."""
     trunk = fw.run_trunk(src, windows, progress)
     trunk.groups = list(groups)
-    scan = fw.HeadScan([src], [fw.final_norm(src, trunk.h)])
+    targets = next_tokens(windows) if head else None
+    top = fw.SUMMARY_TOP if head else 0
+    scan = fw.HeadScan([src], [fw.final_norm(src, trunk.h)], targets, top=top, mean=head)
     lengths = [len(s) for _, _, s in fw.rows(windows)]
     trunk.argmax = np.split(scan.arg[0], np.cumsum(lengths)[:-1])
-    return Reference(windows, list(groups), trunk)
+    return Reference(windows, list(groups), trunk, head=scan.summary() if head else None)
 
 
 # ---- in the store ----------------------------------------------------------------------
+
+SUMMARY = ("lse", "tgt", "ids", "logits", "mean")  # the head summary's tensors
 
 
 def put(store, ref: Reference) -> Artifact:
@@ -109,6 +122,12 @@ def put(store, ref: Reference) -> Artifact:
         t[f"source.x0.{j}"] = store.put_tensor("F32", np.array(x0))
         t[f"source.h.{j}"] = store.put_tensor("F32", np.array(h))
     t["source.argmax"] = store.put_tensor("I32", np.concatenate(ref.trunk.argmax).astype(np.int32))
+    if ref.head is not None:
+        for k in SUMMARY:
+            v = getattr(ref.head, k)
+            t[f"source.{k}"] = store.put_tensor(
+                {"f": "F", "i": "I"}[v.dtype.kind] + str(8 * v.itemsize), v
+            )
     return art
 
 
@@ -117,7 +136,7 @@ def get(store, arts: list[Artifact]) -> Reference:
     ("" the main one, else a domain's name) from one of them."""
     import mlx.core as mx
 
-    windows, groups, x0, h, am, meta, seq_len = [], [], [], [], [], {}, None
+    windows, groups, x0, h, am, meta, seq_len, heads = [], [], [], [], [], {}, None, []
     for a in arts:
         texts_here = a.meta.get("texts", {})
         if twice := sorted(set(texts_here) & set(meta)):
@@ -133,6 +152,10 @@ def get(store, arts: list[Artifact]) -> Reference:
         h += [mx.array(store.read_tensor(a.tensors[f"source.h.{j}"])) for j in range(n)]
         groups += a.meta["groups"]
         am.append(store.read_tensor(a.tensors["source.argmax"]))
+        if all(f"source.{k}" in a.tensors for k in SUMMARY):
+            got = {k: store.read_tensor(a.tensors[f"source.{k}"]) for k in SUMMARY}
+            heads.append(fw.HeadSummary(**got))
     lengths = [len(s) for _, _, s in fw.rows(windows)]
     trunk = fw.Trunk(x0, h, np.split(np.concatenate(am), np.cumsum(lengths)[:-1]), groups)
-    return Reference(windows, groups, trunk, {"texts": meta, "seq_len": seq_len})
+    head = fw.HeadSummary.join(heads) if heads and len(heads) == len(arts) else None
+    return Reference(windows, groups, trunk, {"texts": meta, "seq_len": seq_len}, head)

@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from buildkit.core import keys
 from buildkit.core.errors import SourceError, UsageError
 from buildkit.core.lazy import lazy
 from buildkit.formats import checkpoint as ckpt
@@ -44,11 +45,34 @@ class Weights:
     def has_head(self) -> bool:
         return any(n.startswith(HEAD) for n in self.names)
 
+    def content_id(self, name: str) -> str | None:
+        """The tensor's digest as the store names a tensor (equal digests, equal bytes): hashed
+        as it is read, a block at a time, once; or None where it cannot be known."""
+        hashed = self.__dict__.setdefault("_hashed", {})
+        if name not in hashed:
+            h = keys.tensor_hasher(self.names[name], self.shapes[name])
+            rows = max(1, (64 << 20) // max(nbytes(self, name) // max(self.shapes[name][0], 1), 1))
+            for block in self.iter_rows(name, rows) if self.shapes[name] else [self.read(name)]:
+                h.update(memoryview(np.ascontiguousarray(block)).cast("B"))
+            hashed[name] = keys.finish(h)
+        return hashed[name]
+
     def tokenizer_json(self) -> bytes:
         raise SourceError("no tokenizer.json")
 
     def bytes(self, part: Callable[[str], bool] = lambda n: True) -> int:
         return sum(nbytes(self, n) for n in self.names if part(n))
+
+
+def same_tensors(a: Weights, b: Weights, prefix: str) -> bool:
+    """Whether ``a`` and ``b`` hold the same tensors under ``prefix``, byte for byte, as their
+    ``content_id`` says (where it knows nothing, they are not taken to be the same)."""
+    names = sorted(n for n in a.names if n.startswith(prefix))
+    if not names or names != sorted(n for n in b.names if n.startswith(prefix)):
+        return False
+    if any(a.names[n] != b.names[n] or a.shapes[n] != b.shapes[n] for n in names):
+        return False  # told apart without a read
+    return all(a.content_id(n) is not None and a.content_id(n) == b.content_id(n) for n in names)
 
 
 def nbytes(w: Weights, name: str) -> int:
@@ -68,6 +92,9 @@ class Swapped(Weights):
         self.config, self.quantization = base.config, base.quantization
         self.names = base.names | dict.fromkeys(blocks, "F32")
         self.shapes = base.shapes
+
+    def content_id(self, name):
+        return None if name in self.blocks else self.base.content_id(name)
 
     def read(self, name):
         if name in self.blocks:
@@ -102,6 +129,10 @@ class StoreWeights(Weights):
 
     def read(self, name):
         return self.store.read_tensor(self.entries[name])
+
+    def content_id(self, name):
+        # a stored tensor's entry has it; a view of a source file (sanitize's) is hashed
+        return self.entries[name].get("digest") or super().content_id(name)
 
     def iter_rows(self, name, rows, pick=None):
         e = self.entries[name]

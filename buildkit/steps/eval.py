@@ -244,7 +244,8 @@ class Eval(WorldStep):
     # 2: streamed forward, KL by running log-sum-exp; text name; domains
     # 3: 95% intervals (block bootstrap), llama.cpp's KLD report, rates only from 30 drafts
     # 4: the source's trunk from a reference node; the trunk output names its text
-    version = 7  # 6: the routed experts' outputs summed expert by expert; 7: attention in numpy
+    # 6: the routed experts' outputs summed expert by expert; 7: attention in numpy
+    version = 8  # 8: KL against the reference's head summary where the heads are the same
     Params = EvalParams
     inputs = {
         "model": Slot(many=True),  # the quantized model's artifacts
@@ -348,8 +349,11 @@ class Eval(WorldStep):
             if params.target_rel_ci is not None and narrow_enough(report, params):
                 break
         graded = at + sum(doms.values())  # the model's trunk and both heads ran over these
-        tflop = ckpt.pass_tflop(src.config, src.shapes, graded, heads=2)
-        ctx.log(f"{graded} tokens graded: {ckpt.matmuls(tflop)}")
+        # the source's logits are made again only for a model whose head is not the source's
+        same = ev.head_from_reference(src, mod, ref)
+        tflop = ckpt.pass_tflop(src.config, src.shapes, graded, heads=1 if same else 2)
+        how = " (the source's output head from the reference's summary)" if same else ""
+        ctx.log(f"{graded} tokens graded{how}: {ckpt.matmuls(tflop)}")
         report |= {"text": main["text"], "text_tokens": main["text_tokens"]}
         report["stopped_by"] = stopped_by(report, params, at, main["text_tokens"])
         report |= model_size(inputs["model"])

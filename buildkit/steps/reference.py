@@ -5,7 +5,8 @@ Input ``source`` (sanitize:model). ``params.text`` names the main text, whose he
 (every ``heldout_every``-th, calibration's split) are graded; ``params.texts`` names domain
 texts graded whole. The texts' content digests are in the key, their paths are not; with the
 windows (``seq_len``) and the token count. Output ``out``: per window, the source trunk's
-embeddings, last hidden states and argmax (``grade/reference.py``).
+embeddings, last hidden states and argmax, and its output head's summary
+(``grade/reference.py``).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def tokens(params: ReferenceParams, root: Path, tokenizer_json: bytes) -> dict[s
 class Reference(Step):
     kind = "reference"
     resource = "forward"  # one forward pass at a time (engine/step.py, SharesResource)
-    version = 4  # 3: the routed experts' outputs summed expert by expert; 4: attention in numpy
+    # 3: the routed experts' outputs summed expert by expert; 4: attention in numpy
+    version = 5  # 5: the output head's summary (eval's figures of a model with the same head)
     Params = ReferenceParams
     inputs = {"source": Slot()}  # sanitize:model: the bf16 trunk
 
@@ -106,7 +108,7 @@ class Reference(Step):
             },
             "seq_len": params.seq_len,
         }
-        tflop = ckpt.pass_tflop(w.config, w.shapes, sum(map(len, ids.values())), heads=1)
+        tflop = ckpt.pass_tflop(w.config, w.shapes, sum(map(len, ids.values())), heads=2)
         ctx.log(
             ", ".join(f"{g or 'main'}: {len(t)} tokens" for g, t in ids.items())
             + f"; {ckpt.matmuls(tflop)}"

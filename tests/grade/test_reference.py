@@ -101,6 +101,54 @@ def test_a_head_scan_of_several_models_gives_each_its_own_pairs_bytes(trained_xl
             np.testing.assert_array_equal(got, want)
 
 
+def test_a_model_with_the_sources_head_is_graded_against_the_references_summary(trained_xl):
+    """xl's lm_head is the source's (bf16, passed through): its scan alone, against the
+    reference's summary of the source's head, gives what the two-head scan gives: the same
+    bytes but KL, which is as close to float64's as that scan's."""
+    p, src_dir = trained_xl
+    src, mod = DirWeights(src_dir), DirWeights(p.out / "xl-128")
+    windows, groups = rf.layout({"": list(range(3, 200))}, 64)
+    ref = rf.compute(src, windows, groups)
+    hn, hm = fw.final_norm(src, ref.trunk.h), fw.final_norm(mod, fw.run_trunk(mod, windows).h)
+    targets = ref.targets()
+    pair = fw.HeadScan([src, mod], [hn, hm], targets)
+    alone = ref.head.scan(mod, hm, hn, targets)
+    assert pair.kl().mean() > 1e-3  # the quantized trunk moves the distributions
+    # each within ~5e-7 of KL in float64; without the top ids' float32 (a - b), ~7e-6 apart
+    np.testing.assert_allclose(ref.head.kl(alone), pair.kl(), rtol=1e-5, atol=1.5e-6)
+    for got, want in [
+        (ref.head.delta_p(alone), pair.delta_p()),
+        (ref.head.arg, pair.arg[0]),
+        (alone.arg[0], pair.arg[1]),
+        (ref.head.nll(), pair.nll(0)),
+        (alone.nll(0), pair.nll(1)),
+    ]:
+        np.testing.assert_array_equal(got, want)
+
+
+def test_heads_are_the_same_only_when_their_stored_bytes_are(tmp_path):
+    """Only stored tensors with equal digests count as the same head: a quantized head, a
+    directory's tensors (no digest known) or a missing one do not."""
+    from buildkit.grade.weights import StoreWeights, same_tensors
+    from buildkit.store.artifact import Artifact
+    from buildkit.store.store import Store
+
+    store = Store(tmp_path / "store")
+    w = np.arange(12, dtype=np.uint16).reshape(3, 4)
+
+    def weights(**tensors):
+        art = Artifact()
+        art.tensors.update({k: store.put_tensor("BF16", v) for k, v in tensors.items()})
+        return StoreWeights(store, [art], {}, None)
+
+    a = weights(**{"lm_head.weight": w, "norm.weight": w[0]})
+    assert same_tensors(a, weights(**{"lm_head.weight": w.copy()}), "lm_head.")
+    assert not same_tensors(a, weights(**{"lm_head.weight": w + 1}), "lm_head.")
+    assert not same_tensors(a, weights(**{"lm_head.weight": w, "lm_head.scales": w}), "lm_head.")
+    assert not same_tensors(a, weights(**{"other.weight": w}), "lm_head.")
+    assert not same_tensors(a, a, "missing.")
+
+
 def test_every_variant_from_one_source_shares_one_reference(seed, project, capsys):
     """xl and xl-mtp share it; oq4e-mtp-xl, planned in their store, finds it cached; a second
     variant's build runs its eval (one model's forward) and not the reference."""
@@ -118,6 +166,8 @@ def test_every_variant_from_one_source_shares_one_reference(seed, project, capsy
     assert "stale reference_domains (reference)" in out  # its domain texts are its own
     b = project.build("xl-3bit")
     assert "eval" in ran(b) and "reference" in cached(b)
+    # its lm_head is the source's: the eval makes its own logits, not the source's again
+    assert "graded (the source's output head from the reference's summary)" in b.stderr, b.stderr
     xl3 = json.loads((project.out / "xl-3bit" / "eval.json").read_text())
     xl = json.loads((project.out / "xl" / "eval.json").read_text())
     assert xl3["ppl_source"] == xl["ppl_source"] and xl3["kld_mean"] > xl["kld_mean"]
