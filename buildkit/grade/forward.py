@@ -612,7 +612,11 @@ def run_trunk(w, seqs: list[np.ndarray], progress=None) -> Trunk:
         hp = [mx.array(embeddings(w, seqs[j][a:b])) for j, a, b in part]
         for (j, _, _), x in zip(part, hp, strict=True):
             x0[j].append(x)
+        w.prefetch("language_model.model.layers.0.")
         for i in range(args.num_hidden_layers):
+            # the next layer's bytes (the head's, after the last) read while this one runs
+            last = i + 1 == args.num_hidden_layers
+            w.prefetch(head_module(w) if last else f"language_model.model.layers.{i + 1}.")
             layer = streamed_layer(w, f"language_model.model.layers.{i}.", args, i)
             hp = run_streamed(layer, hp)
             del layer  # free this layer's weights before loading the next

@@ -45,6 +45,9 @@ class Weights:
     def has_head(self) -> bool:
         return any(n.startswith(HEAD) for n in self.names)
 
+    def prefetch(self, prefix: str) -> None:
+        """A hint: the tensors under ``prefix`` are read soon (``Store.prefetch``)."""
+
     def content_id(self, name: str) -> str | None:
         """The tensor's digest as the store names a tensor (equal digests, equal bytes): hashed
         as it is read, a block at a time, once; or None where it cannot be known."""
@@ -96,6 +99,9 @@ class Swapped(Weights):
     def content_id(self, name):
         return None if name in self.blocks else self.base.content_id(name)
 
+    def prefetch(self, prefix):
+        self.base.prefetch(prefix)
+
     def read(self, name):
         if name in self.blocks:
             return np.concatenate(list(self.blocks[name](max(self.shapes[name][0], 1), None)))
@@ -129,6 +135,9 @@ class StoreWeights(Weights):
 
     def read(self, name):
         return self.store.read_tensor(self.entries[name])
+
+    def prefetch(self, prefix):
+        self.store.prefetch(e for n, e in self.entries.items() if n.startswith(prefix))
 
     def content_id(self, name):
         # a stored tensor's entry has it; a view of a source file (sanitize's) is hashed

@@ -47,6 +47,23 @@ def start_writeback(fd: int) -> None:
         fn(fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE)
 
 
+def readahead(spans: Iterable[tuple[Path, int, int]]) -> None:
+    """Read byte ranges (path, offset, length) through a small buffer, for the OS to keep in
+    its page cache: the reads that follow come from memory. By hand, because
+    posix_fadvise(WILLNEED) returned at once and left the range uncached on this project's
+    Linux machines (a 700 MB range read in 0.48 s after it, as cold; 0.11 s after this), and
+    macOS has no such call in Python. A hint: errors are left to the real read."""
+    buf = memoryview(bytearray(8 << 20))
+    for path, start, n in spans:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(start)
+                while n > 0 and (k := f.readinto(buf[: min(n, len(buf))])):
+                    n -= k
+        except OSError:
+            continue
+
+
 def syncfs(path: Path) -> None:
     """Make everything written on ``path``'s file system durable (one call, not an fsync per
     file)."""

@@ -313,3 +313,60 @@ def test_file_ident_changes_when_the_file_is_rewritten(tmp_path):
     with open(p, "r+b") as f:  # same size, same inode: only the times tell
         f.write(b"two")
     assert file_ident(p)[3] > settled[3]
+
+
+# ---- readahead ------------------------------------------------------------------------------
+
+
+def _resident(path, n: int) -> int:
+    """How many pages of a file's first n bytes the page cache holds (Linux mincore)."""
+    import ctypes
+    import mmap
+
+    from buildkit.core.allocator import libc
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), n, access=mmap.ACCESS_COPY) as m:
+        vec = (ctypes.c_ubyte * -(-n // mmap.PAGESIZE))()
+        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        assert libc().mincore(ctypes.c_void_p(base), ctypes.c_size_t(n), vec) == 0
+        resident = sum(v & 1 for v in vec)
+        del base  # the mmap closes only with no pointer into it left
+        return resident
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="Linux page cache checks")
+def test_readahead_leaves_the_ranges_in_the_page_cache_and_skips_what_it_cannot_read(tmp_path):
+    """The next layer's bytes are read ahead while this one computes: after readahead they are
+    in memory (they were not: dropped first), and a missing file or a range past the end is
+    left to the real read to report."""
+    from buildkit.store.fsio import readahead
+
+    path = tmp_path / "blob"
+    data = np.random.default_rng(0).integers(0, 255, 8 << 20, np.uint8).tobytes()
+    path.write_bytes(data)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    pages = len(data) // os.sysconf("SC_PAGE_SIZE")
+    if _resident(path, len(data)) > pages // 4:
+        pytest.skip("this file system keeps the pages (no DONTNEED)")
+    readahead([(tmp_path / "missing", 0, 10), (path, 4 << 20, 8 << 20), (path, 0, 4 << 20)])
+    assert _resident(path, len(data)) == pages
+    assert path.read_bytes() == data
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="Linux page cache checks")
+def test_the_store_reads_a_tensor_ahead_by_its_entry_and_skips_one_it_does_not_hold(tmp_path):
+    store = Store(tmp_path / "store")
+    entry = store.put_tensor("F32", np.random.default_rng(0).standard_normal(1 << 20, np.float32))
+    path = store.object_path(entry["digest"])
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    size, pages = path.stat().st_size, -(-path.stat().st_size // os.sysconf("SC_PAGE_SIZE"))
+    if _resident(path, size) > pages // 4:
+        pytest.skip("this file system keeps the pages (no DONTNEED)")
+    gone = {**entry, "digest": "xxh3_128:" + "0" * 32}
+    store.prefetch([gone, entry]).result()
+    assert _resident(path, size) == pages
+    store.prefetch([gone]).result()  # a missing object: left to the real read to report
