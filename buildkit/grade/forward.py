@@ -174,9 +174,11 @@ def _np_linear():
         def __init__(self, weight: np.ndarray):
             super().__init__()
             self.w = weight
+            self.made = None  # the next call's output, made ahead on another thread
 
         def __call__(self, x):
-            return mx.array(self.matmul(np.asarray(x, dtype=np.float32)))
+            made, self.made = self.made, None
+            return mx.array(made if made is not None else self.matmul(np.asarray(x, np.float32)))
 
         def matmul(self, a: np.ndarray) -> np.ndarray:
             """The linear over numpy rows a [..., in] (``attention`` calls it directly)."""
@@ -366,10 +368,11 @@ def run_streamed(layer, hs: list, parts: dict | None = None) -> list:
     mid = attend(layer, hs)
     x = layer.post_attention_layernorm(mx.concatenate([m.reshape(-1, m.shape[-1]) for m in mid]))
     inds, scores = route(layer.mlp, x)
+    shared = shared_started(layer.mlp, x)
     routed = routed_sum(layer.mlp.switch_mlp, x, inds, scores)
     if parts is not None:
         parts.update(mid=mid, x=x, inds=inds, scores=scores, routed=routed)
-    return residual(mid, shared_added(layer.mlp, x, routed))
+    return residual(mid, shared(routed))
 
 
 # positions through a layer's attention at once: its numpy linears run faster over more rows
@@ -453,6 +456,26 @@ def shared_added(mlp, x, routed):
     import mlx.core as mx
 
     return routed + mx.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x)
+
+
+def shared_started(mlp, x):
+    """``shared_added`` begun: the shared expert's gate and up projections and its gate's, numpy
+    matmuls on a thread of their own while the routed experts run (where routing leaves the
+    experts' threads idle while a layer's blocks are read, as on the sparse source, it fills
+    them); returns what finishes it given the routed sum, the same bytes as ``shared_added``."""
+    se = mlp.shared_expert
+    ahead = [se.gate_proj, se.up_proj, mlp.shared_expert_gate]
+    if not all(hasattr(p, "made") for p in ahead):
+        return lambda routed: shared_added(mlp, x, routed)
+    xn = np.asarray(x, dtype=np.float32)
+    made = workers.pool("shared").submit(lambda: [p.matmul(xn) for p in ahead], workers=1)
+
+    def finish(routed):
+        for p, y in zip(ahead, made.result(), strict=True):
+            p.made = y
+        return shared_added(mlp, x, routed)
+
+    return finish
 
 
 def _whole_switch_class():
@@ -613,11 +636,13 @@ def run_trunk(w, seqs: list[np.ndarray], progress=None) -> Trunk:
         for (j, _, _), x in zip(part, hp, strict=True):
             x0[j].append(x)
         w.prefetch("language_model.model.layers.0.")
+        made = _layer_ahead(w, args, 0)
         for i in range(args.num_hidden_layers):
-            # the next layer's bytes (the head's, after the last) read while this one runs
+            # the next layer's bytes (the head's, after the last) read, and its small modules
+            # loaded, while this one runs: two layers' small modules are held at a time
             last = i + 1 == args.num_hidden_layers
             w.prefetch(head_module(w) if last else f"language_model.model.layers.{i + 1}.")
-            layer = streamed_layer(w, f"language_model.model.layers.{i}.", args, i)
+            layer, made = made.result(), None if last else _layer_ahead(w, args, i + 1)
             hp = run_streamed(layer, hp)
             del layer  # free this layer's weights before loading the next
             if progress:
@@ -625,6 +650,12 @@ def run_trunk(w, seqs: list[np.ndarray], progress=None) -> Trunk:
         for (j, _, _), x in zip(part, hp, strict=True):
             h[j].append(x)
     return Trunk([joined(x) for x in x0], [joined(x) for x in h])
+
+
+def _layer_ahead(w, args, i: int):
+    """Layer ``i`` made by ``streamed_layer`` on a thread of its own (its future)."""
+    prefix = f"language_model.model.layers.{i}."
+    return workers.pool("layers").submit(streamed_layer, w, prefix, args, i, workers=1)
 
 
 def joined(pieces: list):
