@@ -848,7 +848,8 @@ class HeadScan:
             return
         v = np.concatenate([self.top_v[hit], lg[hit]], axis=1)
         ids = np.concatenate(
-            [self.top_i[hit], np.broadcast_to(a + np.arange(lg.shape[1]), lg[hit].shape)], axis=1
+            [self.top_i[hit], np.broadcast_to(a + np.arange(lg.shape[1]), (hit.size, lg.shape[1]))],
+            axis=1,
         )
         keep = np.argpartition(-v, min(k, v.shape[1]) - 1, axis=1)[:, :k]
         self.top_v[hit] = np.take_along_axis(v, keep, axis=1)

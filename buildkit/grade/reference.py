@@ -2,9 +2,11 @@
 against by every model built from that source.
 
 Per window: the source trunk's embeddings, its last hidden states (before the final norm) and
-its argmax at every position (which the MTP heads draft from). The hidden states are the
-source's next-token distributions one matmul away: eval streams the source's lm_head beside
-the model's (``forward.HeadScan``) and has every figure exactly, over the whole vocabulary:
+its argmax at every position (which the MTP heads draft from), and a summary of its output head
+(``forward.HeadSummary``) with which a model whose lm_head is the source's, byte for byte, is
+graded by its own head's scan alone. The hidden states are the source's next-token
+distributions one matmul away: for any other model eval streams the source's lm_head beside
+the model's (``forward.HeadScan``). Either way every figure is over the whole vocabulary:
 KL divergence per position (its mean and percentiles), top-1 agreement, Δp of the
 reference's top token, both perplexities and, for the heads, acceptance. What eval no longer
 runs is the source's trunk, all of its forward but the output head.

@@ -348,7 +348,7 @@ class Eval(WorldStep):
             at = n
             if params.target_rel_ci is not None and narrow_enough(report, params):
                 break
-        graded = at + sum(doms.values())  # the model's trunk and both heads ran over these
+        graded = at + sum(doms.values())  # the model's trunk and the output heads ran over these
         # the source's logits are made again only for a model whose head is not the source's
         same = ev.head_from_reference(src, mod, ref)
         tflop = ckpt.pass_tflop(src.config, src.shapes, graded, heads=1 if same else 2)
