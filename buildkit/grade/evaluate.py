@@ -69,7 +69,12 @@ def position_figures(
 def head_from_reference(src: Weights, mod: Weights, ref: rf.Reference) -> bool:
     """Whether the model's figures take the source's output head from the reference's summary
     (its head is the source's, byte for byte) rather than the source's logits made again."""
-    return ref.head is not None and same_tensors(src, mod, fw.head_module(src) + ".")
+    return ref.head is not None and same_head(src, mod)
+
+
+def same_head(src: Weights, mod: Weights) -> bool:
+    """Whether the model's output head is the source's, byte for byte."""
+    return same_tensors(src, mod, fw.head_module(src) + ".")
 
 
 def summarize(f: dict[str, np.ndarray], where: np.ndarray | None = None) -> dict:
@@ -207,9 +212,7 @@ def evaluate(
     windows, groups = rf.layout({"": tokens, **(domains or {})}, seq_len)
     if progress:
         progress.start(2 * ckpt.text_config(src.config)["num_hidden_layers"], "layers")
-    ref = rf.compute(
-        src, windows, groups, progress, head=same_tensors(src, mod, fw.head_module(src) + ".")
-    )
+    ref = rf.compute(src, windows, groups, progress, head=same_head(src, mod))
     m = measure(src, mod, ref, head, progress)
     counts = {"": len(tokens), **{g: len(t) for g, t in (domains or {}).items()}}
     return report(m, counts), (m.ts, m.tm)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields
 from buildkit.core import workers
 from buildkit.core.errors import SourceError
 from buildkit.core.lazy import lazy
-from buildkit.formats.checkpoint import PROJS, SWITCH
+from buildkit.formats.checkpoint import LAYERS, PROJS, SWITCH
 from buildkit.formats.tensors import dequantize, picked_rows, to_float32, to_mlx
 from buildkit.grade import attention
 
@@ -555,7 +555,7 @@ def whole_layer(w, i: int, args):
     from mlx_lm.models.qwen3_5 import DecoderLayer
 
     layer = DecoderLayer(args, i)
-    prefix = f"language_model.model.layers.{i}"
+    prefix = f"{LAYERS}{i}"
     layer.mlp.switch_mlp = whole_switch(*whole_experts(w, prefix + SWITCH))
     load_module(layer, w, prefix + ".", skip=prefix + SWITCH + ".")
     linears_to_numpy(layer)
@@ -635,13 +635,13 @@ def run_trunk(w, seqs: list[np.ndarray], progress=None) -> Trunk:
         hp = [mx.array(embeddings(w, seqs[j][a:b])) for j, a, b in part]
         for (j, _, _), x in zip(part, hp, strict=True):
             x0[j].append(x)
-        w.prefetch("language_model.model.layers.0.")
+        w.prefetch(f"{LAYERS}0.")
         made = _layer_ahead(w, args, 0)
         for i in range(args.num_hidden_layers):
             # the next layer's bytes (the head's, after the last) read, and its small modules
             # loaded, while this one runs: two layers' small modules are held at a time
             last = i + 1 == args.num_hidden_layers
-            w.prefetch(head_module(w) if last else f"language_model.model.layers.{i + 1}.")
+            w.prefetch(head_module(w) if last else f"{LAYERS}{i + 1}.")
             layer, made = made.result(), None if last else _layer_ahead(w, args, i + 1)
             hp = run_streamed(layer, hp)
             del layer  # free this layer's weights before loading the next
@@ -654,8 +654,7 @@ def run_trunk(w, seqs: list[np.ndarray], progress=None) -> Trunk:
 
 def _layer_ahead(w, args, i: int):
     """Layer ``i`` made by ``streamed_layer`` on a thread of its own (its future)."""
-    prefix = f"language_model.model.layers.{i}."
-    return workers.pool("layers").submit(streamed_layer, w, prefix, args, i, workers=1)
+    return workers.pool("layers").submit(streamed_layer, w, f"{LAYERS}{i}.", args, i, workers=1)
 
 
 def joined(pieces: list):
@@ -851,7 +850,7 @@ class HeadScan:
             [self.top_i[hit], np.broadcast_to(a + np.arange(lg.shape[1]), (hit.size, lg.shape[1]))],
             axis=1,
         )
-        keep = np.argpartition(-v, min(k, v.shape[1]) - 1, axis=1)[:, :k]
+        keep = np.argpartition(-v, k - 1, axis=1)[:, :k]  # v: the k kept and the block's
         self.top_v[hit] = np.take_along_axis(v, keep, axis=1)
         self.top_i[hit] = np.take_along_axis(ids, keep, axis=1)
 

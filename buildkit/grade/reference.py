@@ -112,7 +112,8 @@ def compute(
 
 # ---- in the store ----------------------------------------------------------------------
 
-SUMMARY = ("lse", "tgt", "ids", "logits", "mean")  # the head summary's tensors
+# the head summary's tensors and their dtypes (``forward.HeadScan.summary`` makes them so)
+SUMMARY = {"lse": "F64", "tgt": "F64", "ids": "I32", "logits": "F32", "mean": "F32"}
 
 
 def put(store, ref: Reference) -> Artifact:
@@ -125,11 +126,8 @@ def put(store, ref: Reference) -> Artifact:
         t[f"source.h.{j}"] = store.put_tensor("F32", np.array(h))
     t["source.argmax"] = store.put_tensor("I32", np.concatenate(ref.trunk.argmax).astype(np.int32))
     if ref.head is not None:
-        for k in SUMMARY:
-            v = getattr(ref.head, k)
-            t[f"source.{k}"] = store.put_tensor(
-                {"f": "F", "i": "I"}[v.dtype.kind] + str(8 * v.itemsize), v
-            )
+        for k, dtype in SUMMARY.items():
+            t[f"source.{k}"] = store.put_tensor(dtype, getattr(ref.head, k))
     return art
 
 

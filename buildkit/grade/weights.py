@@ -75,7 +75,7 @@ def same_tensors(a: Weights, b: Weights, prefix: str) -> bool:
         return False
     if any(a.names[n] != b.names[n] or a.shapes[n] != b.shapes[n] for n in names):
         return False  # told apart without a read
-    return all(a.content_id(n) is not None and a.content_id(n) == b.content_id(n) for n in names)
+    return all((d := a.content_id(n)) is not None and d == b.content_id(n) for n in names)
 
 
 def nbytes(w: Weights, name: str) -> int:
