@@ -174,10 +174,17 @@ def read_tensor(
 
 
 def read_row_blocks(
-    info: TensorInfo, path: str | Path, n: int, step: int, slc: tuple | None = None
+    info: TensorInfo,
+    path: str | Path,
+    n: int,
+    step: int,
+    slc: tuple | None = None,
+    pick: np.ndarray | None = None,
 ) -> Iterator[np.ndarray]:
     """Rows ``[a, a + step)`` of a tensor's first ``n`` rows in turn, each read alone from the
-    file (of ``tensor[..., start:stop, ...]`` along ``slc = (axis, start, stop)`` if given)."""
+    file (of ``tensor[..., start:stop, ...]`` along ``slc = (axis, start, stop)`` if given).
+    With ``pick`` (sorted row ids), a block holding none of them is not read: it is handed out
+    unfilled, its shape kept (a forward pass's experts no token is routed to)."""
     stride = info.nbytes // info.shape[0]
     for a in range(0, n, step):
         b = min(n, a + step)
@@ -187,6 +194,12 @@ def read_row_blocks(
             start=info.start + a * stride,
             end=info.start + b * stride,
         )
+        if pick is not None and not len(picked_rows(pick, a, b - a)):
+            shape = list(part.shape)
+            if slc is not None:
+                shape[slc[0]] = slc[2] - slc[1]
+            yield np.empty(shape, DTYPES[info.dtype])
+            continue
         yield read_slice(part, path, *slc) if slc is not None else read_tensor(part, path)
 
 

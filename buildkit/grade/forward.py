@@ -82,8 +82,9 @@ def rows_per_block(w, module: str) -> int:
 def raw_blocks(w, module: str, step: int, pick: np.ndarray | None = None) -> Iterator[tuple]:
     """(first row, stored arrays of rows ``[a, a + step)``) of a module's weight (and scales
     and biases), read as they lie; with ``pick`` (sorted row ids), only those rows are kept and
-    a block none of them falls in is read (and checked) but not handed out (a candidate's made
-    rows are made only where picked: ``Weights.iter_rows``)."""
+    a block none of them falls in is not handed out (a stored one is read to be checked, a
+    source file's is not read, a candidate's rows are made only where picked:
+    ``Weights.iter_rows``)."""
     names, _ = _parts(w, module)
     a = 0
     for parts in zip(*(w.iter_rows(n, step, pick) for n in names), strict=True):

@@ -37,7 +37,8 @@ class Weights:
     def iter_rows(self, name: str, rows: int, pick=None) -> Iterator[np.ndarray]:
         """A tensor in blocks of ``rows`` along its first axis, read one block at a time;
         ``pick`` (sorted row ids, or None) the rows the reader keeps: the others may hold
-        anything (stored tensors are read whole to be checked; a made one makes only those)."""
+        anything (stored tensors are read whole to be checked; a view of a file skips a block
+        with none of them; a made one makes only those)."""
         whole = self.read(name)
         for a in range(0, max(whole.shape[0], 1), rows):
             yield whole[a : a + rows]
@@ -146,7 +147,7 @@ class StoreWeights(Weights):
     def iter_rows(self, name, rows, pick=None):
         e = self.entries[name]
         row = nbytes(self, name) // max(e["shape"][0], 1) if e["shape"] else 1
-        yield from self.store.iter_rows(e, max_bytes=rows * max(row, 1))
+        yield from self.store.iter_rows(e, rows * max(row, 1), pick)
 
     def tokenizer_json(self):
         if self.tok is None:
@@ -203,7 +204,7 @@ class DirWeights(Weights):
         if moved or not shape or (slc is not None and slc[0] == 0):
             yield from super().iter_rows(name, rows, pick)  # small tensors, converted whole
             return
-        for arr in read_row_blocks(info, path, shape[0], rows, slc):
+        for arr in read_row_blocks(info, path, shape[0], rows, slc, pick):
             yield arr.reshape(arr.shape[0], *shape[1:])
 
     def tokenizer_json(self):

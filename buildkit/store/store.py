@@ -44,6 +44,7 @@ from buildkit.formats.tensors import (
     Header,
     byte_view,
     nbytes,
+    picked_rows,
     read_header,
     read_row_blocks,
     read_slice,
@@ -281,12 +282,16 @@ class Store:
             raise self._corrupt(pack["file"])
         return path, info.start, pack["file"]
 
-    def iter_rows(self, entry: dict, max_bytes: int = ROW_BLOCK_BYTES) -> Iterator[np.ndarray]:
+    def iter_rows(
+        self, entry: dict, max_bytes: int = ROW_BLOCK_BYTES, pick: np.ndarray | None = None
+    ) -> Iterator[np.ndarray]:
         """A tensor entry as consecutive blocks along its first axis, each at most ``max_bytes``
         (but at least one row), read one at a time: memory is a block, not the tensor.
 
         A store object is checked against its digest as it passes; a mismatch quarantines it and
-        raises StoreMiss after the last block (the caller discards what it made of them).
+        raises StoreMiss after the last block (the caller discards what it made of them). A
+        view of a source file is not checked, so with ``pick`` (sorted row ids) its blocks that
+        hold none of them are not read (``read_row_blocks``: handed out unfilled).
         """
         dtype, shape = entry["dtype"], tuple(entry["shape"])
         if not shape or shape[0] == 0:
@@ -295,11 +300,11 @@ class Store:
         n = shape[0]
         step = max(1, max_bytes // max(nbytes(dtype, shape) // n, 1))
         if "view" in entry:
-            yield from self._view_rows(entry, step)
+            yield from self._view_rows(entry, step, pick)
         else:
             yield from self._object_rows(entry, step)
 
-    def _view_rows(self, entry: dict, step: int) -> Iterator[np.ndarray]:
+    def _view_rows(self, entry: dict, step: int, pick=None) -> Iterator[np.ndarray]:
         """``iter_rows`` of a view: the rows read from its source file where they lie."""
         dtype, shape = entry["dtype"], tuple(entry["shape"])
         n = shape[0]
@@ -321,8 +326,9 @@ class Store:
             for a in range(0, n, step):
                 yield whole[a : a + step]
             return
-        for arr in read_row_blocks(info, path, n, step, slc):
-            self.stats.add(read=arr.nbytes)
+        for a, arr in zip(range(0, n, step), read_row_blocks(info, path, n, step, slc, pick)):
+            if pick is None or len(picked_rows(pick, a, arr.shape[0])):
+                self.stats.add(read=arr.nbytes)
             yield arr
 
     def _object_rows(self, entry: dict, step: int) -> Iterator[np.ndarray]:

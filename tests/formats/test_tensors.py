@@ -283,3 +283,25 @@ def test_numpy_dequantize_matches_mlx(bits):
     )
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= np.abs(want).max() * 2**-7  # one bf16 rounding
+
+
+@pytest.mark.parametrize("slc", [None, (2, 2, 6)])
+def test_row_blocks_with_a_pick_do_not_read_the_blocks_that_hold_none_of_it(tmp_path, slc):
+    """A forward pass reads only the experts some token is routed to (the picked rows' blocks)
+    of a source file: the file cut short after the last picked block still reads, the rows
+    picked are the file's, and every block keeps its shape. Without a pick it fails."""
+    from buildkit.formats.tensors import read_row_blocks
+
+    w = np.arange(16 * 4 * 8, dtype=np.float32).reshape(16, 4, 8)
+    path = tmp_path / "m.safetensors"
+    write_st(path, {"w": ("F32", w)})
+    info = read_header(path).tensors["w"]
+    with open(path, "r+b") as f:
+        f.truncate(info.start + 12 * w[0].nbytes)  # rows 12..15 are gone
+    want = w if slc is None else w[:, :, 2:6]
+    pick = np.array([3, 9])
+    blocks = list(read_row_blocks(info, path, 16, 4, slc, pick))
+    assert [b.shape for b in blocks] == [want[:4].shape] * 4
+    assert np.array_equal(blocks[0][3], want[3]) and np.array_equal(blocks[2][1], want[9])
+    with pytest.raises(SourceError, match="end of file"):
+        list(read_row_blocks(info, path, 16, 4, slc))

@@ -355,6 +355,29 @@ def test_readahead_leaves_the_ranges_in_the_page_cache_and_skips_what_it_cannot_
     assert path.read_bytes() == data
 
 
+def test_data_extents_leave_out_a_sparse_files_holes_and_keep_its_data(tmp_path):
+    """A sparse source's holes read as zeros the kernel makes on the CPU: readahead reads only
+    the data. Where the file system cannot tell holes apart, the whole range is data."""
+    from buildkit.store.fsio import data_extents
+
+    path, mb = tmp_path / "sparse", 1 << 20
+    with open(path, "wb") as f:
+        f.write(b"a" * mb)
+        f.seek(64 * mb)
+        f.write(b"b" * mb)
+        f.truncate(128 * mb)
+    with open(path, "rb") as f:
+        if os.lseek(f.fileno(), 0, os.SEEK_HOLE) != mb:
+            pytest.skip("this file system reports no holes")
+        assert list(data_extents(f.fileno(), 0, 128 * mb)) == [(0, mb), (64 * mb, 65 * mb)]
+        assert list(data_extents(f.fileno(), mb // 2, 64 * mb + 10)) == [
+            (mb // 2, mb),
+            (64 * mb, 64 * mb + 10),
+        ]
+        assert list(data_extents(f.fileno(), 66 * mb, 128 * mb)) == []
+        assert list(data_extents(f.fileno(), 2 * mb, 3 * mb)) == []
+
+
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="Linux page cache checks")
 def test_the_store_reads_a_tensor_ahead_by_its_entry_and_skips_one_it_does_not_hold(tmp_path):
     store = Store(tmp_path / "store")
