@@ -273,10 +273,10 @@ class DetachedStore(Store):
             self.want(view["file"], view["tensor"])
         return super()._read_view(view, dtype, shape)
 
-    def _view_rows(self, entry: dict, step: int) -> Iterator:
+    def _view_rows(self, entry: dict, step: int, pick=None) -> Iterator:
         if entry["view"]["file"] in self.sources_ref:
             self.want(entry["view"]["file"], entry["view"]["tensor"])
-        return super()._view_rows(entry, step)
+        return super()._view_rows(entry, step, pick)
 
     def _span(self, entry: dict) -> tuple[Path, int, str]:
         pack = entry.get("pack")
