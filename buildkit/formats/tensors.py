@@ -194,7 +194,7 @@ def read_row_blocks(
             start=info.start + a * stride,
             end=info.start + b * stride,
         )
-        if pick is not None and not len(picked_rows(pick, a, b - a)):
+        if not block_read(pick, a, b - a):
             shape = list(part.shape)
             if slc is not None:
                 shape[slc[0]] = slc[2] - slc[1]
@@ -209,6 +209,12 @@ def picked_rows(pick: np.ndarray | None, a: int, n: int) -> np.ndarray:
     if pick is None:
         return np.arange(n)
     return pick[(pick >= a) & (pick < a + n)] - a
+
+
+def block_read(pick: np.ndarray | None, a: int, n: int) -> bool:
+    """Whether ``read_row_blocks`` reads the block of rows ``[a, a + n)`` with ``pick``: it
+    holds a picked row (every block without a pick)."""
+    return pick is None or bool(len(picked_rows(pick, a, n)))
 
 
 def read_slice(info: TensorInfo, path: str | Path, axis: int, start: int, stop: int) -> np.ndarray:

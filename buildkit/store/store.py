@@ -42,9 +42,9 @@ from buildkit.core.lazy import lazy
 from buildkit.formats.tensors import (
     DTYPES,
     Header,
+    block_read,
     byte_view,
     nbytes,
-    picked_rows,
     read_header,
     read_row_blocks,
     read_slice,
@@ -327,7 +327,7 @@ class Store:
                 yield whole[a : a + step]
             return
         for a, arr in zip(range(0, n, step), read_row_blocks(info, path, n, step, slc, pick)):
-            if pick is None or len(picked_rows(pick, a, arr.shape[0])):
+            if block_read(pick, a, arr.shape[0]):  # an unread block is not counted
                 self.stats.add(read=arr.nbytes)
             yield arr
 
