@@ -73,6 +73,34 @@ def rows_params(v, bits, scales, biases):
 
 
 @numba.njit(cache=True, nogil=True)
+def _pack(codes, bits, pr, pos):
+    # one group's codes -> little-endian bit fields from pr[pos]: 8 codes are ``bits`` bytes;
+    # 4, 6 and 8 bits a byte or three at a time, without the 64-bit word (~10%: RESULTS)
+    group = codes.size
+    if bits == 4:
+        for j in range(group // 2):
+            pr[pos + j] = np.uint8(codes[2 * j] | (codes[2 * j + 1] << np.uint32(4)))
+    elif bits == 8:
+        for j in range(group):
+            pr[pos + j] = np.uint8(codes[j])
+    elif bits == 6:  # four codes in three bytes
+        for j in range(group // 4):
+            c0, c1, c2, c3 = codes[4 * j], codes[4 * j + 1], codes[4 * j + 2], codes[4 * j + 3]
+            p = pos + 3 * j
+            pr[p] = np.uint8((c0 | (c1 << np.uint32(6))) & np.uint32(0xFF))
+            pr[p + 1] = np.uint8(((c1 >> np.uint32(2)) | (c2 << np.uint32(4))) & np.uint32(0xFF))
+            pr[p + 2] = np.uint8(((c2 >> np.uint32(4)) | (c3 << np.uint32(2))) & np.uint32(0xFF))
+    else:
+        for j in range(0, group, 8):
+            v = np.uint64(0)
+            for k in range(8):
+                v |= np.uint64(codes[j + k]) << np.uint64(k * bits)
+            for k in range(bits):
+                pr[pos + k] = np.uint8((v >> np.uint64(8 * k)) & np.uint64(0xFF))
+            pos += bits
+
+
+@numba.njit(cache=True, nogil=True)
 def _quantize(src, bits, group, packed, scales, biases):
     # src [R, C] uint16 (bf16 bits); packed [R, C * bits / 8] uint8; scales, biases
     # [R, C / group] uint16 (bf16 bits). Returns (sum |dequantized - w|, sum |w|, finite).
@@ -111,14 +139,7 @@ def _quantize(src, bits, group, packed, scales, biases):
                 q = zero if q < zero else q
                 q = n_bins if q > n_bins else q
                 codes[j] = np.uint32(q)
-            pos = lo * bits // 8  # little-endian bit fields: 8 codes are ``bits`` bytes
-            for j in range(0, group, 8):
-                v = np.uint64(0)
-                for k in range(8):
-                    v |= np.uint64(codes[j + k]) << np.uint64(k * bits)
-                for k in range(bits):
-                    pr[pos + k] = np.uint8((v >> np.uint64(8 * k)) & np.uint64(0xFF))
-                pos += bits
+            _pack(codes, bits, pr, lo * bits // 8)
             # the error with the scale and bias as stored, in qerror's order
             ub[0] = np.uint32(sb) << 16
             sf = fb[0]
