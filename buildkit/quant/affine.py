@@ -73,9 +73,10 @@ def rows_params(v, bits, scales, biases):
 
 
 @numba.njit(cache=True, nogil=True)
-def _pack(codes, bits, pr, pos):
-    # one group's codes -> little-endian bit fields from pr[pos]: 8 codes are ``bits`` bytes;
-    # 4, 6 and 8 bits a byte or three at a time, without the 64-bit word (~10%: RESULTS)
+def pack_codes(codes, bits, pr, pos):
+    # codes [n] -> little-endian bit fields (mx.quantize's layout) in the bytes pr from pos: 8
+    # codes are ``bits`` bytes; 4, 6 and 8 bits a byte or three at a time, without the 64-bit
+    # word (~10%: RESULTS). n * bits a multiple of 8 (4 and 6 bits: n even, a multiple of 4)
     group = codes.size
     if bits == 4:
         for j in range(group // 2):
@@ -139,7 +140,7 @@ def _quantize(src, bits, group, packed, scales, biases):
                 q = zero if q < zero else q
                 q = n_bins if q > n_bins else q
                 codes[j] = np.uint32(q)
-            _pack(codes, bits, pr, lo * bits // 8)
+            pack_codes(codes, bits, pr, lo * bits // 8)
             # the error with the scale and bias as stored, in qerror's order
             ub[0] = np.uint32(sb) << 16
             sf = fb[0]

@@ -27,6 +27,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from buildkit.quant.affine import pack_codes
+
 ROWS = 64  # rows searched together: a block of them, every candidate, stays in L1
 KC = 8  # columns per register pass, and codes per word: divides mx.quantize's group sizes
 
@@ -313,14 +315,7 @@ def search_groups(w, d, grid, n, top, refine, storage, bq, bs, bb, q_out, s_out,
 @numba.njit(cache=True, nogil=True)
 def pack_rows(codes, bits, out):
     # codes [rows, n] uint8 -> out [rows, n * bits / 32] uint32, LSB first (mx.quantize's
-    # layout): a 64-bit accumulator takes each code and hands on every full 32-bit word
+    # layout): each row's bytes as affine's kernel packs its groups (little-endian words)
+    by = out.view(np.uint8)
     for r in range(codes.shape[0]):
-        acc, have, w = np.uint64(0), 0, 0
-        for k in range(codes.shape[1]):
-            acc |= np.uint64(codes[r, k]) << np.uint64(have)
-            have += bits
-            if have >= 32:
-                out[r, w] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-                acc >>= np.uint64(32)
-                have -= 32
-                w += 1
+        pack_codes(codes[r], bits, by[r], 0)
